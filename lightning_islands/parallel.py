@@ -1,0 +1,79 @@
+"""How a module is sharded with FSDP2 when it does not say so itself.
+
+One readable function, in the spirit of torchtitan's ``parallelize_*``: every element of every
+``nn.ModuleList`` that owns parameters becomes its own FSDP2 unit (for a transformer, one unit per
+block), then the root is wrapped so that the remaining parameters (embeddings, final norm, a tied
+head) form the last unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP2 units under the default policy: the parameterised elements of
+    every ``nn.ModuleList`` (outermost lists first, nested lists are left inside their parent)."""
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+    for sub in module.modules():
+        if id(sub) in claimed:
+            continue
+        if isinstance(sub, nn.ModuleList):
+            for child in sub:
+                if any(True for _ in child.parameters()):
+                    units.append(child)
+                    claimed.update(id(m) for m in child.modules())
+    return units
+
+
+def _by_class_name(module: nn.Module, names: Iterable[str]) -> list[nn.Module]:
+    wanted = set(names)
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+    for sub in module.modules():
+        if sub is module or id(sub) in claimed:
+            continue
+        if type(sub).__name__ in wanted:
+            units.append(sub)
+            claimed.update(id(m) for m in sub.modules())
+    return units
+
+
+def apply_fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    unit_classes: Iterable[str] | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module`` in place with FSDP2 ``fully_shard`` over ``mesh``.
+
+    ``unit_classes`` names the module classes that become units (e.g. ``["Block"]``); ``None`` uses
+    :func:`default_units`. The root module is always wrapped last. Returns the module.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = list(unit_classes) if unit_classes else []
+    units = _by_class_name(module, names) if names else default_units(module)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) was already wrapped with FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def local_view(param: torch.Tensor) -> torch.Tensor:
+    """The part of ``param`` this rank holds: the local shard of a DTensor, else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
