@@ -1,0 +1,31 @@
+"""Models trained by lightning_islands."""
+
+from lightning_islands.models.moe import (
+    PRESETS,
+    Block,
+    CausalSelfAttention,
+    MoEConfig,
+    MoELanguageModel,
+    MoELayer,
+    MoETransformer,
+    SwiGLU,
+    apply_rope,
+    count_parameters,
+    lr_schedule,
+    rope_tables,
+)
+
+__all__ = [
+    "PRESETS",
+    "Block",
+    "CausalSelfAttention",
+    "MoEConfig",
+    "MoELanguageModel",
+    "MoELayer",
+    "MoETransformer",
+    "SwiGLU",
+    "apply_rope",
+    "count_parameters",
+    "lr_schedule",
+    "rope_tables",
+]
