@@ -2,8 +2,10 @@
 
 One readable function, in the spirit of torchtitan's ``parallelize_*``: every element of every
 ``nn.ModuleList`` that owns parameters becomes its own FSDP2 unit (for a transformer, one unit per
-block), then the root is wrapped so that the remaining parameters (embeddings, final norm, a tied
-head) form the last unit.
+block); then each top-level child that still owns parameters (say ``self.model``, holding the
+embeddings, final norm and a tied head) becomes a unit. The LightningModule itself is wrapped only
+when it owns parameters directly: Lightning calls ``training_step``, not ``forward``, so FSDP2's
+hooks must sit on the modules that ``training_step`` calls.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ def default_units(module: nn.Module) -> list[nn.Module]:
     for sub in module.modules():
         if id(sub) in claimed:
             continue
-        if isinstance(sub, nn.ModuleList):
-            for child in sub:
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
+            for child in (sub.values() if isinstance(sub, nn.ModuleDict) else sub):
                 if any(True for _ in child.parameters()):
                     units.append(child)
                     claimed.update(id(m) for m in child.modules())
@@ -53,15 +55,29 @@ def apply_fully_shard(
     """Shard ``module`` in place with FSDP2 ``fully_shard`` over ``mesh``.
 
     ``unit_classes`` names the module classes that become units (e.g. ``["Block"]``); ``None`` uses
-    :func:`default_units`. The root module is always wrapped last. Returns the module.
+    :func:`default_units`. Then every top-level child (other than module containers) that still owns
+    unsharded parameters becomes a unit, and ``module`` itself only if parameters remain. Returns
+    the module.
     """
     from torch.distributed.fsdp import fully_shard
 
     names = list(unit_classes) if unit_classes else []
     units = _by_class_name(module, names) if names else default_units(module)
-    for unit in units:
+    covered: set[int] = set()
+
+    def shard(unit: nn.Module) -> None:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        covered.update(id(p) for p in unit.parameters())
+
+    for unit in units:
+        shard(unit)
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            continue
+        if any(id(p) not in covered for p in child.parameters()):
+            shard(child)
+    if any(id(p) not in covered for p in module.parameters()):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return module
 
 

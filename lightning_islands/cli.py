@@ -1,0 +1,81 @@
+"""``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+USAGE = """usage: lightning-islands COMMAND ...
+
+commands:
+  train [hydra overrides...]     compose the Hydra config and run the job (see README)
+  run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
+  coordinator --port P           serve a coordinator for islands started elsewhere
+"""
+
+
+def _run(argv: list[str]) -> int:
+    from lightning_islands.launch import parse_islands, report_failures, run_islands
+
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1 :]
+    else:
+        own, command = argv, []
+    parser = argparse.ArgumentParser(prog="lightning-islands run",
+                                     description="Run a training script as several islands on this machine.")
+    parser.add_argument("--islands", required=True, help="processes per island, e.g. 2,1")
+    parser.add_argument("--log-dir", default=None, help="keep each island's output in LOG_DIR/island{i}.log")
+    parser.add_argument("--run-id", default=None, help="namespace of this run on the coordinator")
+    parser.add_argument("--live", choices=["auto", "on", "off"], default="auto",
+                        help="one live status line per island (default: when attached to a terminal)")
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("give the command after --, e.g. lightning-islands run --islands 2,1 -- python train.py")
+    live = {"auto": None, "on": True, "off": False}[args.live]
+    results = run_islands(parse_islands(args.islands), command, log_dir=args.log_dir, run_id=args.run_id, live=live)
+    return report_failures(results)
+
+
+def _coordinator(argv: list[str]) -> int:
+    from lightning_islands.transport import Coordinator
+
+    parser = argparse.ArgumentParser(prog="lightning-islands coordinator")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=29400)
+    args = parser.parse_args(argv)
+    coordinator = Coordinator(args.host, args.port)
+    print(f"lightning-islands coordinator listening on {args.host}:{coordinator.port}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a sub-command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from lightning_islands import train
+
+        sys.argv = [f"{sys.argv[0]} train", *rest]
+        train.main()
+        return 0
+    if command == "run":
+        return _run(rest)
+    if command == "coordinator":
+        return _coordinator(rest)
+    print(f"lightning-islands: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

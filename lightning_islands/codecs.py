@@ -1,0 +1,1081 @@
+"""Pseudo-gradient codecs: quantize once, ship bytes, dequantize bit-identically everywhere.
+
+Every ``H`` inner steps each island turns its flat fp32 pseudo-gradient into a byte payload with
+:meth:`Codec.encode`; the islands exchange payloads, and every island runs :meth:`Codec.decode` on
+all of them and sums in island order. Decoding is a pure function of the payload bytes made of
+exact operations plus one correctly rounded fp32 multiply per element (``q.float() * scale``),
+so every island, on CPU or GPU, reconstructs bit-identical tensors and hence the same merge.
+
+Codecs are selected by a spec string (see :func:`make_codec`)::
+
+    fp32                raw float32 (exact)
+    bf16                bfloat16, round-to-nearest-even (relative error <= 2**-8)
+    fp8                 float8_e4m3fn values, one fp32 scale = absmax/448 per block
+    int8 | int4 | int2  symmetric blockwise absmax quantization, q in [-qmax, qmax],
+                        qmax = 127 | 7 | 1, scale = absmax/qmax (fp32) per block
+    topk:F              keep the ceil(F*n) largest-magnitude entries, values as fp32
+    topk:F+int4         ... values quantized by the inner codec (any of the above)
+    <codec>/B           block size B (default 128, a positive multiple of 4), e.g. "int4/64"
+
+Payload = 32-byte header + body, all little-endian.
+
+Header (``struct`` format ``<4sHBBIQQI``)::
+
+    0  magic     b"LIQ1"
+    4  version   u16   FORMAT_VERSION
+    6  codec id  u8    1 fp32, 2 bf16, 3 fp8, 4 int8, 5 int4, 6 int2 (the inner codec for top-k)
+    7  kind      u8    0 dense, 1 top-k with Elias-Fano indices
+    8  block     u32   block size (0 for fp32/bf16, which have none)
+    12 n         u64   element count of the original vector
+    20 k         u64   number of values carried (n for dense codecs)
+    28 crc32     u32   zlib.crc32 of header bytes [0, 28) followed by the whole body
+
+The checksum deliberately also covers the header fields (not only the body): a flipped bit in
+``n`` could otherwise keep the payload length unchanged (int4 stores ceil(n/2) bytes) and decode
+silently to the wrong length.
+
+Body of a blockwise codec carrying m values (m = n, or m = k for top-k)::
+
+    scales  ceil(m/B) x fp32 (one per block; the last block may be partial)
+    values  int8/fp8: m bytes.  int4: ceil(m/2) bytes.  int2: ceil(m/4) bytes.
+
+Packing is *group-planar*: the value stream is cut into groups of ``PACK_GROUP = 2048`` values
+(independent of the block size; the last group has its length rounded up to a multiple of 2 or 4
+and is zero padded). For int4, byte j of a group of width W holds value j in its low nibble and
+value j + W/2 in its high nibble; for int2, byte j holds values j, j+W/4, j+W/2, j+3W/4 in bits
+0-1, 2-3, 4-5, 6-7. Nibbles/crumbs are offset binary (q + 8 for int4, q + 1 for int2). Planar
+(rather than adjacent-pair) packing keeps every packing op on long contiguous runs, so it
+vectorizes on CPU and coalesces on GPU. Padding values are dropped on decode.
+
+Top-k body: ``[inner body for the k kept values, in increasing index order][EF low bits]
+[EF high bits]``. Indices are Elias-Fano coded, which is the fixed-size form of delta coding: with
+``l = floor(log2(n/k))`` the low ``l`` bits of each index are stored verbatim (ceil(k*l/8) bytes)
+and the high parts as a unary-coded bit vector of ``k + ((n-1) >> l) + 1`` bits, i.e. about
+``2 + log2(n/k)`` bits per index (8.6 bits at 1% instead of 32 for int32 indices). Unlike varint
+deltas its size depends only on ``(n, k)``, so :meth:`Codec.nbytes` stays an exact formula, and
+both directions are vectorized (bit (un)packing with shifts, ``nonzero`` for the unary part).
+
+Quantization rule (int codecs): ``q = round_half_even(x * r)``, ``r = qmax/absmax`` (correctly
+rounded, clamped to the largest float for all-zero or denormal-tiny blocks), so
+``|x - q*scale| <= scale/2`` up to a few fp32 ulps of absmax. All-zero blocks get scale 0 and
+decode to exact zeros. fp8 stores ``float8_e4m3fn(x * 448/absmax)`` (round to nearest even).
+Non-finite input raises :class:`ValueError` (a diverged pseudo-gradient must not be shipped).
+
+CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python
+loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
+instead of streaming through DRAM; on other devices the whole vector is one slab.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal, localcontext
+from fractions import Fraction
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BASE_CODECS",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "MAGIC",
+    "PACK_GROUP",
+    "BFloat16Codec",
+    "Codec",
+    "ErrorFeedback",
+    "Float8Codec",
+    "Float32Codec",
+    "IntCodec",
+    "TopKCodec",
+    "compression_ratio",
+    "crc32_combine",
+    "default_error_feedback",
+    "make_codec",
+    "quantization_error",
+]
+
+FORMAT_VERSION = 1
+MAGIC = b"LIQ1"
+_HEADER = struct.Struct("<4sHBBIQQI")
+HEADER_BYTES = _HEADER.size  # 32
+_CRC_OFFSET = 28
+
+_KIND_DENSE = 0
+_KIND_TOPK = 1
+_KIND_NAMES = {_KIND_DENSE: "dense", _KIND_TOPK: "top-k"}
+
+BASE_CODECS = ("fp32", "bf16", "fp8", "int8", "int4", "int2")
+_CODEC_IDS = {name: i + 1 for i, name in enumerate(BASE_CODECS)}
+_CODEC_NAMES = {i: name for name, i in _CODEC_IDS.items()}
+
+DEFAULT_BLOCK_SIZE = 128
+_MAX_BLOCK_SIZE = 1 << 24
+_CPU_SLAB_ELEMS = 1 << 20  # elements per cache-blocked slab on CPU (4 MiB of fp32, L3-resident)
+PACK_GROUP = 2048  # values per planar packing group of int4/int2 (part of the wire format)
+_PACK_GROUP = PACK_GROUP
+_FP32_MAX = torch.finfo(torch.float32).max
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_FP8_BITS_MASK = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20..26, as a signed int32
+
+# ----------------------------------------------------------------------------------------------
+# CRC32 (zlib polynomial) over large buffers: zlib.crc32 on pieces in threads, combined exactly.
+# ----------------------------------------------------------------------------------------------
+
+_CRC_POLY_REFLECTED = 0xEDB88320
+_CRC_PARALLEL_MIN_BYTES = 4 << 20
+_CRC_PIECE_MIN_BYTES = 1 << 20
+
+
+def _gf2_mulmod(a: int, b: int) -> int:
+    """Product of two polynomials mod the CRC-32 polynomial, in zlib's reflected bit order.
+
+    Bit 31 holds the coefficient of x^0 and bit 0 that of x^31; multiplying by x is a right
+    shift, reducing by the polynomial when x^31 falls off the end.
+    """
+    product = 0
+    bit = 0x80000000  # x^0 of a
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CRC_POLY_REFLECTED if b & 1 else b >> 1
+    return product
+
+
+def _x_pow_8_pow2() -> list[int]:
+    # table[i] = x^(8 * 2^i) mod P: multiplying a CRC by it appends 2^i zero bytes (sans conditioning)
+    x8 = 0x80000000
+    for _ in range(8):  # x^0 -> x^8 by eight multiplications with x
+        x8 = (x8 >> 1) ^ _CRC_POLY_REFLECTED if x8 & 1 else x8 >> 1
+    table = [x8]
+    for _ in range(63):
+        table.append(_gf2_mulmod(table[-1], table[-1]))
+    return table
+
+
+_X8_POW2 = _x_pow_8_pow2()
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (same value as zlib's).
+
+    With zlib's conditioning (init and final xor both 0xFFFFFFFF) the register contribution of A
+    is just shifted by ``8*len(B)`` bit positions, i.e. multiplied by ``x^(8*len_b)`` mod P.
+    """
+    if len_b < 0:
+        raise ValueError(f"len_b must be >= 0, got {len_b}")
+    i = 0
+    while len_b:
+        if len_b & 1:
+            crc_a = _gf2_mulmod(_X8_POW2[i], crc_a)
+        len_b >>= 1
+        i += 1
+    return crc_a ^ crc_b
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+
+
+def _crc_pool() -> ThreadPoolExecutor | None:
+    global _pool, _pool_pid
+    workers = min(8, os.cpu_count() or 1)
+    if workers < 2:
+        return None
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():  # a forked child cannot use the parent's pool
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="liq-crc")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _crc32(prefix: bytes, body: Tensor) -> int:
+    """``zlib.crc32(prefix + body)`` for a uint8 tensor on any device, parallel for big bodies.
+
+    zlib.crc32 releases the GIL on large buffers, so pieces run concurrently; the per-piece CRCs
+    are merged with :func:`crc32_combine` into exactly the CRC of the concatenation.
+    """
+    crc = zlib.crc32(prefix)
+    if body.numel() == 0:
+        return crc
+    data = (body if body.device.type == "cpu" else body.cpu()).numpy()
+    size = data.shape[0]
+    pool = _crc_pool() if size >= _CRC_PARALLEL_MIN_BYTES else None
+    if pool is None:
+        return zlib.crc32(data, crc)
+    workers = pool._max_workers
+    piece = max(_CRC_PIECE_MIN_BYTES, -(-size // workers))
+    bounds = [(s, min(s + piece, size)) for s in range(0, size, piece)]
+    futures = [pool.submit(zlib.crc32, data[s:e]) for s, e in bounds[1:]]
+    crc = zlib.crc32(data[bounds[0][0] : bounds[0][1]], crc)
+    for (s, e), fut in zip(bounds[1:], futures):
+        crc = crc32_combine(crc, fut.result(), e - s)
+    return crc
+
+
+# ----------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_input(x: Tensor) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"expected a float32 tensor, got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"expected a 1-D (flat) tensor, got shape {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _nonfinite_error(x: Tensor) -> ValueError | None:
+    """The error to raise if ``x`` holds NaN/Inf, else None (exact count, only on the slow path)."""
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())
+    if count == 0:
+        return None
+    nans = int(torch.isnan(x).sum())
+    return ValueError(
+        f"pseudo-gradient has {count} non-finite values ({nans} NaN, {count - nans} +/-Inf) out of "
+        f"{x.numel()}: the inner optimization diverged. Lower the learning rate (or clip "
+        f"gradients) and resume from the last good checkpoint; refusing to ship it to other islands."
+    )
+
+
+def _raise_if_nonfinite_sum(x: Tensor) -> None:
+    """One read pass: a finite sum proves every element finite; otherwise count exactly.
+
+    (A non-finite sum of finite values, i.e. overflow, falls through the exact count harmlessly.)
+    """
+    if x.numel() and not math.isfinite(float(x.sum())):
+        err = _nonfinite_error(x)
+        if err is not None:
+            raise err
+
+
+def _fmt_fraction(f: Fraction) -> str:
+    with localcontext() as ctx:
+        ctx.prec = 60
+        text = format((Decimal(f.numerator) / Decimal(f.denominator)).normalize(), "f")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# base class
+# ----------------------------------------------------------------------------------------------
+
+
+class Codec:
+    """A pseudo-gradient codec: flat fp32 tensor <-> uint8 payload (32-byte header + body).
+
+    Subclasses implement the body format through ``_values_nbytes``, ``_encode_values`` and
+    ``_decode_values``; the header, checksum and validation live here.
+    """
+
+    name: str = "codec"
+    codec_id: int = 0
+    kind: int = _KIND_DENSE
+    block_size: int | None = None
+    bits: float = 32.0  # nominal bits per transmitted value
+
+    # -- body format hooks (per carried value count m) ------------------------------------------
+    def _values_nbytes(self, m: int) -> int:
+        raise NotImplementedError
+
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+        raise NotImplementedError
+
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+        raise NotImplementedError
+
+    # -- overridable for sparse codecs ----------------------------------------------------------
+    def _count(self, n: int) -> int:
+        """Number of values carried for an input of n elements."""
+        return n
+
+    def _body_nbytes(self, n: int) -> int:
+        return self._values_nbytes(n)
+
+    def _encode_body(self, x: Tensor, body: Tensor) -> None:
+        self._encode_values(x, body)
+
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> None:
+        self._decode_values(body, n, out)
+
+    # -- public API -----------------------------------------------------------------------------
+    def nbytes(self, n: int) -> int:
+        """Exact payload size in bytes (header included) for an input of ``n`` elements."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        return HEADER_BYTES + self._body_nbytes(n)
+
+    def spec(self) -> dict[str, Any]:
+        """Everything that determines the wire format, for run fingerprints."""
+        return {
+            "codec": self.name,
+            "family": _CODEC_NAMES.get(self.codec_id, "?"),
+            "block_size": self.block_size,
+            "k_fraction": None,
+            "index_encoding": None,
+            "format_version": FORMAT_VERSION,
+        }
+
+    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Quantize a flat float32 tensor into a 1-D uint8 payload on the same device.
+
+        ``out`` (optional): a contiguous uint8 tensor of exactly ``nbytes(x.numel())`` bytes on
+        ``x``'s device to write the payload into (reusing a buffer avoids page-faulting fresh
+        memory on every call). Raises ``ValueError`` if ``x`` contains NaN/Inf. Identical input
+        gives identical bytes.
+        """
+        x = _check_input(x)
+        n = x.numel()
+        size = self.nbytes(n)
+        if out is None:
+            payload = torch.empty(size, dtype=torch.uint8, device=x.device)
+        else:
+            if (
+                out.dtype != torch.uint8
+                or out.dim() != 1
+                or out.numel() != size
+                or not out.is_contiguous()
+                or out.device != x.device
+                or out.storage_offset() % 4
+            ):
+                raise ValueError(
+                    f"out must be a contiguous, 4-byte aligned 1-D uint8 tensor of {size} bytes on "
+                    f"{x.device}, got {out.dtype} shape {tuple(out.shape)} on {out.device}"
+                )
+            payload = out
+        self._encode_body(x, payload[HEADER_BYTES:])
+        header = _HEADER.pack(
+            MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
+        )[:_CRC_OFFSET]
+        crc = _crc32(header, payload[HEADER_BYTES:])
+        header += struct.pack("<I", crc)
+        payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        return payload
+
+    def decode(self, payload: Tensor, out: Tensor | None = None) -> Tensor:
+        """Validate a payload and reconstruct the float32 tensor (same device as the payload).
+
+        ``out`` (optional): a contiguous float32 tensor of the original length on the payload's
+        device to decode into, avoiding a fresh allocation (large fresh CPU allocations cost
+        page faults that can exceed the decode itself). Raises ``ValueError`` on any mismatch
+        (wrong codec, truncation, corruption) with expected vs. got values.
+        """
+        n, k = self._validate(payload)
+        if payload.storage_offset() % 4:  # fp32 scale views need 4-byte alignment
+            payload = payload.clone()
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=payload.device)
+        elif (
+            out.dtype != torch.float32
+            or out.dim() != 1
+            or out.numel() != n
+            or not out.is_contiguous()
+            or out.device != payload.device
+        ):
+            raise ValueError(
+                f"out must be a contiguous 1-D float32 tensor of {n} elements on {payload.device}, got "
+                f"{out.dtype} shape {tuple(out.shape)} on {out.device}"
+            )
+        self._decode_body(payload[HEADER_BYTES:], n, k, out)
+        return out
+
+    def describe_header(self, payload: Tensor) -> dict[str, Any]:
+        """Parse a payload header without validating it against this codec (for diagnostics)."""
+        magic, version, codec_id, kind, block, n, k, crc = _HEADER.unpack(_header_bytes(payload))
+        return {
+            "magic": magic,
+            "version": version,
+            "codec": _describe(codec_id, kind, block),
+            "block_size": block,
+            "n": n,
+            "k": k,
+            "crc32": crc,
+        }
+
+    def _validate(self, payload: Tensor) -> tuple[int, int]:
+        raw = _header_bytes(payload)
+        magic, version, codec_id, kind, block, n, k, crc = _HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise ValueError(f"not a lightning_islands codec payload: magic {magic!r}, expected {MAGIC!r}")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"payload format version {version}, but this build reads version {FORMAT_VERSION} "
+                f"(islands running different lightning_islands versions?)"
+            )
+        mine = (self.codec_id, self.kind, self.block_size or 0)
+        if (codec_id, kind, block) != mine:
+            raise ValueError(
+                f"codec mismatch: payload was encoded as {_describe(codec_id, kind, block)} but this "
+                f"codec is {_describe(*mine)} ({self.name!r}); all islands must use the same codec spec"
+            )
+        expected_k = self._count(n)
+        if k != expected_k:
+            raise ValueError(
+                f"payload carries k={k} values for n={n}, but codec {self.name!r} carries "
+                f"k={expected_k} (different top-k fraction, or a corrupted header)"
+            )
+        expected_len = self.nbytes(n)
+        got_len = payload.numel()
+        if got_len != expected_len:
+            what = "truncated" if got_len < expected_len else "has trailing bytes"
+            raise ValueError(
+                f"payload {what}: {got_len} bytes, expected {expected_len} for codec {self.name!r} and n={n}"
+            )
+        actual = _crc32(raw[:_CRC_OFFSET], payload[HEADER_BYTES:])
+        if actual != crc:
+            raise ValueError(
+                f"payload checksum mismatch: header says crc32=0x{crc:08x}, header+body hash to "
+                f"0x{actual:08x}; the payload was corrupted in transit"
+            )
+        return n, k
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+def _header_bytes(payload: Tensor) -> bytes:
+    if not isinstance(payload, Tensor):
+        raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise ValueError(
+            f"payload must be a 1-D uint8 tensor, got {payload.dtype} shape {tuple(payload.shape)}"
+        )
+    if payload.numel() < HEADER_BYTES:
+        raise ValueError(
+            f"payload truncated: {payload.numel()} bytes, shorter than the {HEADER_BYTES}-byte header"
+        )
+    return bytes(payload[:HEADER_BYTES].cpu().numpy().tobytes())
+
+
+def _describe(codec_id: int, kind: int, block: int) -> str:
+    name = _CODEC_NAMES.get(codec_id, f"unknown codec id {codec_id}")
+    base = f"{name}/{block}" if block else name
+    if kind == _KIND_DENSE:
+        return f"'{base}'"
+    return f"'{_KIND_NAMES.get(kind, f'unknown kind {kind}')} + {base}'"
+
+
+# ----------------------------------------------------------------------------------------------
+# element-wise codecs
+# ----------------------------------------------------------------------------------------------
+
+
+class Float32Codec(Codec):
+    """Raw float32 values (exact round trip); the reference / no-compression codec."""
+
+    name = "fp32"
+    codec_id = _CODEC_IDS["fp32"]
+    bits = 32.0
+
+    def _values_nbytes(self, m: int) -> int:
+        return 4 * m
+
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+        _raise_if_nonfinite_sum(v)
+        body.view(torch.float32).copy_(v)
+
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+        out.copy_(body.view(torch.float32))
+
+
+class BFloat16Codec(Codec):
+    """bfloat16 values (round to nearest even): relative error <= 2**-8, 2 bytes per value.
+
+    Finite values beyond the bfloat16 range (|x| > ~3.39e38) are clamped to its largest value.
+    """
+
+    name = "bf16"
+    codec_id = _CODEC_IDS["bf16"]
+    bits = 16.0
+
+    def _values_nbytes(self, m: int) -> int:
+        return 2 * m
+
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+        y = body.view(torch.bfloat16)
+        y.copy_(v)
+        # One pass over the half-size output catches both NaN/Inf input and overflow to Inf.
+        if v.numel() and not math.isfinite(float(y.sum(dtype=torch.float32))):
+            err = _nonfinite_error(v)
+            if err is not None:
+                raise err
+            y.copy_(v.clamp(-_BF16_MAX, _BF16_MAX))
+
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+        out.copy_(body.view(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# blockwise codecs
+# ----------------------------------------------------------------------------------------------
+
+
+class _Work:
+    """Per-call scratch buffers, allocated lazily and reused across slabs."""
+
+    def __init__(self, device: torch.device, elems: int) -> None:
+        self.device = device
+        self.elems = elems
+        self._f32: Tensor | None = None
+        self._u8: Tensor | None = None
+
+    def f32(self, numel: int) -> Tensor:
+        if self._f32 is None or self._f32.numel() < numel:
+            self._f32 = torch.empty(max(numel, self.elems), dtype=torch.float32, device=self.device)
+        return self._f32[:numel]
+
+    def u8(self, numel: int) -> Tensor:
+        if self._u8 is None or self._u8.numel() < numel:
+            self._u8 = torch.empty(max(numel, self.elems), dtype=torch.uint8, device=self.device)
+        return self._u8[:numel]
+
+
+def _pack_planar(q: Tensor, out: Tensor, pack: int) -> None:
+    """Pack two's-complement int values (a uint8 view) ``pack`` per byte into ``out``.
+
+    Group-planar layout: within each group of ``_PACK_GROUP`` values (the last group: its length
+    rounded up to a multiple of ``pack``, zero padded), byte j holds values j + i*W/pack for
+    i = 0..pack-1 in bit field i, offset binary. uint8 arithmetic wraps mod 256, so
+    ``sum_i (q_i + offset) << (bits*i)`` is computed as ``sum_i q_i * 2**(bits*i) + const``.
+    """
+    count = q.numel()
+    per = _PACK_GROUP // pack
+    full = count // _PACK_GROUP
+    if full:
+        _pack_rows(q[: full * _PACK_GROUP].view(full, pack, per), out[: full * per].view(full, per), pack)
+    rem = count - full * _PACK_GROUP
+    if rem:
+        width = _ceil_div(rem, pack) * pack
+        tail = q[full * _PACK_GROUP :]
+        if width != rem:
+            tail = torch.cat([tail, tail.new_zeros(width - rem)])
+        _pack_rows(tail.view(1, pack, width // pack), out[full * per :].view(1, width // pack), pack)
+
+
+def _pack_rows(qv: Tensor, out: Tensor, pack: int) -> None:
+    if pack == 2:  # nibbles q + 8
+        torch.add(qv[:, 0], qv[:, 1], alpha=16, out=out)
+        out.add_(0x88)
+    else:  # crumbs q + 1
+        torch.add(qv[:, 0], qv[:, 1], alpha=4, out=out)
+        out.add_(qv[:, 2], alpha=16)
+        out.add_(qv[:, 3], alpha=64)
+        out.add_(0x55)
+
+
+def _unpack_planar(packed: Tensor, q: Tensor, pack: int) -> None:
+    """Inverse of :func:`_pack_planar`: fill ``q`` (uint8, the value count) with two's-complement ints."""
+    count = q.numel()
+    per = _PACK_GROUP // pack
+    full = count // _PACK_GROUP
+    if full:
+        _unpack_rows(
+            packed[: full * per].view(full, per), q[: full * _PACK_GROUP].view(full, pack, per), pack
+        )
+    rem = count - full * _PACK_GROUP
+    if rem:
+        width = _ceil_div(rem, pack) * pack
+        dst = q[full * _PACK_GROUP :] if width == rem else q.new_empty(width)
+        _unpack_rows(packed[full * per :].view(1, width // pack), dst.view(1, pack, width // pack), pack)
+        if width != rem:
+            q[full * _PACK_GROUP :].copy_(dst[:rem])
+    q.sub_(8 if pack == 2 else 1)  # offset binary -> two's complement (wraps mod 256)
+
+
+def _unpack_rows(packed: Tensor, qv: Tensor, pack: int) -> None:
+    if pack == 2:
+        torch.bitwise_and(packed, 0x0F, out=qv[:, 0])
+        torch.bitwise_right_shift(packed, 4, out=qv[:, 1])
+    else:
+        torch.bitwise_and(packed, 0x03, out=qv[:, 0])
+        torch.bitwise_right_shift(packed, 2, out=qv[:, 1]).bitwise_and_(0x03)
+        torch.bitwise_right_shift(packed, 4, out=qv[:, 2]).bitwise_and_(0x03)
+        torch.bitwise_right_shift(packed, 6, out=qv[:, 3])
+
+
+class _BlockCodec(Codec):
+    """Shared machinery: per-block fp32 absmax scales, cache-blocked slabs, partial last block."""
+
+    pack = 1  # values per byte
+    qmax = 1.0
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        if block_size <= 0 or block_size % 4 or block_size > _MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be a positive multiple of 4 and <= {_MAX_BLOCK_SIZE}, got {block_size}"
+            )
+        self.block_size = block_size
+        self.name = f"{_CODEC_NAMES[self.codec_id]}/{block_size}"
+
+    def _values_nbytes(self, m: int) -> int:
+        return 4 * _ceil_div(m, self.block_size) + _ceil_div(m, self.pack)
+
+    def _slab_elems(self, device: torch.device, m: int) -> int:
+        """Slab length: a multiple of the block size and (if packed) of the packing group."""
+        unit = self.block_size if self.pack == 1 else math.lcm(self.block_size, _PACK_GROUP)
+        if device.type != "cpu":
+            return max(unit, m)  # one slab: no cache blocking needed, fewer kernel launches
+        return max(1, _CPU_SLAB_ELEMS // unit) * unit
+
+    # per-slab kernels. x: (rows, B) fp32 (zero padded), count: real values in the slab
+    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
+        raise NotImplementedError
+
+    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
+        raise NotImplementedError
+
+    def _scaled(self, x: Tensor, scale: Tensor, work: _Work) -> Tensor:
+        """Write absmax/qmax into ``scale``; return ``x * (1/scale)`` in a workspace view."""
+        rows, width = x.shape
+        amax = torch.amax(x, dim=1)
+        amin = torch.amin(x, dim=1)
+        # max(amax, -amin) is >= 0 but may be -0.0 (max(+0, -0) is unspecified); abs_ makes it +0.0.
+        # NaN propagates through all three (checked after the slab loop).
+        absmax = torch.maximum(amax, amin.neg_(), out=amax).abs_()
+        torch.div(absmax, self.qmax, out=scale)
+        # 1/scale, clamped so that all-zero (and denormal-tiny) blocks give a finite multiplier
+        inv = torch.reciprocal(scale).clamp_(max=_FP32_MAX)
+        t = work.f32(rows * width).view(rows, width)
+        torch.mul(x, inv.unsqueeze(1), out=t)
+        return t
+
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+        m = v.numel()
+        bsz = self.block_size
+        nblocks = _ceil_div(m, bsz)
+        scales = body[: 4 * nblocks].view(torch.float32)
+        values = body[4 * nblocks :]
+        slab = self._slab_elems(v.device, m)
+        work = _Work(v.device, min(slab, nblocks * bsz))
+        for s in range(0, m, slab):
+            e = min(s + slab, m)
+            count = e - s
+            rows = _ceil_div(count, bsz)
+            xs = v[s:e]
+            if count != rows * bsz:  # last, partial block: zero padding does not change its absmax
+                xs = torch.cat([xs, xs.new_zeros(rows * bsz - count)])
+            b0 = s // self.pack
+            self._encode_slab(
+                xs.view(rows, bsz),
+                count,
+                scales[s // bsz : s // bsz + rows],
+                values[b0 : b0 + _ceil_div(count, self.pack)],
+                work,
+            )
+        if nblocks:
+            self._check_scales(v, scales)
+
+    def _check_scales(self, v: Tensor, scales: Tensor) -> None:
+        smax = float(scales.amax())
+        if not math.isfinite(smax):
+            err = _nonfinite_error(v)
+            raise err if err is not None else ValueError("non-finite block scale")  # pragma: no cover
+        if smax * self.qmax > 0.5 * _FP32_MAX:
+            # Near the top of the fp32 range, qmax * fl(absmax/qmax) may round up to Inf. Nudge such
+            # scales one ulp towards zero so every decodable q * scale stays finite.
+            risky = torch.isinf(scales * self.qmax)
+            if bool(risky.any()):
+                nudged = torch.nextafter(scales, torch.zeros_like(scales))
+                scales.copy_(torch.where(risky, nudged, scales))
+
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+        bsz = self.block_size
+        nblocks = _ceil_div(m, bsz)
+        scales = body[: 4 * nblocks].view(torch.float32)
+        values = body[4 * nblocks :]
+        slab = self._slab_elems(body.device, m)
+        work = _Work(body.device, min(slab, nblocks * bsz))
+        for s in range(0, m, slab):
+            e = min(s + slab, m)
+            count = e - s
+            rows = _ceil_div(count, bsz)
+            padded = rows * bsz != count
+            dst = work.f32(rows * bsz) if padded else out[s:e]
+            b0 = s // self.pack
+            self._decode_slab(
+                values[b0 : b0 + _ceil_div(count, self.pack)],
+                count,
+                scales[s // bsz : s // bsz + rows],
+                dst.view(rows, bsz),
+                work,
+            )
+            if padded:
+                out[s:e].copy_(dst[:count])
+
+
+class Float8Codec(_BlockCodec):
+    """float8_e4m3fn values (1 byte) with one fp32 scale = absmax/448 per block.
+
+    Relative error <= 2**-4 for values in the fp8 normal range (>= 2**-6 * scale); smaller
+    values hit fp8 subnormals (absolute error <= 2**-10 * scale).
+    """
+
+    codec_id = _CODEC_IDS["fp8"]
+    qmax = _FP8_MAX
+    bits = 8.0
+
+    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
+        t = self._scaled(x, scale, work)
+        values.view(torch.float8_e4m3fn).copy_(t.view(-1)[:count])  # round to nearest even, |t| <= 448
+
+    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
+        # float8_e4m3fn -> fp32 by bit placement (the built-in CPU cast is scalar and ~6x slower):
+        # sign-extend the byte, shift it so mantissa/exponent land at fp32 bits 20..26 and the sign
+        # at bit 31, and rescale by 2**120 (exact). fp8 subnormals become fp32 subnormals, so this
+        # equals ``.float()`` bit for bit (checked in the tests for all 254 finite codes).
+        flat = out.view(-1)
+        bits = flat.view(torch.int32)
+        bits[:count].copy_(values.view(torch.int8))
+        bits[count:].zero_()
+        bits.bitwise_left_shift_(20).bitwise_and_(_FP8_BITS_MASK)
+        flat.mul_(2.0**120)
+        out.mul_(scale.unsqueeze(1))  # the one rounding: fp8 value * scale
+
+
+class IntCodec(_BlockCodec):
+    """Symmetric blockwise absmax integer quantization with 8, 4 or 2 bits per value.
+
+    ``q = round_half_even(x * (1/scale))`` in [-qmax, qmax] (qmax = 2**(bits-1) - 1), scale =
+    absmax/qmax stored as fp32 per block, decode ``q.float() * scale``.
+    """
+
+    def __init__(self, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if bits not in (8, 4, 2):
+            raise ValueError(f"IntCodec supports 8, 4 or 2 bits, got {bits}")
+        self.codec_id = _CODEC_IDS[f"int{bits}"]
+        self.bits = float(bits)
+        self.qmax = float(2 ** (bits - 1) - 1)
+        self.pack = 8 // bits
+        super().__init__(block_size)
+
+    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
+        t = self._scaled(x, scale, work).view(-1)
+        t.round_()  # half to even; |t| <= qmax (see module docstring), so no clamp is needed
+        if self.pack == 1:
+            values.view(torch.int8).copy_(t[:count])
+            return
+        q = work.u8(count)
+        q.view(torch.int8).copy_(t[:count])
+        _pack_planar(q, values, self.pack)
+
+    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
+        flat = out.view(-1)
+        if self.pack == 1:
+            flat[:count].copy_(values.view(torch.int8))
+        else:
+            q = work.u8(count)
+            _unpack_planar(values, q, self.pack)
+            flat[:count].copy_(q.view(torch.int8))
+        flat[count:].zero_()
+        out.mul_(scale.unsqueeze(1))  # the one rounding: q.float() * scale
+
+
+# ----------------------------------------------------------------------------------------------
+# top-k sparsification with Elias-Fano indices
+# ----------------------------------------------------------------------------------------------
+
+
+def _ef_layout(n: int, k: int) -> tuple[int, int, int]:
+    """(low bit count l, low-part bytes, high-part bytes) of Elias-Fano for k of n indices."""
+    if k == 0:
+        return 0, 0, 0
+    low = (n // k).bit_length() - 1  # floor(log2(n / k)) for n >= k >= 1
+    high_bits = k + ((n - 1) >> low) + 1
+    return low, _ceil_div(k * low, 8), _ceil_div(high_bits, 8)
+
+
+def _pack_bits(bits: Tensor, nbytes: int) -> Tensor:
+    """uint8 0/1 vector -> bytes, LSB first; zero-padded to ``nbytes``."""
+    pad = nbytes * 8 - bits.numel()
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=bits.device)
+    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(data: Tensor) -> Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    return ((data.unsqueeze(1) >> shifts) & 1).view(-1)
+
+
+def _ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
+    """Elias-Fano code strictly increasing int64 indices into ``out`` (exactly the layout size)."""
+    k = idx.numel()
+    low, low_bytes, high_bytes = _ef_layout(n, k)
+    if k == 0:
+        return
+    if low:
+        shifts = torch.arange(low, dtype=torch.int64, device=idx.device)
+        bits = ((idx.unsqueeze(1) >> shifts) & 1).to(torch.uint8).view(-1)
+        out[:low_bytes].copy_(_pack_bits(bits, low_bytes))
+    positions = (idx >> low) + torch.arange(k, dtype=torch.int64, device=idx.device)
+    unary = torch.zeros(high_bytes * 8, dtype=torch.uint8, device=idx.device)
+    unary[positions] = 1
+    out[low_bytes:].copy_(_pack_bits(unary, high_bytes))
+
+
+def _ef_decode(data: Tensor, n: int, k: int) -> Tensor:
+    low, low_bytes, high_bytes = _ef_layout(n, k)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=data.device)
+    positions = torch.nonzero(_unpack_bits(data[low_bytes : low_bytes + high_bytes])).view(-1)
+    if positions.numel() != k:
+        raise ValueError(f"corrupt top-k index block: {positions.numel()} index marks, expected {k}")
+    idx = (positions - torch.arange(k, dtype=torch.int64, device=data.device)) << low
+    if low:
+        bits = _unpack_bits(data[:low_bytes])[: k * low].view(k, low).to(torch.int64)
+        shifts = torch.arange(low, dtype=torch.int64, device=data.device)
+        idx |= (bits << shifts).sum(dim=1)
+    if int(idx[-1]) >= n or (k > 1 and not bool((idx[1:] > idx[:-1]).all())):
+        raise ValueError(f"corrupt top-k index block: indices not strictly increasing below n={n}")
+    return idx
+
+
+class TopKCodec(Codec):
+    """Keep the ``ceil(fraction * n)`` largest-magnitude entries; values via an inner codec.
+
+    Indices travel Elias-Fano coded (see the module docstring); values in increasing index
+    order, encoded by ``inner`` (fp32 by default) without its own header. Ties at the k-th
+    magnitude are broken by ``torch.topk``.
+    """
+
+    kind = _KIND_TOPK
+
+    def __init__(self, fraction: str | float | Fraction, inner: Codec | None = None) -> None:
+        frac = Fraction(str(fraction)) if not isinstance(fraction, Fraction) else fraction
+        if not 0 < frac <= 1:
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
+        inner = inner if inner is not None else Float32Codec()
+        if isinstance(inner, TopKCodec):
+            raise ValueError("top-k cannot wrap another top-k codec")
+        self.fraction = frac
+        self.inner = inner
+        self.codec_id = inner.codec_id
+        self.block_size = inner.block_size
+        self.bits = inner.bits
+        frac_text = _fmt_fraction(frac)
+        self.name = (
+            f"topk:{frac_text}" if isinstance(inner, Float32Codec) else f"topk:{frac_text}+{inner.name}"
+        )
+
+    def _count(self, n: int) -> int:
+        return min(n, _ceil_div(n * self.fraction.numerator, self.fraction.denominator))
+
+    def _body_nbytes(self, n: int) -> int:
+        k = self._count(n)
+        _, low_bytes, high_bytes = _ef_layout(n, k)
+        return self.inner._values_nbytes(k) + low_bytes + high_bytes
+
+    def _encode_body(self, x: Tensor, body: Tensor) -> None:
+        n = x.numel()
+        k = self._count(n)
+        _raise_if_nonfinite_sum(x)
+        if k == n:
+            idx = torch.arange(n, dtype=torch.int64, device=x.device)
+            values = x
+        else:
+            idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+            values = x.index_select(0, idx)
+        inner_bytes = self.inner._values_nbytes(k)
+        if k:
+            self.inner._encode_values(values, body[:inner_bytes])
+        _ef_encode(idx, n, body[inner_bytes:])
+
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> None:
+        inner_bytes = self.inner._values_nbytes(k)
+        values = torch.empty(k, dtype=torch.float32, device=body.device)
+        if k:
+            self.inner._decode_values(body[:inner_bytes], k, values)
+        idx = _ef_decode(body[inner_bytes:], n, k)
+        if k == n:
+            out.copy_(values)
+            return
+        out.zero_()
+        out.index_copy_(0, idx, values)  # unique indices: deterministic
+
+    def spec(self) -> dict[str, Any]:
+        """Wire-format description including the top-k fraction and index encoding."""
+        d = super().spec()
+        d.update(
+            k_fraction=_fmt_fraction(self.fraction),
+            index_encoding="elias-fano",
+            inner=self.inner.name,
+        )
+        return d
+
+
+# ----------------------------------------------------------------------------------------------
+# factory
+# ----------------------------------------------------------------------------------------------
+
+_SPEC_HELP = (
+    "expected 'fp32', 'bf16', 'fp8', 'int8', 'int4' or 'int2', optionally with '/<block size>' "
+    "(e.g. 'int4/64'), or 'topk:<fraction>' / 'topk:<fraction>+<codec>' (e.g. 'topk:0.01+int4')"
+)
+
+
+def _make_base(text: str, block_size: int, spec: str) -> Codec:
+    name, _, block_text = text.partition("/")
+    name = name.strip()
+    if block_text:
+        try:
+            block_size = int(block_text)
+        except ValueError:
+            raise ValueError(f"bad block size {block_text!r} in codec spec {spec!r}") from None
+    if name == "fp32":
+        return Float32Codec()
+    if name == "bf16":
+        return BFloat16Codec()
+    if name == "fp8":
+        return Float8Codec(block_size)
+    if name in ("int8", "int4", "int2"):
+        return IntCodec(int(name[3:]), block_size)
+    raise ValueError(f"unknown codec {name!r} in spec {spec!r}: {_SPEC_HELP}")
+
+
+def make_codec(spec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
+    """Build a codec from a spec string such as ``"int4"``, ``"int8/64"``, ``"topk:0.01+int4"``.
+
+    ``block_size`` applies to blockwise codecs unless the spec names one (``"int4/64"``).
+    ``make_codec(codec.name)`` rebuilds an equal codec.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"codec spec must be a str, got {type(spec).__name__}")
+    text = spec.strip().lower()
+    if not text:
+        raise ValueError(f"empty codec spec: {_SPEC_HELP}")
+    if text.startswith("topk:"):
+        frac_text, plus, inner_text = text[5:].partition("+")
+        if "/" in frac_text:
+            raise ValueError(
+                f"bad top-k fraction {frac_text!r} in codec spec {spec!r}: write it as a decimal "
+                f"(e.g. 0.01) and put any block size on the inner codec, e.g. 'topk:0.01+int4/64'"
+            )
+        try:
+            frac = Fraction(frac_text.strip())
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(
+                f"bad top-k fraction {frac_text!r} in codec spec {spec!r}: {_SPEC_HELP}"
+            ) from None
+        inner = _make_base(inner_text, block_size, spec) if plus else Float32Codec()
+        return TopKCodec(frac, inner)
+    return _make_base(text, block_size, spec)
+
+
+def default_error_feedback(codec_spec: str | Codec) -> bool:
+    """Whether error feedback should be on by default: yes for <= 4 bits and for any top-k."""
+    codec = make_codec(codec_spec) if isinstance(codec_spec, str) else codec_spec
+    return isinstance(codec, TopKCodec) or codec.bits <= 4
+
+
+# ----------------------------------------------------------------------------------------------
+# error feedback and metrics
+# ----------------------------------------------------------------------------------------------
+
+
+class ErrorFeedback:
+    """Carries the quantization residual of one island into its next pseudo-gradient.
+
+    Usage per outer step::
+
+        c = ef.compensate(pseudo_grad)      # pseudo_grad + residual
+        payload = codec.encode(c)
+        mine = codec.decode(payload)        # what the other islands will see from us
+        ef.update(c, mine)                  # residual = c - mine
+
+    Over many rounds the running sum of what was transmitted tracks the running sum of the true
+    pseudo-gradients to within one round's quantization error instead of drifting.
+    """
+
+    def __init__(self) -> None:
+        self.residual: Tensor | None = None
+
+    def compensate(self, x: Tensor) -> Tensor:
+        """``x + residual`` (a new tensor); ``x`` itself while there is no residual yet."""
+        if self.residual is None:
+            return x
+        if self.residual.shape != x.shape:
+            raise ValueError(
+                f"error-feedback residual has shape {tuple(self.residual.shape)} but the pseudo-gradient "
+                f"has shape {tuple(x.shape)}; call reset() after changing the model"
+            )
+        return x + self.residual.to(device=x.device, dtype=x.dtype)
+
+    def update(self, compensated: Tensor, decoded: Tensor) -> None:
+        """Store ``compensated - decoded`` as the residual for the next round."""
+        if compensated.shape != decoded.shape:
+            raise ValueError(
+                f"shape mismatch: compensated {tuple(compensated.shape)} vs decoded {tuple(decoded.shape)}"
+            )
+        if (
+            self.residual is not None
+            and self.residual.shape == compensated.shape
+            and self.residual.device == compensated.device
+            and self.residual.dtype == compensated.dtype
+            and self.residual.data_ptr() not in (compensated.data_ptr(), decoded.data_ptr())
+        ):
+            torch.sub(compensated, decoded, out=self.residual)
+        else:
+            self.residual = compensated - decoded
+
+    def reset(self) -> None:
+        """Drop the residual (e.g. after a model change or a divergence restart)."""
+        self.residual = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state: ``{"residual": Tensor | None}``."""
+        return {"residual": None if self.residual is None else self.residual.detach().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore state produced by :meth:`state_dict`."""
+        if "residual" not in state:
+            raise ValueError(f"error-feedback state must contain 'residual', got keys {sorted(state)}")
+        residual = state["residual"]
+        if residual is not None and not isinstance(residual, Tensor):
+            raise TypeError(f"residual must be a Tensor or None, got {type(residual).__name__}")
+        self.residual = None if residual is None else residual.detach().clone()
+
+
+def quantization_error(x: Tensor, decoded: Tensor) -> float:
+    """Relative L2 error ``||x - decoded|| / ||x||`` (in float64); 0.0 when x is all zeros."""
+    if x.shape != decoded.shape:
+        raise ValueError(f"shape mismatch: {tuple(x.shape)} vs {tuple(decoded.shape)}")
+    xd = x.detach().to(torch.float64)
+    norm = float(torch.linalg.vector_norm(xd))
+    diff = float(torch.linalg.vector_norm(xd - decoded.detach().to(device=x.device, dtype=torch.float64)))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def compression_ratio(n: int, payload_bytes: int) -> float:
+    """fp32 size over payload size: ``4 * n / payload_bytes``."""
+    if payload_bytes <= 0:
+        raise ValueError(f"payload_bytes must be positive, got {payload_bytes}")
+    return 4.0 * n / payload_bytes

@@ -1,0 +1,232 @@
+"""Start islands on this machine: a coordinator plus one ``torch.distributed.run`` per island.
+
+Used by ``lightning-islands run`` (any script) and by the Hydra app. Each island's output is
+streamed with an ``[island i]`` prefix (and kept in ``island{i}.log`` when a log folder is given);
+attached to a terminal, one live line per island (step, loss, outer round, bytes exchanged) replaces
+the interleaved progress bars. If an island fails, the others are stopped and the failure is
+reported with the island's index and exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from lightning_islands.transport import ENV_COORDINATOR, ENV_ISLAND, ENV_NUM_ISLANDS, ENV_RUN_ID, Coordinator
+
+ENV_PROGRESS = "LI_PROGRESS_BAR"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_islands(spec: str | Sequence[int]) -> list[int]:
+    """``"2,1"`` -> ``[2, 1]``: processes per island."""
+    if isinstance(spec, str):
+        try:
+            sizes = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError as err:
+            raise ValueError(f"--islands {spec!r} must be comma-separated process counts, e.g. 2,1") from err
+    else:
+        sizes = [int(x) for x in spec]
+    if not sizes or any(n < 1 for n in sizes):
+        raise ValueError(f"every island needs at least one process, got {spec!r}")
+    return sizes
+
+
+def torchrun_command(nproc: int, command: Sequence[str], master_port: int) -> list[str]:
+    """The ``torch.distributed.run`` invocation for one island running ``command``.
+
+    ``python script.py ...``/``python -m mod ...``/``script.py ...`` run under this interpreter;
+    anything else runs as a plain executable (``--no-python``).
+    """
+    cmd = list(command)
+    if not cmd:
+        raise ValueError("no command given to run in each island; put it after --, e.g. -- python train.py")
+    base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+    head = os.path.basename(cmd[0])
+    if head.startswith("python"):
+        cmd = cmd[1:]
+        if cmd and cmd[0] == "-m":
+            return base + ["-m"] + cmd[1:]
+        return base + cmd
+    if cmd[0].endswith(".py"):
+        return base + cmd
+    return base + ["--no-python"] + cmd
+
+
+@dataclass
+class IslandResult:
+    """How one island's process ended."""
+
+    island: int
+    returncode: int
+    log_tail: list[str] = field(default_factory=list)
+    stopped: bool = False  # terminated by the launcher because another island failed
+
+
+def _pump(stream: IO[str], island: int, sink: IO[str] | None, log: IO[str] | None, tail: list[str],
+          lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        tail.append(line.rstrip("\n"))
+        del tail[:-400]
+        if log is not None:
+            log.write(line)
+            log.flush()
+        if sink is not None:
+            with lock:
+                sink.write(f"[island {island}] {line}")
+                sink.flush()
+    stream.close()
+
+
+def _status_line(island: int, status: Mapping | None, rc: int | None) -> str:
+    if rc is not None:
+        return f"island {island}: {'done' if rc == 0 else f'FAILED (exit {rc})'}"
+    if not status:
+        return f"island {island}: starting"
+    loss = status.get("loss")
+    loss_s = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
+    return (f"island {island}: step {status.get('step', 0):>6}  loss {loss_s}  round {status.get('round', 0):>4}  "
+            f"exchanged {status.get('bytes', 0) / 1e6:8.2f} MB")
+
+
+def run_islands(
+    islands: Sequence[int],
+    command: Sequence[str],
+    log_dir: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    island_env: Sequence[Mapping[str, str]] | None = None,
+    run_id: str | None = None,
+    live: bool | None = None,
+    out: IO[str] | None = None,
+    coordinator_host: str = "127.0.0.1",
+) -> list[IslandResult]:
+    """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
+
+    Returns one :class:`IslandResult` per island. When one island fails, the others are terminated
+    (they would otherwise wait for it until their timeout).
+    """
+    out = out or sys.stdout
+    live = out.isatty() if live is None else live
+    coordinator = Coordinator(coordinator_host, 0)
+    run_id = run_id or uuid.uuid4().hex[:12]
+    logs_path = Path(log_dir) if log_dir is not None else None
+    if logs_path is not None:
+        logs_path.mkdir(parents=True, exist_ok=True)
+    procs, threads, tails, files = [], [], [], []
+    lock = threading.Lock()
+    for i, nproc in enumerate(islands):
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env.update({ENV_ISLAND: str(i), ENV_NUM_ISLANDS: str(len(islands)),
+                          ENV_COORDINATOR: coordinator.address, ENV_RUN_ID: run_id,
+                          "PYTHONUNBUFFERED": "1"})
+        if len(islands) > 1 or not live:
+            child_env.setdefault(ENV_PROGRESS, "0")
+        if island_env is not None:
+            child_env.update(island_env[i])
+        cmd = torchrun_command(nproc, command, free_port())
+        single_interactive = len(islands) == 1 and live
+        proc = subprocess.Popen(
+            cmd, env=child_env, text=True, bufsize=1,
+            stdout=None if single_interactive else subprocess.PIPE,
+            stderr=None if single_interactive else subprocess.STDOUT,
+        )
+        procs.append(proc)
+        tail: list[str] = []
+        tails.append(tail)
+        log = open(logs_path / f"island{i}.log", "w") if logs_path is not None and not single_interactive else None
+        files.append(log)
+        if proc.stdout is not None:
+            t = threading.Thread(target=_pump, args=(proc.stdout, i, None if live else out, log, tail, lock),
+                                 daemon=True)
+            t.start()
+            threads.append(t)
+
+    codes: list[int | None] = [None] * len(procs)
+    stopped: set[int] = set()
+    shown = 0
+    try:
+        while any(c is None for c in codes):
+            for i, p in enumerate(procs):
+                if codes[i] is None and p.poll() is not None:
+                    codes[i] = p.returncode
+                    if p.returncode != 0 and i not in stopped:
+                        for j, other in enumerate(procs):
+                            if codes[j] is None and j not in stopped:
+                                stopped.add(j)
+                                other.terminate()
+            if live and len(islands) > 1:
+                lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands)))]
+                if shown:
+                    out.write(f"\x1b[{shown}F")
+                out.write("".join(f"\x1b[2K{line}\n" for line in lines))
+                out.flush()
+                shown = len(lines)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    finally:
+        for p in procs:
+            with_timeout_kill(p)
+        for t in threads:
+            t.join(timeout=5)
+        for f in files:
+            if f is not None:
+                f.close()
+    results = [IslandResult(i, int(c if c is not None else -1), tails[i], i in stopped)
+               for i, c in enumerate(codes)]
+    return results
+
+
+def with_timeout_kill(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+    """Wait for ``proc``; kill it if it does not end within ``timeout`` seconds."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def error_excerpt(lines: Sequence[str], context: int = 12) -> list[str]:
+    """The first Python error in an island's output with the traceback lines before it (torchrun's
+    own ``ChildFailedError`` report is skipped); the last lines when there is no such error."""
+    for i, line in enumerate(lines):
+        text = line.split("]: ", 1)[-1] if line.startswith("[rank") else line
+        head = text.split(":", 1)[0].strip()
+        if ("Error" in head or "Exception" in head) and "ChildFailedError" not in head and " " not in head:
+            return list(lines[max(0, i - context) : i + 1])
+    return list(lines[-15:])
+
+
+def report_failures(results: Sequence[IslandResult], out: IO[str] | None = None) -> int:
+    """Print which islands failed (first failure first, with its last log lines); return an exit code."""
+    out = out or sys.stderr
+    failed = sorted((r for r in results if r.returncode != 0), key=lambda r: r.stopped)
+    if not failed:
+        return 0
+    first = failed[0]
+    out.write(f"lightning-islands: island {first.island} failed with exit code {first.returncode}\n")
+    for line in error_excerpt(first.log_tail):
+        out.write(f"  [island {first.island}] {line}\n")
+    others = [r.island for r in failed[1:]]
+    if others:
+        out.write(f"lightning-islands: islands {others} were stopped or failed after it\n")
+    return first.returncode if first.returncode > 0 else 1

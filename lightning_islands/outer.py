@@ -1,0 +1,154 @@
+"""The outer step of DiLoCo on plain tensors: pseudo-gradients, their merge, and outer SGD.
+
+Nothing here knows about Lightning, processes or sockets. Every function works on the tensors it is
+given, and every elementwise operation is a single IEEE operation (one multiply, or one add) in its
+own kernel. A fused multiply-add would round once instead of twice, and whether a kernel fuses can
+depend on where a shard's boundary falls inside a SIMD vector; with single operations the result of
+each element depends only on its inputs, so islands that shard the same parameters differently
+(or run on different devices) still compute bit-identical global state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def pseudo_gradient(anchor: Tensor, local: Tensor) -> Tensor:
+    """``anchor - local`` in fp32: the direction the island moved away from the global parameters."""
+    return torch.sub(anchor, local.to(anchor.dtype))
+
+
+def merge_weights(weights: Sequence[float]) -> list[float]:
+    """Normalised merge coefficients; equal weights when every island reports zero."""
+    if any(w < 0 or not math.isfinite(w) for w in weights):
+        raise ValueError(f"merge weights must be finite and non-negative, got {list(weights)}")
+    total = math.fsum(weights)
+    if total == 0.0:
+        return [1.0 / len(weights)] * len(weights)
+    return [w / total for w in weights]
+
+
+def merge(deltas: Sequence[Tensor], weights: Sequence[float] | Sequence[Tensor]) -> Tensor:
+    """Weighted average of the islands' pseudo-gradients, summed in island order.
+
+    ``weights`` are either one number per island (normalised here) or one tensor per island that
+    broadcasts against the deltas (already normalised per element, see :func:`normalise_weight_tensors`).
+    """
+    if not deltas:
+        raise ValueError("merge needs at least one pseudo-gradient")
+    if len(deltas) != len(weights):
+        raise ValueError(f"{len(deltas)} pseudo-gradients but {len(weights)} weights")
+    if isinstance(weights[0], Tensor):
+        coefs: Sequence[Tensor | float] = list(weights)  # type: ignore[arg-type]
+    else:
+        coefs = merge_weights([float(w) for w in weights])  # type: ignore[arg-type]
+    out: Tensor | None = None
+    for delta, coef in zip(deltas, coefs):
+        c = coef if isinstance(coef, Tensor) else torch.tensor(coef, dtype=delta.dtype)
+        term = torch.mul(delta, c.to(delta.device))
+        out = term if out is None else out.add_(term)
+    assert out is not None
+    return out
+
+
+def normalise_weight_tensors(weights: Sequence[Tensor]) -> list[Tensor]:
+    """Per-element weights (one tensor per island) -> per-element coefficients that sum to one.
+
+    Where every island's weight is zero the coefficients fall back to equal shares.
+    """
+    total = weights[0].clone()
+    for w in weights[1:]:
+        total = total.add_(w)
+    zero = total == 0
+    n = len(weights)
+    coefs = []
+    for w in weights:
+        c = torch.div(w, torch.where(zero, torch.ones_like(total), total))
+        coefs.append(torch.where(zero, torch.full_like(c, 1.0 / n), c))
+    return coefs
+
+
+class OuterSGD:
+    """``torch.optim.SGD`` semantics (momentum, dampening, Nesterov, weight decay) on tensor lists.
+
+    Call :meth:`step` with the parameters (anchors) and their pseudo-gradients in the same order
+    every time; momentum buffers are kept per position. ``lr=1, momentum=0`` is plain averaging.
+    """
+
+    def __init__(
+        self,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if lr <= 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"outer optimizer needs lr > 0, momentum >= 0, weight_decay >= 0 "
+                             f"(got lr={lr}, momentum={momentum}, weight_decay={weight_decay})")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0 (as in torch.optim.SGD)")
+        self.lr = lr
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.dampening = dampening
+        self.weight_decay = weight_decay
+        self.buffers: list[Tensor | None] = []
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        """Update ``params`` in place from ``grads``."""
+        if len(params) != len(grads):
+            raise ValueError(f"{len(params)} parameters but {len(grads)} pseudo-gradients")
+        if not self.buffers:
+            self.buffers = [None] * len(params)
+        for i, (p, g) in enumerate(zip(params, grads)):
+            d = g
+            if self.weight_decay:
+                d = torch.add(d, torch.mul(p, self.weight_decay))
+            if self.momentum:
+                buf = self.buffers[i]
+                if buf is None:
+                    buf = d.clone()
+                    self.buffers[i] = buf
+                else:
+                    buf.mul_(self.momentum)
+                    buf.add_(d if self.dampening == 0 else torch.mul(d, 1.0 - self.dampening))
+                d = torch.add(d, torch.mul(buf, self.momentum)) if self.nesterov else buf
+            p.sub_(torch.mul(d, self.lr))
+        self.steps += 1
+
+    def settings(self) -> dict[str, float | bool]:
+        """The hyper-parameters, for fingerprints and logs."""
+        return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+                "dampening": self.dampening, "weight_decay": self.weight_decay}
+
+    def state_dict(self) -> dict:
+        """Momentum buffers (``None`` before the first step) and the step count."""
+        return {"buffers": list(self.buffers), "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.buffers = list(state["buffers"])
+        self.steps = int(state["steps"])
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    """Cosine similarity of two flat tensors (0 when either is zero)."""
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(torch.dot(a.double(), b.double())) / (na * nb)
+
+
+def mean_pairwise_cosine(vectors: Sequence[Tensor]) -> float:
+    """Mean cosine similarity over all pairs of islands' pseudo-gradients (1.0 for one island)."""
+    pairs = [(i, j) for i in range(len(vectors)) for j in range(i + 1, len(vectors))]
+    if not pairs:
+        return 1.0
+    return sum(cosine(vectors[i], vectors[j]) for i, j in pairs) / len(pairs)

@@ -1,0 +1,569 @@
+"""IslandStrategy: FSDP2 inside an island, DiLoCo outer steps across islands (Lightning glue only).
+
+The math is in :mod:`lightning_islands.outer`, the wire format in :mod:`lightning_islands.codecs`,
+the network in :mod:`lightning_islands.transport` and the shard bookkeeping in
+:mod:`lightning_islands.canonical`. This file decides *when* things happen in Lightning's life cycle:
+
+- ``setup``: shard the module, then meet the other islands (fingerprint check, initial parameters
+  from island 0, anchors taken from them before any inner step);
+- ``optimizer_step``: marks that the current batch stepped; the batch is closed at the next
+  boundary (next batch, validation, end of training), and every ``steps_per_round`` closed batches
+  the outer step runs;
+- ``on_validation_start``/``end``: validation sees the global parameters;
+- ``save_checkpoint``/``load_checkpoint``: the outer state travels with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_islands import outer
+from lightning_islands.canonical import CanonicalLayout
+from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec, quantization_error
+from lightning_islands.fsdp import FSDP2Strategy
+from lightning_islands.parallel import local_view
+from lightning_islands.transport import (
+    ENV_COORDINATOR,
+    ENV_ISLAND,
+    ENV_NUM_ISLANDS,
+    ENV_RUN_ID,
+    IslandLink,
+)
+
+_OUTER_DIR = "islands_outer"
+_EF_FILE = "islands_error_feedback.pt"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
+
+
+def batch_weight(module: pl.LightningModule, batch: Any) -> int:
+    """Tokens in ``batch``: the module's ``tokens_per_batch(batch)`` if it has one, else the number
+    of elements of the first tensor found (for ``(B, T)`` token ids: tokens; for other inputs: the
+    leading dimension)."""
+    fn = getattr(module, "tokens_per_batch", None)
+    if callable(fn):
+        return int(fn(batch))
+    stack = [batch]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, Tensor):
+            return int(item.numel()) if item.dim() <= 2 else int(item.shape[0])
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return 1
+
+
+class IslandStrategy(FSDP2Strategy):
+    """Train one model on several islands: FSDP2 inside each, DiLoCo outer steps between them.
+
+    Each island is its own torch.distributed world (torchrun, SLURM, ...). Every ``sync_every``
+    inner steps each island computes its pseudo-gradient ``anchor - params``, quantizes it with
+    ``codec``, all islands exchange the payloads through the coordinator's lanes, and every island
+    merges them (weighted by the tokens each island processed in the round, in island order) and
+    takes an outer SGD step on the anchor, which then becomes the island's parameters. Global state
+    is bit-identical on all islands after every outer step.
+
+    Args:
+        sync_every: inner steps per round (H).
+        outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
+        codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
+            ``int2``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
+        error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
+            bits and below.
+        island, num_islands, coordinator, run_id: this island's identity; default from the
+            environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
+        steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
+            slower island may run fewer, the merge stays token-weighted).
+        lanes: parallel TCP streams between islands.
+        outer_device: where anchors and outer momentum live (``"cpu"`` offloads them).
+        weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
+        timeout_s: how long to wait for other islands at rendezvous and every round.
+        unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
+    """
+
+    strategy_name = "islands"
+
+    def __init__(
+        self,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        codec: str = "fp32",
+        block_size: int = 128,
+        error_feedback: bool | None = None,
+        island: int | None = None,
+        num_islands: int | None = None,
+        coordinator: str | None = None,
+        run_id: str | None = None,
+        steps_per_round: int | None = None,
+        lanes: int = 2,
+        outer_device: str | None = None,
+        weighting: str = "tokens",
+        timeout_s: float = 600.0,
+        unit_classes: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            unit_classes=unit_classes,
+            reshard_after_forward=reshard_after_forward,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+        )
+        if sync_every < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
+        if weighting not in ("tokens", "equal"):
+            raise ValueError(f"weighting must be 'tokens' or 'equal', got {weighting!r}")
+        self.sync_every = sync_every
+        self.steps_per_round = steps_per_round or sync_every
+        self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self.codec = make_codec(codec, block_size=block_size)
+        self.codec_spec = codec
+        self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
+        self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
+        self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
+        self.coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+        self.run_id = run_id or os.environ.get(ENV_RUN_ID) or "islands"
+        if self.num_islands > 1 and not self.coordinator:
+            raise ValueError(
+                f"{self.num_islands} islands need a coordinator address: pass coordinator='HOST:PORT' or set "
+                f"{ENV_COORDINATOR} (`lightning-islands run` sets it for you)"
+            )
+        if not 0 <= self.island_index < self.num_islands:
+            raise ValueError(f"island index {self.island_index} is outside [0, {self.num_islands})")
+        self.lanes = lanes
+        self.outer_device = outer_device
+        self.weighting = weighting
+        self.timeout = timedelta(seconds=timeout_s)
+
+        self.link: IslandLink | None = None
+        self.layout: CanonicalLayout | None = None
+        self.error_feedback = ErrorFeedback() if self.use_error_feedback else None
+        self._params: list[Tensor] = []
+        self._anchors: list[Tensor] = []
+        self._stash: list[Tensor] | None = None
+        self._stepped_batch = False
+        self.inner_steps = 0
+        self.round_steps = 0
+        self.round = 0
+        self.round_tokens = 0
+        self.total_tokens = 0
+        self.totals: dict[str, float] = {"bytes_sent": 0.0, "bytes_received": 0.0,
+                                         "seconds_exchanging": 0.0, "seconds_waiting": 0.0}
+        self.last_round_metrics: dict[str, float] = {}
+        self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
+        self._last_status = 0.0
+
+    # ------------------------------------------------------------------ identity and rendezvous
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process is its island's rank 0 (the one that talks to other islands)."""
+        return self.global_rank == 0
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must be equal on every island for the merge to make sense."""
+        assert self.layout is not None
+        model = hashlib.sha256(json.dumps(self.layout.describe()).encode()).hexdigest()[:16]
+        return {
+            "parameters": model,
+            "num_parameters": self.layout.numel,
+            "num_tensors": len(self.layout.entries),
+            "first_tensors": self.layout.describe()[:3],
+            "num_islands": self.num_islands,
+            "sync_every": self.sync_every,
+            "outer": self.outer_opt.settings(),
+            "codec": self.codec.spec(),
+            "weighting": self.weighting,
+        }
+
+    @staticmethod
+    def compare_fingerprints(prints: Sequence[dict[str, Any]]) -> str | None:
+        """A message naming every field in which an island differs from island 0, or ``None``."""
+        problems = []
+        for i, fp in enumerate(prints[1:], start=1):
+            for key in sorted(set(prints[0]) | set(fp)):
+                a, b = prints[0].get(key), fp.get(key)
+                if a != b:
+                    problems.append(f"island {i} has {key}={b!r} but island 0 has {key}={a!r}")
+        if not problems:
+            return None
+        return ("islands disagree before the first step; make their model and island settings equal:\n  "
+                + "\n  ".join(problems))
+
+    def _island_broadcast_object(self, obj: Any) -> Any:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _outer_tensor(self, t: Tensor) -> Tensor:
+        device = torch.device(self.outer_device) if self.outer_device else t.device
+        return t.detach().to(device=device, dtype=torch.float32, copy=True)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._rendezvous()
+
+    def _rendezvous(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        named = [(n, p) for n, p in module.named_parameters()]
+        self._params = [p for _, p in named]
+        self.layout = CanonicalLayout(named)
+        error: str | None = None
+        if self.is_leader and self.num_islands > 1:
+            try:
+                assert self.coordinator is not None
+                self.link = IslandLink(self.coordinator, self.island_index, self.num_islands,
+                                       run_id=self.run_id, lanes=self.lanes, timeout=self.timeout)
+                prints = self.link.gather_objects("fingerprint", self.fingerprint())
+                error = self.compare_fingerprints(prints)
+            except Exception as err:  # noqa: BLE001 - every rank of the island must learn of it
+                error = f"island {self.island_index} could not meet the other islands: {err}"
+        error = self._island_broadcast_object(error)
+        if error:
+            raise RuntimeError(error)
+        # Initial parameters come from island 0, never from seeds.
+        if self.num_islands > 1:
+            flat = None
+            if self.is_leader:
+                mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
+                if self.island_index == 0:
+                    payload = mine.cpu().view(torch.uint8)
+                    self.link.broadcast_bytes(payload, src=0)  # type: ignore[union-attr]
+                else:
+                    flat = self.link.broadcast_bytes(None, src=0).view(torch.float32)  # type: ignore[union-attr]
+            else:
+                self.layout.gather([local_view(p).detach() for p in self._params], self._params)
+            if self.island_index != 0:
+                flat = self._island_broadcast_tensor(flat, self.layout.numel)
+                with torch.no_grad():
+                    for i, p in enumerate(self._params):
+                        local_view(p).copy_(self.layout.shard_of(flat, i, p))
+        self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
+
+    def _island_broadcast_tensor(self, flat: Tensor | None, numel: int) -> Tensor:
+        """Broadcast the leader's fp32 flat vector to every rank of this island."""
+        device = self.root_device
+        buf = flat.to(device) if flat is not None else torch.empty(numel, dtype=torch.float32, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)
+        return buf
+
+    # ------------------------------------------------------------------ inner steps and rounds
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepped_batch = True
+        return out
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._close_batch()
+        super().on_train_batch_start(batch, batch_idx)
+        if self._anchors:
+            n = batch_weight(self.lightning_module, batch)  # type: ignore[arg-type]
+            self.round_tokens += n
+        self._publish_status()
+
+    def _close_batch(self) -> None:
+        if not self._stepped_batch:
+            return
+        self._stepped_batch = False
+        self.inner_steps += 1
+        self.round_steps += 1
+        if self.round_steps >= self.steps_per_round:
+            self.outer_step()
+
+    def _island_sum(self, value: float) -> float:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    @torch.no_grad()
+    def outer_step(self) -> dict[str, float]:
+        """Run one round's exchange and outer step now (every rank of every island must call it)."""
+        assert self.layout is not None
+        t_start = time.perf_counter()
+        locals_ = [local_view(p) for p in self._params]
+        deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
+        full = self.layout.gather(deltas, self._params)
+        tokens = self._island_sum(float(self.round_tokens))
+        metrics: dict[str, float] = {}
+        merged = None
+        if self.is_leader:
+            merged, metrics = self._exchange(full.cpu(), tokens)
+        merged = self._island_broadcast_tensor(merged, self.layout.numel)
+        grads = [self.layout.shard_of(merged, i, p).to(a.device) for i, (p, a) in
+                 enumerate(zip(self._params, self._anchors))]
+        self.outer_opt.step(self._anchors, grads)
+        for p, a in zip(self._params, self._anchors):
+            local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
+        self.round += 1
+        self.round_steps = 0
+        self.total_tokens += int(tokens)
+        self.round_tokens = 0
+        metrics.update({"islands/round": float(self.round), "islands/inner_steps": float(self.inner_steps),
+                        "islands/round_tokens": tokens,
+                        "islands/seconds_outer_step": time.perf_counter() - t_start})
+        metrics.update({f"islands/total_{k}": v for k, v in self.totals.items()})
+        self.last_round_metrics = metrics
+        self._log(metrics)
+        for callback in self.round_callbacks:
+            callback(self)
+        return metrics
+
+    def _exchange(self, delta: Tensor, tokens: float) -> tuple[Tensor, dict[str, float]]:
+        """Leader only: quantize once, exchange, merge in island order."""
+        sent = self.error_feedback.compensate(delta) if self.error_feedback is not None else delta
+        payload = self.codec.encode(sent)
+        decoded_own = self.codec.decode(payload)
+        if self.error_feedback is not None:
+            self.error_feedback.update(sent, decoded_own)
+        metrics = {
+            "islands/pseudo_grad_norm": float(delta.norm()),
+            "islands/quant_rel_error": quantization_error(sent, decoded_own),
+            "islands/compression_ratio": 4.0 * delta.numel() / max(1, payload.numel()),
+            "islands/payload_bytes": float(payload.numel()),
+        }
+        if self.link is None:
+            decoded, weights = [decoded_own], [tokens]
+        else:
+            header = {"round": self.round, "tokens": tokens, "steps": self.round_steps}
+            t0 = time.perf_counter()
+            headers = self.link.gather_objects(f"round{self.round}", header)
+            self.link.stats.seconds_waiting += time.perf_counter() - t0
+            rounds = {h["round"] for h in headers}
+            if len(rounds) != 1:
+                raise RuntimeError(f"islands are in different rounds {[h['round'] for h in headers]}; "
+                                   "resume every island from checkpoints of the same round")
+            payloads = self.link.all_gather_bytes(payload)
+            decoded = [self.codec.decode(p) for p in payloads]
+            weights = [float(h["tokens"]) for h in headers]
+            stats = self.link.take_stats()
+            for key in self.totals:
+                self.totals[key] += getattr(stats, key)
+            metrics.update({"islands/bytes_sent": float(stats.bytes_sent),
+                            "islands/bytes_received": float(stats.bytes_received),
+                            "islands/seconds_exchanging": stats.seconds_exchanging,
+                            "islands/seconds_waiting": stats.seconds_waiting,
+                            "islands/cosine": outer.mean_pairwise_cosine(decoded)})
+        if self.weighting == "equal":
+            weights = [1.0] * len(decoded)
+        merged = outer.merge(decoded, weights)
+        metrics["islands/merged_norm"] = float(merged.norm())
+        return merged, metrics
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not self.is_leader:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _publish_status(self) -> None:
+        if self.link is None or not self.is_leader:
+            return
+        now = time.monotonic()
+        if now - self._last_status < 0.5:
+            return
+        self._last_status = now
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        loss = trainer.callback_metrics.get("train/loss")
+        status = {"step": trainer.global_step, "round": self.round,
+                  "loss": float(loss) if loss is not None else None,
+                  "bytes": self.totals["bytes_sent"] + self.totals["bytes_received"]}
+        with suppress(Exception):
+            self.link.store.set(f"status/{self.island_index}", json.dumps(status))
+
+    # ------------------------------------------------------------------ global model views
+    def _swap_in_global(self) -> None:
+        if not self._anchors or self.round_steps == 0 and not self._stepped_batch:
+            return
+        self._stash = [local_view(p).detach().clone() for p in self._params]
+        with torch.no_grad():
+            for p, a in zip(self._params, self._anchors):
+                local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
+
+    def _swap_out_global(self) -> None:
+        if self._stash is None:
+            return
+        with torch.no_grad():
+            for p, s in zip(self._params, self._stash):
+                local_view(p).copy_(s)
+        self._stash = None
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._close_batch()
+        self._swap_in_global()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._swap_out_global()
+        super().on_validation_end()
+
+    @override
+    def on_train_end(self) -> None:
+        self._close_batch()
+        if self._anchors and self.round_steps > 0:
+            self.outer_step()  # the final partial round, so that training ends on the global model
+        super().on_train_end()
+
+    @torch.no_grad()
+    def global_parameters(self) -> dict[str, Tensor]:
+        """The full global parameters (fp32, on CPU) by name; a collective inside the island."""
+        assert self.layout is not None
+        flat = self.layout.gather([a for a in self._anchors], self._params).cpu()
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape).clone() for e in self.layout.entries}
+
+    @torch.no_grad()
+    def global_state_digest(self) -> str:
+        """SHA-256 of the global parameters and outer momentum in canonical layout (island collective)."""
+        assert self.layout is not None
+        h = hashlib.sha256()
+        h.update(self.layout.gather(self._anchors, self._params).cpu().numpy().tobytes())
+        buffers = self.outer_opt.buffers
+        if buffers and all(b is not None for b in buffers):
+            h.update(self.layout.gather(buffers, self._params).cpu().numpy().tobytes())  # type: ignore[arg-type]
+        return h.hexdigest()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if not self._anchors:
+            return
+        digest = self.global_state_digest()
+        if self.link is not None and self.is_leader:
+            digests = self.link.gather_objects(f"start{self.round}", {"digest": digest, "round": self.round})
+            error = None
+            if len({d["digest"] for d in digests}) != 1:
+                error = ("islands start from different global states (rounds "
+                         f"{[d['round'] for d in digests]}); resume every island from checkpoints of the "
+                         "same round, or none")
+        else:
+            error = None
+        error = self._island_broadcast_object(error)
+        if error:
+            raise RuntimeError(error)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _outer_dtensors(self, tensors: Sequence[Tensor]) -> dict[str, Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        assert self.layout is not None
+        out = {}
+        for e, p, t in zip(self.layout.entries, self._params, tensors):
+            if isinstance(p, DTensor):
+                out[e.name] = DTensor.from_local(t.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                                 shape=p.shape, stride=p.stride())
+            else:
+                out[e.name] = t
+        return out
+
+    def _counters(self) -> dict[str, Any]:
+        return {"round": self.round, "inner_steps": self.inner_steps, "round_steps": self.round_steps,
+                "round_tokens": self.round_tokens, "total_tokens": self.total_tokens,
+                "stepped_batch": self._stepped_batch, "totals": dict(self.totals),
+                "outer_steps": self.outer_opt.steps, "has_momentum": bool(self.outer_opt.buffers)
+                and all(b is not None for b in self.outer_opt.buffers), "island": self.island_index,
+                "fingerprint": self.fingerprint() if self.layout is not None else None}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if not self._anchors:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        checkpoint["islands"] = self._counters()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        state: dict[str, Any] = {"anchor": self._outer_dtensors(self._anchors)}
+        if checkpoint["islands"]["has_momentum"]:
+            state["momentum"] = self._outer_dtensors(self.outer_opt.buffers)  # type: ignore[arg-type]
+        dcp_save(state, storage_writer=FileSystemWriter(path / _OUTER_DIR, overwrite=True))
+        if self.is_leader and self.error_feedback is not None:
+            torch.save(self.error_feedback.state_dict(), path / _EF_FILE)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = checkpoint.get("islands")
+        if meta is None or not self._anchors:
+            return checkpoint
+        from torch.distributed.checkpoint import load as dcp_load
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        anchors = self._outer_dtensors([a.clone() for a in self._anchors])
+        state: dict[str, Any] = {"anchor": anchors}
+        if meta["has_momentum"]:
+            state["momentum"] = self._outer_dtensors([torch.zeros_like(a) for a in self._anchors])
+        dcp_load(state, checkpoint_id=path / _OUTER_DIR)
+        for a, name in zip(self._anchors, [e.name for e in self.layout.entries]):  # type: ignore[union-attr]
+            a.copy_(local_view(state["anchor"][name]))
+        if meta["has_momentum"]:
+            self.outer_opt.buffers = [local_view(state["momentum"][e.name]).to(a.device).clone()
+                                      for e, a in zip(self.layout.entries, self._anchors)]  # type: ignore[union-attr]
+        self.outer_opt.steps = meta["outer_steps"]
+        if self.error_feedback is not None and self.is_leader and (path / _EF_FILE).exists():
+            self.error_feedback.load_state_dict(torch.load(path / _EF_FILE, weights_only=True))
+        self.round, self.inner_steps, self.round_steps = meta["round"], meta["inner_steps"], meta["round_steps"]
+        self.round_tokens, self.total_tokens = meta["round_tokens"], meta["total_tokens"]
+        self._stepped_batch = meta["stepped_batch"]
+        self.totals = dict(meta["totals"])
+        return checkpoint
+
+    @override
+    def teardown(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        pass
+
+
+def register() -> None:
+    """Make ``Trainer(strategy="islands")`` resolve to :class:`IslandStrategy`."""
+    if "islands" not in StrategyRegistry:
+        StrategyRegistry.register("islands", IslandStrategy, description="DiLoCo across islands, FSDP2 inside")

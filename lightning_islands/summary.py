@@ -1,0 +1,59 @@
+"""The end-of-run summary: read each island's ``result.json`` and say what happened."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def summarize(run_dir: str | Path) -> dict[str, Any]:
+    """Collect ``island*/result.json`` under ``run_dir`` into one summary dict."""
+    run_dir = Path(run_dir)
+    results = [json.loads(p.read_text()) for p in sorted(run_dir.glob("island*/result.json"))]
+    if not results:
+        raise FileNotFoundError(f"no island*/result.json under {run_dir}; did the islands finish?")
+    first = results[0]
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "strategy": first["strategy"],
+        "val_loss": first["val_loss"],
+        "val_ppl": first["val_ppl"],
+        "tokens": sum(r["tokens"] for r in results),
+        "wall_seconds": max(r["fit_seconds"] for r in results),
+        "islands": results,
+    }
+    if "parameters" in first:
+        summary["parameters"] = first["parameters"]
+    if first.get("islands"):
+        summary["rounds"] = first.get("rounds")
+        summary["bytes_exchanged"] = sum(r["islands"].get("bytes_sent", 0.0) for r in results)
+        summary["val_loss_per_island"] = [r["val_loss"] for r in results]
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human lines."""
+    lines = ["", "=== lightning-islands summary ===",
+             f"strategy            {summary['strategy']}",
+             f"final val loss      {summary['val_loss']:.4f}   (perplexity {summary['val_ppl']:.3f})",
+             f"tokens trained      {summary['tokens']:,}",
+             f"wall time (fit)     {summary['wall_seconds']:.1f} s   "
+             f"({summary['tokens'] / max(summary['wall_seconds'], 1e-9):,.0f} tokens/s)"]
+    if "parameters" in summary:
+        p = summary["parameters"]
+        lines.append(f"parameters          {p.get('total', 0):,} total, {p.get('active', 0):,} active")
+    for r in summary["islands"]:
+        extra = ""
+        if r.get("islands"):
+            isl = r["islands"]
+            extra = (f", sent {isl.get('bytes_sent', 0) / 1e6:.2f} MB,"
+                     f" exchanging {isl.get('seconds_exchanging', 0):.2f} s,"
+                     f" waiting {isl.get('seconds_waiting', 0):.2f} s")
+        lines.append(f"island {r['island']}: {r['world_size']} proc x batch {r['batch_size']}, "
+                     f"{r['global_step']} steps, val loss {r['val_loss']:.4f}{extra}")
+    if "rounds" in summary:
+        lines.append(f"outer rounds        {summary['rounds']}   "
+                     f"cross-island bytes {summary['bytes_exchanged'] / 1e6:.2f} MB")
+    lines.append(f"logs                {summary['run_dir']}  (checkpoints in island*/checkpoints)")
+    return "\n".join(lines)

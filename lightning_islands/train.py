@@ -1,0 +1,68 @@
+"""The Hydra app: ``lightning-islands train`` / ``python -m lightning_islands.train``.
+
+A driver, not a trainer: it composes the config, writes the resolved job to the run folder,
+launches the islands (or the one world of ``single``/``ddp``/``fsdp``) with torch.distributed.run,
+waits, and prints a summary. Because this process never becomes a training process, Hydra's
+multirun (``-m``) sweeps work: each job is one launch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_islands.launch import report_failures, run_islands
+from lightning_islands.summary import format_summary, summarize
+
+
+def config_dir() -> str:
+    """The ``conf/`` folder: beside the package in a checkout, else the installed package data."""
+    checkout = Path(__file__).resolve().parent.parent / "conf"
+    if (checkout / "config.yaml").exists():
+        return str(checkout)
+    return "pkg://lightning_islands.conf"
+
+
+def island_plan(cfg: DictConfig) -> list[int]:
+    """Processes per island: ``islands.members[*].devices`` for islands, else one world."""
+    if cfg.strategy.name == "islands":
+        return [int(m.devices) for m in cfg.islands.members]
+    return [int(cfg.strategy.get("devices", 1))]
+
+
+def drive(cfg: DictConfig) -> dict[str, Any]:
+    """Run the composed job to the end; returns the summary (raises SystemExit if an island failed)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = OmegaConf.to_container(cfg, resolve=True)
+    job["run_dir"] = str(run_dir)  # type: ignore[index]
+    job_path = run_dir / "job.yaml"
+    OmegaConf.save(OmegaConf.create(job), job_path)
+    plan = island_plan(cfg)
+    print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
+    results = run_islands(plan, [sys.executable, "-m", "lightning_islands.worker", str(job_path)],
+                          log_dir=run_dir)
+    code = report_failures(results)
+    if code:
+        raise SystemExit(code)
+    summary = summarize(run_dir)
+    print(format_summary(summary), flush=True)
+    if cfg.get("summary_json", True):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def main(cfg: DictConfig) -> float:
+    """Hydra entry point; returns the final validation loss (for sweepers that optimise it)."""
+    return float(drive(cfg)["val_loss"])
+
+
+if __name__ == "__main__":
+    main()

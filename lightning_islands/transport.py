@@ -1,0 +1,204 @@
+"""Who talks to whom across islands, and how the bytes move.
+
+A coordinator is a c10d ``TCPStore`` server that outlives any island. Each island's leader (its
+global rank 0) connects to it and builds ``lanes``: ProcessGroupGloo groups on the same store, one
+TCP stream each, over which payloads are all-gathered in parallel chunks. Nothing here knows about
+Lightning, parameters or codecs; it moves uint8 tensors and small JSON objects and counts what it
+moved.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+ENV_ISLAND = "LI_ISLAND"
+ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
+ENV_COORDINATOR = "LI_COORDINATOR"
+ENV_RUN_ID = "LI_RUN_ID"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (the coordinator address) into its parts, with a clear error."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"coordinator address {address!r} is not of the form HOST:PORT; pass e.g. "
+            f"coordinator='127.0.0.1:29400' or set {ENV_COORDINATOR}"
+        )
+    return host, int(port)
+
+
+class Coordinator:
+    """A standalone c10d TCPStore server that holds membership and rounds for every island.
+
+    Keep the object alive for as long as islands train; ``port=0`` picks a free port.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.host = host
+        self.port = self.store.port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to hand to islands."""
+        return f"{self.host}:{self.port}"
+
+    def status(self, num_islands: int) -> list[dict | None]:
+        """The latest status each island published (``None`` where none yet)."""
+        out: list[dict | None] = []
+        for i in range(num_islands):
+            key = f"status/{i}"
+            if self.store.check([key]):
+                out.append(json.loads(self.store.get(key)))
+            else:
+                out.append(None)
+        return out
+
+
+@dataclass
+class LinkStats:
+    """Bytes and seconds moved by one :class:`IslandLink` since the last :meth:`IslandLink.take_stats`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_exchanging: float = 0.0
+    seconds_waiting: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class IslandLink:
+    """The leader's connection to the other islands: a store client plus ``lanes`` gloo groups.
+
+    Args:
+        address: coordinator ``host:port``.
+        island: this island's index in ``[0, num_islands)``.
+        num_islands: how many islands take part.
+        run_id: namespace for this run's keys in the store (several runs may share a coordinator).
+        lanes: parallel TCP streams per island pair; payloads are split across them.
+        timeout: how long a collective may wait for the slowest island before failing.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        island: int,
+        num_islands: int,
+        run_id: str = "run",
+        lanes: int = 2,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        if not 0 <= island < num_islands:
+            raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
+        if lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {lanes}")
+        host, port = parse_address(address)
+        self.island = island
+        self.num_islands = num_islands
+        self.run_id = run_id
+        self.timeout = timeout
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
+            raise ConnectionError(
+                f"island {island} could not reach the coordinator at {address} ({err}); start one with "
+                "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
+            ) from err
+        self.lanes = [
+            dist.ProcessGroupGloo(dist.PrefixStore(f"{run_id}/lane{k}/", self.store), island, num_islands, timeout)
+            for k in range(lanes)
+        ]
+        self.stats = LinkStats()
+
+    # -- small objects through the store -------------------------------------------------------
+    def publish(self, key: str, obj: object) -> None:
+        """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
+        self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
+
+    def gather_objects(self, key: str, obj: object) -> list:
+        """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order."""
+        self.publish(f"{key}/{self.island}", obj)
+        keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
+        self.store.wait(keys, self.timeout)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    # -- tensors over the lanes ----------------------------------------------------------------
+    def _all_gather_sizes(self, n: int) -> list[int]:
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.num_islands)]
+        self.lanes[0].allgather([out], [mine]).wait()
+        return [int(t.item()) for t in out]
+
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather one uint8 CPU tensor per island (sizes may differ); returns them in island order.
+
+        The time until every island has announced its size is counted as waiting (for the slowest
+        island); the rest as exchanging. The payload is cut into ``len(lanes)`` chunks that move in
+        parallel.
+        """
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError("payload must be a 1-D uint8 tensor")
+        payload = payload.cpu().contiguous()
+        t0 = time.perf_counter()
+        sizes = self._all_gather_sizes(payload.numel())
+        t1 = time.perf_counter()
+        n_lanes = len(self.lanes)
+        chunk = (max(sizes) + n_lanes - 1) // n_lanes if max(sizes) else 0
+        padded = torch.zeros(chunk * n_lanes, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(self.num_islands)] for _ in range(n_lanes)]
+        works = [
+            lane.allgather([outs[k]], [padded[k * chunk : (k + 1) * chunk]])
+            for k, lane in enumerate(self.lanes)
+        ] if chunk else []
+        for w in works:
+            w.wait()
+        t2 = time.perf_counter()
+        result = []
+        for i, size in enumerate(sizes):
+            full = torch.cat([outs[k][i] for k in range(n_lanes)]) if chunk else torch.empty(0, dtype=torch.uint8)
+            result.append(full[:size])
+        self.stats.seconds_waiting += t1 - t0
+        self.stats.seconds_exchanging += t2 - t1
+        self.stats.bytes_sent += payload.numel() * (self.num_islands - 1)
+        self.stats.bytes_received += sum(s for i, s in enumerate(sizes) if i != self.island)
+        return result
+
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+        """Broadcast a uint8 tensor from island ``src`` to every island (used for initial state)."""
+        size = torch.tensor([payload.numel() if self.island == src and payload is not None else 0],
+                            dtype=torch.int64)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        t0 = time.perf_counter()
+        self.lanes[0].broadcast([size], opts).wait()
+        buf = payload.cpu().contiguous() if self.island == src and payload is not None else torch.empty(
+            int(size.item()), dtype=torch.uint8)
+        self.lanes[0].broadcast([buf], opts).wait()
+        self.stats.seconds_exchanging += time.perf_counter() - t0
+        if self.island == src:
+            self.stats.bytes_sent += buf.numel() * (self.num_islands - 1)
+        else:
+            self.stats.bytes_received += buf.numel()
+        return buf
+
+    def barrier(self) -> None:
+        """Wait until every island reaches this point."""
+        self._all_gather_sizes(0)
+
+    def take_stats(self) -> LinkStats:
+        """Return the counters accumulated so far and start new ones."""
+        stats, self.stats = self.stats, LinkStats()
+        return stats
+
+    def close(self) -> None:
+        """Drop the lanes and the store connection."""
+        self.lanes = []
+        self.store = None  # type: ignore[assignment]

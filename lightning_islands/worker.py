@@ -1,0 +1,165 @@
+"""One training process of one island: ``python -m lightning_islands.worker JOB.yaml``.
+
+The Hydra app composes and resolves the job, writes it to ``JOB.yaml`` and launches this module
+with torch.distributed.run once per island; the launcher sets ``LI_ISLAND`` and friends. Here the
+config becomes a model, a datamodule, a strategy, loggers and a Trainer, and rank 0 of each island
+writes ``island{i}/result.json`` for the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_islands.fsdp import FSDP2Strategy
+from lightning_islands.launch import ENV_PROGRESS
+from lightning_islands.strategy import IslandStrategy
+from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS
+
+_TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
+                 "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")
+
+
+def island_identity() -> tuple[int, int]:
+    """(island index, number of islands) from the launcher's environment, ``(0, 1)`` without one."""
+    return int(os.environ.get(ENV_ISLAND, "0")), int(os.environ.get(ENV_NUM_ISLANDS, "1"))
+
+
+def island_member(cfg: DictConfig, island: int) -> dict[str, Any]:
+    """This island's entry of ``islands.members`` (devices, batch size, overrides)."""
+    if cfg.strategy.name != "islands":
+        return {"devices": int(cfg.strategy.get("devices", 1))}
+    members = cfg.islands.members
+    if island >= len(members):
+        raise ValueError(f"island {island} has no entry in islands.members (only {len(members)} given)")
+    return OmegaConf.to_container(members[island], resolve=True)  # type: ignore[return-value]
+
+
+def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
+    """The Lightning strategy object (or name) for ``cfg.strategy``."""
+    name = cfg.strategy.name
+    if name == "single":
+        return "auto"
+    if name == "ddp":
+        return "ddp"
+    if name == "fsdp":
+        return FSDP2Strategy(unit_classes=cfg.strategy.get("unit_classes"),
+                             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True))
+    if name == "islands":
+        isl = cfg.islands
+        return IslandStrategy(
+            sync_every=isl.sync_every, outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
+            nesterov=isl.nesterov, codec=isl.codec, block_size=isl.block_size,
+            error_feedback=isl.error_feedback, lanes=isl.lanes, weighting=isl.weighting,
+            outer_device=isl.outer_device, timeout_s=isl.timeout_s,
+            steps_per_round=member.get("steps_per_round"),
+            unit_classes=cfg.strategy.get("unit_classes"),
+            reshard_after_forward=cfg.strategy.get("reshard_after_forward", True),
+        )
+    raise ValueError(f"unknown strategy {name!r}; choose single, ddp, fsdp or islands")
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path, island: int) -> list:
+    """One logger run per island, named after the experiment (W&B: grouped by experiment)."""
+    kind = cfg.logger.kind
+    version = f"island{island}"
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return [CSVLogger(save_dir=str(run_dir), name="logs", version=version)]
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return [TensorBoardLogger(save_dir=str(run_dir), name="tb", version=version)]
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        if cfg.logger.get("offline", True):
+            os.environ.setdefault("WANDB_MODE", "offline")
+        return [WandbLogger(project=cfg.logger.project, name=f"{cfg.experiment.name}-{version}",
+                            group=cfg.experiment.name, save_dir=str(run_dir), offline=cfg.logger.get("offline", True),
+                            config=OmegaConf.to_container(cfg, resolve=True))]
+    if kind == "none":
+        return []
+    raise ValueError(f"unknown logger kind {kind!r}; choose csv, tensorboard, wandb or none")
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train this process's part of the job; returns (and on rank 0 writes) the island's result."""
+    island, num_islands = island_identity()
+    run_dir = Path(cfg.run_dir)
+    member = island_member(cfg, island)
+    pl.seed_everything(int(cfg.seed) + island, workers=True, verbose=False)
+    model = instantiate(cfg.model)
+    data_kwargs: dict[str, Any] = {}
+    if "batch_size" in member:
+        data_kwargs["batch_size"] = member["batch_size"]
+    datamodule = instantiate(cfg.data, **data_kwargs)
+    strategy = build_strategy(cfg, island, member)
+    t = cfg.trainer
+    trainer_kwargs = {k: t[k] for k in _TRAINER_KEYS if k in t and t[k] is not None}
+    if "precision" in member:
+        trainer_kwargs["precision"] = member["precision"]
+    ckpt_dir = run_dir / f"island{island}" / "checkpoints"
+    checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,
+                                 every_n_train_steps=int(t.get("checkpoint_every_n_steps", 0) or 0) or None)
+    progress = os.environ.get(ENV_PROGRESS, "1") != "0"
+    trainer = pl.Trainer(
+        devices=int(member.get("devices", 1)), num_nodes=1, strategy=strategy,
+        logger=build_loggers(cfg, run_dir, island) or False, callbacks=[checkpoint],
+        use_distributed_sampler=False, enable_progress_bar=progress, enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    ckpt_path = cfg.get("resume")
+    if ckpt_path is not None and not isinstance(ckpt_path, str):
+        ckpt_path = list(ckpt_path)[island]
+    started = time.time()
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    fit_seconds = time.time() - started
+    metrics = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+    result: dict[str, Any] = {
+        "island": island, "num_islands": num_islands, "strategy": cfg.strategy.name,
+        "world_size": trainer.world_size, "batch_size": datamodule.batch_size,
+        "global_step": trainer.global_step, "fit_seconds": fit_seconds,
+        "val_loss": float(metrics["val/loss"]), "val_ppl": float(metrics["val/ppl"]),
+        "tokens": int(trainer.global_step) * datamodule.batch_size * model.hparams.seq_len * trainer.world_size
+        * trainer.accumulate_grad_batches,
+        "checkpoint_dir": str(ckpt_dir), "log_dir": str(run_dir),
+    }
+    if hasattr(model, "num_parameters"):
+        result["parameters"] = model.num_parameters()
+    if isinstance(strategy, IslandStrategy):
+        result["rounds"] = strategy.round
+        last = {f"last_{k.split('/', 1)[1]}": v for k, v in strategy.last_round_metrics.items()}
+        result["islands"] = {**last, **strategy.totals}
+    if trainer.global_rank == 0:
+        out = run_dir / f"island{island}"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: ``python -m lightning_islands.worker JOB.yaml``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m lightning_islands.worker JOB.yaml")
+    torch.set_float32_matmul_precision("high")
+    # Lightning 2.6 on torch 2.13 warns about its own use of a deprecated pytree API on every step.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    run(OmegaConf.load(argv[0]))  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    main()

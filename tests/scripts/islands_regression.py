@@ -1,0 +1,138 @@
+"""A plain LightningModule (no configure_model) trained by the islands strategy; used by tests.
+
+Run it as islands: ``lightning-islands run --islands 2,1 -- python islands_regression.py --out DIR``.
+Each island's rank 0 saves the global parameters after every outer step to
+``DIR/island{i}_round{r}.pt`` so tests can compare islands bit for bit and against a reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_islands import IslandStrategy
+
+DIM = 6
+W_TRUE = torch.linspace(-1.0, 1.0, DIM * 2).view(2, DIM)
+
+
+def batch_for(island: int, rank: int, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch that rank ``rank`` of island ``island`` trains on at inner step ``step``."""
+    g = torch.Generator().manual_seed(1_000_003 * island + 10_007 * rank + step)
+    x = torch.randn(batch_size, DIM, generator=g)
+    y = x @ W_TRUE.T + 0.1 * torch.randn(batch_size, 2, generator=g) + island * 0.5
+    return x, y
+
+
+class Stream(IterableDataset):
+    def __init__(self, island: int, rank: int, batch_size: int, start: int) -> None:
+        self.island, self.rank, self.batch_size, self.start = island, rank, batch_size, start
+
+    def __iter__(self):
+        step = self.start
+        while True:
+            yield batch_for(self.island, self.rank, step, self.batch_size)
+            step += 1
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, hidden: int = 8, inner: str = "sgd", lr: float = 0.05) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(DIM, hidden), nn.Linear(hidden, 2)])
+        self.inner, self.lr = inner, lr
+
+    def forward(self, x):
+        return self.layers[1](self.layers[0](x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.inner == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        island = self.trainer.strategy.island_index
+        return DataLoader(Stream(island, self.trainer.global_rank, self.batch_size, self.trainer.global_step),
+                          batch_size=None)
+
+    def val_dataloader(self):
+        batches = [batch_for(99, r, 0, 4) for r in range(2)]
+        return DataLoader(batches[self.trainer.global_rank :: self.trainer.world_size], batch_size=None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--nesterov", type=int, default=1)
+    p.add_argument("--codec", default="fp32")
+    p.add_argument("--error-feedback", type=int, default=-1)
+    p.add_argument("--batch-sizes", default="4,8")
+    p.add_argument("--hidden", default="8", help="hidden size per island (comma list) to provoke mismatches")
+    p.add_argument("--outer-lrs", default=None, help="outer lr per island (comma list) to provoke mismatches")
+    p.add_argument("--inner", default="sgd")
+    p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--resume", default=None, help="checkpoint path pattern with {island}")
+    p.add_argument("--fail-island", type=int, default=-1)
+    p.add_argument("--val-every", type=int, default=0)
+    args = p.parse_args()
+    island = int(os.environ.get("LI_ISLAND", "0"))
+    if island == args.fail_island:
+        raise RuntimeError(f"island {island} was told to fail")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(island)  # islands start from different seeds: island 0's parameters must win
+    hidden = [int(h) for h in args.hidden.split(",")]
+    model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner)
+    model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
+    outer_lr = args.outer_lr
+    if args.outer_lrs:
+        outer_lr = [float(v) for v in args.outer_lrs.split(",")][island]
+    strategy = IslandStrategy(sync_every=args.H, outer_lr=outer_lr, outer_momentum=args.momentum,
+                              nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
+                              error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback))
+
+    def save_round(s: IslandStrategy) -> None:
+        params = s.global_parameters()
+        digest = s.global_state_digest()
+        if s.global_rank == 0:
+            torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
+                        "inner_steps": s.inner_steps}, out / f"island{s.island_index}_round{s.round}.pt")
+
+    strategy.round_callbacks.append(save_round)
+    callbacks = []
+    if args.ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"),
+                                                      every_n_train_steps=args.ckpt_every, save_top_k=-1,
+                                                      filename="{step}"))
+    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
+                         max_steps=args.steps, logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
+                         num_sanity_val_steps=0)
+    ckpt = args.resume.format(island=island) if args.resume else None
+    trainer.fit(model, ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        (out / f"island{island}_done").write_text(str(strategy.round))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The Hydra app: composition of every option, real launches of the default job, FSDP2, sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from lightning_islands.train import config_dir, island_plan
+from lightning_islands.worker import build_strategy, island_member
+
+CONF = Path(config_dir())
+GROUPS = ["model", "data", "strategy", "islands", "trainer", "logger", "experiment"]
+SMALL = ["trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.checkpoint_every_n_steps=6",
+         "data.max_bytes=400000", "data.val_windows=16", "data.val_batch_size=8", "islands.sync_every=3"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    env = dict(os.environ)
+    env["LIGHTNING_ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    env["WANDB_MODE"] = "offline"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_of_every_group_composes(group):
+    assert options(group), f"conf/{group} is empty"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for option in options(group):
+            overrides = [f"{group}={option}"]
+            if group == "data" and option == "folder":
+                overrides.append(f"data.source={CONF}")
+            cfg = compose(config_name="config", overrides=overrides)
+            OmegaConf.resolve(cfg)
+            assert cfg[group] is not None
+            if group == "model":
+                with torch.device("meta"):
+                    model = instantiate(cfg.model)
+                assert model.num_parameters()["total"] > 0
+            if group == "data":
+                assert instantiate(cfg.data).batch_size > 0
+            if group == "strategy":
+                member = island_member(cfg, 0)
+                assert island_plan(cfg)
+                if option == "islands":
+                    os.environ.pop("LI_COORDINATOR", None)
+                    cfg.islands.members = [cfg.islands.members[0]]  # one island needs no coordinator
+                    assert build_strategy(cfg, 0, member).num_islands == 1
+                else:
+                    assert build_strategy(cfg, 0, member) is not None
+
+
+def test_default_config_is_two_heterogeneous_islands_with_the_moe():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config")
+    assert cfg.strategy.name == "islands" and cfg.data.source == "stdlib"
+    assert cfg.model._target_.endswith("MoELanguageModel") and cfg.model.n_experts > 0
+    members = cfg.islands.members
+    assert len(members) == 2 and members[0].devices != members[1].devices
+    assert members[0].batch_size != members[1].batch_size
+
+
+def _train(args, cwd, env, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "lightning_islands.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _run_dir(stdout: str) -> Path:
+    return Path(stdout.split("run folder ", 1)[1].split()[0])
+
+
+@pytest.mark.slow
+def test_main_job_runs_and_prints_its_summary(tmp_path, cache_env):
+    out = _train(SMALL, tmp_path, cache_env)
+    assert "=== lightning-islands summary ===" in out
+    run = _run_dir(out)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["strategy"] == "islands" and summary["rounds"] == 4
+    losses = summary["val_loss_per_island"]
+    # same global model on every island; only the split of the validation set over ranks differs
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert summary["bytes_exchanged"] > 0
+    assert (run / "island0" / "checkpoints" / "last.ckpt").is_dir()
+    assert (run / "logs" / "island1" / "metrics.csv").is_file()
+
+
+def _losses(metrics_csv: Path) -> list[float]:
+    with metrics_csv.open() as f:
+        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_loss_falls_and_checkpoint_resumes(tmp_path, cache_env):
+    args = ["strategy=fsdp", "trainer.max_steps=30", "trainer.val_check_interval=15",
+            "trainer.checkpoint_every_n_steps=15", "trainer.log_every_n_steps=1", "data.max_bytes=400000",
+            "data.val_windows=16", "data.val_batch_size=8"]
+    out = _train(args, tmp_path, cache_env)
+    run = _run_dir(out)
+    losses = _losses(run / "logs" / "island0" / "metrics.csv")
+    assert len(losses) >= 20 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+    ckpt = run / "island0" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir()
+    longer = [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=40"]
+    out2 = _train([*longer, f"resume={ckpt}"], tmp_path, cache_env)
+    result = json.loads((_run_dir(out2) / "island0" / "result.json").read_text())
+    assert result["global_step"] == 40
+    resumed = _losses(_run_dir(out2) / "logs" / "island0" / "metrics.csv")
+    assert len(resumed) == 10, "the resumed run trains only the 10 remaining steps"
+
+
+@pytest.mark.slow
+def test_multirun_sweep_of_two_jobs(tmp_path, cache_env):
+    out = _train(["-m", "islands.sync_every=2,3", "islands=two_equal", *SMALL[:-1]], tmp_path, cache_env)
+    summaries = sorted(tmp_path.glob("runs/default/multirun_*/*/summary.json"))
+    assert len(summaries) == 2, out[-2000:]
+    rounds = sorted(json.loads(p.read_text())["rounds"] for p in summaries)
+    assert rounds == [4, 6]

@@ -1,0 +1,85 @@
+"""The outer-step math on plain tensors: SGD semantics, merge weights, shard invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_islands import outer
+
+
+@pytest.mark.parametrize("momentum, nesterov, wd", [(0.0, False, 0.0), (0.9, False, 0.0), (0.9, True, 0.0),
+                                                    (0.5, True, 0.01)])
+def test_outer_sgd_follows_torch_optim_sgd(momentum, nesterov, wd):
+    g = torch.Generator().manual_seed(0)
+    p_ref = torch.randn(37, generator=g, requires_grad=True)
+    p = p_ref.detach().clone()
+    ref = torch.optim.SGD([p_ref], lr=0.7, momentum=momentum, nesterov=nesterov, weight_decay=wd)
+    mine = outer.OuterSGD(lr=0.7, momentum=momentum, nesterov=nesterov, weight_decay=wd)
+    for _ in range(6):
+        grad = torch.randn(37, generator=g)
+        p_ref.grad = grad.clone()
+        ref.step()
+        mine.step([p], [grad])
+        torch.testing.assert_close(p, p_ref.detach(), rtol=1e-6, atol=1e-6)
+    assert mine.steps == 6
+
+
+def test_lr1_momentum0_is_plain_averaging():
+    anchor = torch.tensor([1.0, 2.0, 3.0])
+    locals_ = [torch.tensor([0.0, 2.0, 4.0]), torch.tensor([2.0, 2.0, 0.0])]
+    deltas = [outer.pseudo_gradient(anchor, loc) for loc in locals_]
+    merged = outer.merge(deltas, [1.0, 3.0])
+    outer.OuterSGD(lr=1.0, momentum=0.0, nesterov=False).step([anchor], [merged])
+    torch.testing.assert_close(anchor, 0.25 * locals_[0] + 0.75 * locals_[1])
+
+
+def test_merge_weights_tokens_and_zero_fallback():
+    assert outer.merge_weights([2.0, 6.0]) == [0.25, 0.75]
+    assert outer.merge_weights([0.0, 0.0]) == [0.5, 0.5]
+    with pytest.raises(ValueError, match="non-negative"):
+        outer.merge_weights([1.0, -1.0])
+    with pytest.raises(ValueError, match="2 pseudo-gradients but 1 weights"):
+        outer.merge([torch.zeros(2), torch.zeros(2)], [1.0])
+
+
+def test_per_element_weights_fall_back_to_equal_where_no_island_counted():
+    w = outer.normalise_weight_tensors([torch.tensor([1.0, 0.0, 3.0]), torch.tensor([3.0, 0.0, 0.0])])
+    torch.testing.assert_close(w[0], torch.tensor([0.25, 0.5, 1.0]))
+    torch.testing.assert_close(w[1], torch.tensor([0.75, 0.5, 0.0]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), cuts=st.lists(st.integers(0, 3000), max_size=4), seed=st.integers(0, 2**16))
+def test_outer_step_on_shards_is_bit_identical_to_full_vector(n, cuts, seed):
+    """Islands shard differently; every element's result must not depend on where shards begin."""
+    g = torch.Generator().manual_seed(seed)
+    anchor = torch.randn(n, generator=g)
+    deltas = [torch.randn(n, generator=g) * 1e-2 for _ in range(3)]
+    weights = [3.0, 1.0, 7.0]
+    full_opt = outer.OuterSGD()
+    full = anchor.clone()
+    bounds = sorted({0, n, *[c % (n + 1) for c in cuts]})
+    pieces = [anchor[a:b].clone() for a, b in zip(bounds, bounds[1:])]
+    shard_opt = outer.OuterSGD()
+    for _ in range(3):
+        merged = outer.merge(deltas, weights)
+        full_opt.step([full], [merged])
+        shard_opt.step(pieces, [merged[a:b] for a, b in zip(bounds, bounds[1:])])
+    assert torch.equal(torch.cat(pieces), full)
+
+
+def test_cosine_and_settings():
+    a, b = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert outer.cosine(a, b) == 0.0 and outer.cosine(a, a) == pytest.approx(1.0)
+    assert outer.mean_pairwise_cosine([a]) == 1.0
+    assert outer.cosine(a, torch.zeros(2)) == 0.0
+    with pytest.raises(ValueError, match="Nesterov"):
+        outer.OuterSGD(momentum=0.0, nesterov=True)
+    opt = outer.OuterSGD()
+    opt.step([torch.zeros(2)], [torch.ones(2)])
+    restored = outer.OuterSGD()
+    restored.load_state_dict(opt.state_dict())
+    assert restored.steps == 1 and torch.equal(restored.buffers[0], opt.buffers[0])
