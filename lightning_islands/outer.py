@@ -72,6 +72,32 @@ def normalise_weight_tensors(weights: Sequence[Tensor]) -> list[Tensor]:
     return coefs
 
 
+def expert_coefficients(counts: Sequence[Sequence[float]]) -> list[Tensor]:
+    """Per-expert merge coefficients from each island's tokens routed to each expert.
+
+    ``counts[i][e]`` is island ``i``'s token count for expert ``e``; an expert that no island
+    routed a token to falls back to equal shares. Returns one fp32 tensor ``[n_experts]`` per island.
+    """
+    rows = torch.tensor([list(c) for c in counts], dtype=torch.float64)
+    if (rows < 0).any() or not torch.isfinite(rows).all():
+        raise ValueError("expert token counts must be finite and non-negative")
+    total = rows.sum(dim=0)
+    coefs = torch.where(total > 0, rows / torch.where(total > 0, total, torch.ones_like(total)),
+                        torch.full_like(rows, 1.0 / rows.shape[0]))
+    return [c.to(torch.float32) for c in coefs]
+
+
+def merge_experts(deltas: Sequence[Tensor], coefs: Sequence[Tensor]) -> Tensor:
+    """Merge one expert parameter ``[n_experts, ...]`` with per-expert coefficients, in island order."""
+    out: Tensor | None = None
+    for delta, c in zip(deltas, coefs):
+        shape = (delta.shape[0],) + (1,) * (delta.dim() - 1)
+        term = torch.mul(delta, c.to(delta.device).view(shape))
+        out = term if out is None else out.add_(term)
+    assert out is not None
+    return out
+
+
 class OuterSGD:
     """``torch.optim.SGD`` semantics (momentum, dampening, Nesterov, weight decay) on tensor lists.
 

@@ -103,6 +103,14 @@ class IslandStrategy(FSDP2Strategy):
         lanes: parallel TCP streams between islands.
         outer_device: where anchors and outer momentum live (``"cpu"`` offloads them).
         weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
+        expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
+            that expert in the round (the module must implement ``island_token_counts()`` and
+            ``reset_island_token_counts()``, as the provided MoE does).
+        balance: ``"none"`` (every island runs ``steps_per_round``) or ``"time"``: after each round
+            the islands agree on a wall-clock budget (H times the slowest island's step time) and
+            each runs the inner steps that fit, so a fast island does not wait idle.
+        max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
+            where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
         timeout_s: how long to wait for other islands at rendezvous and every round.
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
@@ -126,6 +134,9 @@ class IslandStrategy(FSDP2Strategy):
         lanes: int = 2,
         outer_device: str | None = None,
         weighting: str = "tokens",
+        expert_weighting: bool = False,
+        balance: str = "none",
+        max_rounds: int | None = None,
         timeout_s: float = 600.0,
         unit_classes: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
@@ -141,6 +152,10 @@ class IslandStrategy(FSDP2Strategy):
             raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
         if weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {weighting!r}")
+        if balance not in ("none", "time"):
+            raise ValueError(f"balance must be 'none' or 'time', got {balance!r}")
+        if max_rounds is not None and max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
         self.sync_every = sync_every
         self.steps_per_round = steps_per_round or sync_every
         self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
@@ -161,7 +176,14 @@ class IslandStrategy(FSDP2Strategy):
         self.lanes = lanes
         self.outer_device = outer_device
         self.weighting = weighting
+        self.expert_weighting = expert_weighting
+        self.balance = balance
+        self.max_rounds = max_rounds
+        self.max_steps_per_round = 8 * sync_every
         self.timeout = timedelta(seconds=timeout_s)
+        self._round_started = time.perf_counter()
+        self._round_val_seconds = 0.0
+        self._val_started: float | None = None
 
         self.link: IslandLink | None = None
         self.layout: CanonicalLayout | None = None
@@ -201,6 +223,9 @@ class IslandStrategy(FSDP2Strategy):
             "outer": self.outer_opt.settings(),
             "codec": self.codec.spec(),
             "weighting": self.weighting,
+            "expert_weighting": self.expert_weighting,
+            "balance": self.balance,
+            "max_rounds": self.max_rounds,
         }
 
     @staticmethod
@@ -271,6 +296,12 @@ class IslandStrategy(FSDP2Strategy):
                     for i, p in enumerate(self._params):
                         local_view(p).copy_(self.layout.shard_of(flat, i, p))
         self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
+        if self.expert_weighting and not callable(getattr(module, "island_token_counts", None)):
+            raise TypeError(
+                f"expert_weighting=True needs the module to implement island_token_counts() and "
+                f"reset_island_token_counts(); {type(module).__name__} does not (or set expert_weighting=False)"
+            )
+        self._round_started = time.perf_counter()
 
     def _island_broadcast_tensor(self, flat: Tensor | None, numel: int) -> Tensor:
         """Broadcast the leader's fp32 flat vector to every rank of this island."""
@@ -321,11 +352,15 @@ class IslandStrategy(FSDP2Strategy):
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
         full = self.layout.gather(deltas, self._params)
         tokens = self._island_sum(float(self.round_tokens))
+        step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self.round_steps)
+        experts = self._expert_counts()
         metrics: dict[str, float] = {}
-        merged = None
+        merged, next_steps = None, None
         if self.is_leader:
-            merged, metrics = self._exchange(full.cpu(), tokens)
+            merged, metrics, next_steps = self._exchange(full.cpu(), tokens, step_seconds, experts)
         merged = self._island_broadcast_tensor(merged, self.layout.numel)
+        if self.balance == "time":
+            self.steps_per_round = int(self._island_broadcast_object(next_steps))
         grads = [self.layout.shard_of(merged, i, p).to(a.device) for i, (p, a) in
                  enumerate(zip(self._params, self._anchors))]
         self.outer_opt.step(self._anchors, grads)
@@ -336,17 +371,45 @@ class IslandStrategy(FSDP2Strategy):
         self.total_tokens += int(tokens)
         self.round_tokens = 0
         metrics.update({"islands/round": float(self.round), "islands/inner_steps": float(self.inner_steps),
-                        "islands/round_tokens": tokens,
+                        "islands/round_tokens": tokens, "islands/step_seconds": step_seconds,
+                        "islands/steps_per_round": float(self.steps_per_round),
                         "islands/seconds_outer_step": time.perf_counter() - t_start})
         metrics.update({f"islands/total_{k}": v for k, v in self.totals.items()})
         self.last_round_metrics = metrics
         self._log(metrics)
         for callback in self.round_callbacks:
             callback(self)
+        if self.max_rounds is not None and self.round >= self.max_rounds:
+            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
+        self._round_started = time.perf_counter()
+        self._round_val_seconds = 0.0
         return metrics
 
-    def _exchange(self, delta: Tensor, tokens: float) -> tuple[Tensor, dict[str, float]]:
-        """Leader only: quantize once, exchange, merge in island order."""
+    def _expert_counts(self) -> dict[str, list[float]] | None:
+        """This island's tokens per expert in the round, per expert parameter (island collective)."""
+        module = self.lightning_module
+        if not self.expert_weighting or module is None:
+            return None
+        counts = module.island_token_counts()  # type: ignore[operator]
+        names = [e.name for e in self.layout.entries if e.name in counts]  # type: ignore[union-attr]
+        if not names:
+            return {}
+        stacked = torch.stack([counts[n].to(torch.float64) for n in names])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            stacked = stacked.to(self.root_device)
+            dist.all_reduce(stacked)
+        module.reset_island_token_counts()  # type: ignore[operator]
+        return {n: row.cpu().tolist() for n, row in zip(names, stacked)}
+
+    def _next_round_steps(self, headers: Sequence[dict[str, Any]]) -> int:
+        """Time balancing: the budget is H steps of the slowest island; each island fits its own steps."""
+        times = [max(float(h["step_seconds"]), 1e-9) for h in headers]
+        budget = self.sync_every * max(times)
+        return max(1, min(self.max_steps_per_round, round(budget / times[self.island_index])))
+
+    def _exchange(self, delta: Tensor, tokens: float, step_seconds: float = 0.0,
+                  experts: dict[str, list[float]] | None = None) -> tuple[Tensor, dict[str, float], int]:
+        """Leader only: quantize once, exchange, merge in island order; also plans the next round."""
         sent = self.error_feedback.compensate(delta) if self.error_feedback is not None else delta
         payload = self.codec.encode(sent)
         decoded_own = self.codec.decode(payload)
@@ -358,10 +421,11 @@ class IslandStrategy(FSDP2Strategy):
             "islands/compression_ratio": 4.0 * delta.numel() / max(1, payload.numel()),
             "islands/payload_bytes": float(payload.numel()),
         }
+        header = {"round": self.round, "tokens": tokens, "steps": self.round_steps,
+                  "step_seconds": step_seconds, "experts": experts}
         if self.link is None:
-            decoded, weights = [decoded_own], [tokens]
+            decoded, weights, headers = [decoded_own], [tokens], [header]
         else:
-            header = {"round": self.round, "tokens": tokens, "steps": self.round_steps}
             t0 = time.perf_counter()
             headers = self.link.gather_objects(f"round{self.round}", header)
             self.link.stats.seconds_waiting += time.perf_counter() - t0
@@ -383,8 +447,22 @@ class IslandStrategy(FSDP2Strategy):
         if self.weighting == "equal":
             weights = [1.0] * len(decoded)
         merged = outer.merge(decoded, weights)
+        if self.expert_weighting:
+            self._merge_experts(merged, decoded, headers)
         metrics["islands/merged_norm"] = float(merged.norm())
-        return merged, metrics
+        return merged, metrics, self._next_round_steps(headers)
+
+    def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], headers: Sequence[dict[str, Any]]) -> None:
+        """Overwrite each expert parameter's slice of ``merged`` with its per-expert weighted merge."""
+        assert self.layout is not None
+        by_name = {e.name: e for e in self.layout.entries}
+        for name in headers[0]["experts"] or {}:
+            e = by_name[name]
+            coefs = outer.expert_coefficients([h["experts"][name] for h in headers])
+            if e.shape[0] != coefs[0].numel():
+                raise ValueError(f"{name} has {e.shape[0]} rows but {coefs[0].numel()} expert counts")
+            parts = [d[e.offset : e.offset + e.numel].view(e.shape) for d in decoded]
+            merged[e.offset : e.offset + e.numel] = outer.merge_experts(parts, coefs).reshape(-1)
 
     def _log(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -431,18 +509,27 @@ class IslandStrategy(FSDP2Strategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
             self._close_batch()
+        self._val_started = time.perf_counter()
         self._swap_in_global()
 
     @override
     def on_validation_end(self) -> None:
+        if self._val_started is not None:
+            self._round_val_seconds += time.perf_counter() - self._val_started
+            self._val_started = None
         self._swap_out_global()
         super().on_validation_end()
 
     @override
     def on_train_end(self) -> None:
-        self._close_batch()
-        if self._anchors and self.round_steps > 0:
-            self.outer_step()  # the final partial round, so that training ends on the global model
+        if self.max_rounds is None or self.round < self.max_rounds:
+            self._close_batch()
+            if self._anchors and self.round_steps > 0:
+                self.outer_step()  # the final partial round, so that training ends on the global model
+        elif self._anchors:
+            # Steps after the last round are not merged anywhere: end on the global parameters.
+            self._swap_in_global()
+            self._stash = None
         super().on_train_end()
 
     @torch.no_grad()
@@ -500,6 +587,7 @@ class IslandStrategy(FSDP2Strategy):
         return {"round": self.round, "inner_steps": self.inner_steps, "round_steps": self.round_steps,
                 "round_tokens": self.round_tokens, "total_tokens": self.total_tokens,
                 "stepped_batch": self._stepped_batch, "totals": dict(self.totals),
+                "steps_per_round": self.steps_per_round,
                 "outer_steps": self.outer_opt.steps, "has_momentum": bool(self.outer_opt.buffers)
                 and all(b is not None for b in self.outer_opt.buffers), "island": self.island_index,
                 "fingerprint": self.fingerprint() if self.layout is not None else None}
@@ -547,6 +635,7 @@ class IslandStrategy(FSDP2Strategy):
         self.round, self.inner_steps, self.round_steps = meta["round"], meta["inner_steps"], meta["round_steps"]
         self.round_tokens, self.total_tokens = meta["round_tokens"], meta["total_tokens"]
         self._stepped_batch = meta["stepped_batch"]
+        self.steps_per_round = int(meta.get("steps_per_round", self.steps_per_round))
         self.totals = dict(meta["totals"])
         return checkpoint
 

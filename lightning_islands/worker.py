@@ -63,6 +63,8 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             nesterov=isl.nesterov, codec=isl.codec, block_size=isl.block_size,
             error_feedback=isl.error_feedback, lanes=isl.lanes, weighting=isl.weighting,
             outer_device=isl.outer_device, timeout_s=isl.timeout_s,
+            expert_weighting=bool(isl.get("expert_weighting", False)), balance=isl.get("balance", "none"),
+            max_rounds=isl.get("max_rounds"),
             steps_per_round=member.get("steps_per_round"),
             unit_classes=cfg.strategy.get("unit_classes"),
             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True),
@@ -95,6 +97,16 @@ def build_loggers(cfg: DictConfig, run_dir: Path, island: int) -> list:
     raise ValueError(f"unknown logger kind {kind!r}; choose csv, tensorboard, wandb or none")
 
 
+class StepDelay(pl.Callback):
+    """Emulates a slower island: sleeps ``seconds`` after every training batch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train this process's part of the job; returns (and on rank 0 writes) the island's result."""
     island, num_islands = island_identity()
@@ -114,10 +126,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ckpt_dir = run_dir / f"island{island}" / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,
                                  every_n_train_steps=int(t.get("checkpoint_every_n_steps", 0) or 0) or None)
+    callbacks: list[pl.Callback] = [checkpoint]
+    if member.get("step_delay_s"):
+        callbacks.append(StepDelay(float(member["step_delay_s"])))
     progress = os.environ.get(ENV_PROGRESS, "1") != "0"
     trainer = pl.Trainer(
         devices=int(member.get("devices", 1)), num_nodes=1, strategy=strategy,
-        logger=build_loggers(cfg, run_dir, island) or False, callbacks=[checkpoint],
+        logger=build_loggers(cfg, run_dir, island) or False, callbacks=callbacks,
         use_distributed_sampler=False, enable_progress_bar=progress, enable_model_summary=False,
         **trainer_kwargs,
     )
@@ -141,6 +156,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         result["parameters"] = model.num_parameters()
     if isinstance(strategy, IslandStrategy):
         result["rounds"] = strategy.round
+        result["idle_fraction"] = strategy.totals["seconds_waiting"] / max(fit_seconds, 1e-9)
         last = {f"last_{k.split('/', 1)[1]}": v for k, v in strategy.last_round_metrics.items()}
         result["islands"] = {**last, **strategy.totals}
     if trainer.global_rank == 0:

@@ -132,3 +132,18 @@ def test_multirun_sweep_of_two_jobs(tmp_path, cache_env):
     assert len(summaries) == 2, out[-2000:]
     rounds = sorted(json.loads(p.read_text())["rounds"] for p in summaries)
     assert rounds == [4, 6]
+
+
+@pytest.mark.slow
+def test_moe_expert_weighting_with_time_balanced_slow_island(tmp_path, cache_env):
+    args = ["islands=slow_island", "islands.expert_weighting=true", "islands.balance=time", "islands.max_rounds=3",
+            "islands.sync_every=2", "islands.members.1.step_delay_s=0.3", "trainer.max_steps=1000",
+            "trainer.val_check_interval=1000", "trainer.checkpoint_every_n_steps=0", "data.max_bytes=400000",
+            "data.val_windows=8", "data.val_batch_size=8"]
+    run = _run_dir(_train(args, tmp_path, cache_env))
+    summary = json.loads((run / "summary.json").read_text())
+    fast, slow = summary["islands"]
+    assert summary["rounds"] == 3
+    assert fast["global_step"] > slow["global_step"], "the fast island runs more inner steps"
+    assert fast["val_loss"] == pytest.approx(slow["val_loss"], rel=1e-5)
+    assert 0.0 <= fast["idle_fraction"] < 1.0

@@ -154,3 +154,18 @@ def test_every_codec_keeps_global_state_bit_identical(tmp_path, codec):
     m = per_island[0][4]["metrics"]
     assert m["islands/compression_ratio"] > 1.0
     assert 0.0 < m["islands/quant_rel_error"] < 1.0
+
+
+def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 400, "--H", 3, "--delays", "0,0.12",
+                    "--balance", "time", "--max-rounds", 4, "--batch-sizes", "8,8"], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 4)
+    fast = [per_island[0][r]["inner_steps"] for r in range(1, 5)]
+    slow = [per_island[1][r]["inner_steps"] for r in range(1, 5)]
+    assert fast[0] == slow[0] == 3, "the first round runs H steps everywhere"
+    assert slow[-1] - slow[0] == 9, "the slowest island keeps H steps per round"
+    assert fast[-1] - fast[0] > 2 * (slow[-1] - slow[0]), f"fast island should run more steps: {fast} vs {slow}"
+    m_fast, m_slow = per_island[0][4]["metrics"], per_island[1][4]["metrics"]
+    assert m_fast["islands/steps_per_round"] > m_slow["islands/steps_per_round"] == 3
+    # tokens weight the merge: the fast island processed more in the round
+    assert m_fast["islands/round_tokens"] > m_slow["islands/round_tokens"]

@@ -83,3 +83,32 @@ def test_cosine_and_settings():
     restored = outer.OuterSGD()
     restored.load_state_dict(opt.state_dict())
     assert restored.steps == 1 and torch.equal(restored.buffers[0], opt.buffers[0])
+
+
+def test_token_and_expert_weighting_match_a_hand_computed_example():
+    """Two islands, one MoE parameter with 2 experts (rows) and one dense parameter.
+
+    Island A processed 100 tokens and routed them all to expert 0; island B processed 300 tokens,
+    60 to expert 0 and 240 to expert 1. Token weighting gives every element 1/4 of A and 3/4 of B.
+    Expert-aware weighting gives expert 0 rows 100/160 of A and 60/160 of B, and expert 1 rows all of
+    B: A's zero update for an expert it never used must not dilute B's.
+    """
+    a = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # A never touched expert 1
+    b = torch.tensor([[2.0, 2.0], [4.0, 4.0]])
+    dense = outer.merge([torch.tensor([1.0]), torch.tensor([5.0])], [100.0, 300.0])
+    assert dense.item() == pytest.approx(0.25 * 1.0 + 0.75 * 5.0)
+    token_weighted = outer.merge([a, b], [100.0, 300.0])
+    torch.testing.assert_close(token_weighted, torch.tensor([[1.75, 1.75], [3.0, 3.0]]))
+    coefs = outer.expert_coefficients([[100.0, 0.0], [60.0, 240.0]])
+    torch.testing.assert_close(coefs[0], torch.tensor([0.625, 0.0]))
+    torch.testing.assert_close(coefs[1], torch.tensor([0.375, 1.0]))
+    expert_weighted = outer.merge_experts([a, b], coefs)
+    torch.testing.assert_close(expert_weighted, torch.tensor([[1.375, 1.375], [4.0, 4.0]]))
+    assert expert_weighted[1, 0] > token_weighted[1, 0], "expert 1 keeps B's full update"
+
+
+def test_expert_counts_nobody_routed_to_fall_back_to_equal_and_bad_counts_fail():
+    coefs = outer.expert_coefficients([[0.0, 1.0], [0.0, 3.0]])
+    torch.testing.assert_close(coefs[0], torch.tensor([0.5, 0.25]))
+    with pytest.raises(ValueError, match="non-negative"):
+        outer.expert_coefficients([[-1.0], [1.0]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -93,6 +94,9 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="checkpoint path pattern with {island}")
     p.add_argument("--fail-island", type=int, default=-1)
     p.add_argument("--val-every", type=int, default=0)
+    p.add_argument("--delays", default="0", help="seconds to sleep after each batch, per island (comma list)")
+    p.add_argument("--balance", default="none")
+    p.add_argument("--max-rounds", type=int, default=0)
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -108,7 +112,8 @@ def main() -> None:
         outer_lr = [float(v) for v in args.outer_lrs.split(",")][island]
     strategy = IslandStrategy(sync_every=args.H, outer_lr=outer_lr, outer_momentum=args.momentum,
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
-                              error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback))
+                              error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
+                              balance=args.balance, max_rounds=args.max_rounds or None)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
@@ -119,12 +124,20 @@ def main() -> None:
 
     strategy.round_callbacks.append(save_round)
     callbacks = []
+    delays = [float(d) for d in args.delays.split(",")]
+    delay = delays[min(island, len(delays) - 1)]
+    if delay:
+        class Delay(pl.Callback):
+            def on_train_batch_end(self, *a) -> None:
+                time.sleep(delay)
+
+        callbacks.append(Delay())
     if args.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"),
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-                         max_steps=args.steps, logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_every), callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
                          num_sanity_val_steps=0)
