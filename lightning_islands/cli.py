@@ -1,4 +1,5 @@
-"""``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``."""
+"""``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``,
+``report`` (a table and plots from finished runs)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ commands:
   train [hydra overrides...]     compose the Hydra config and run the job (see README)
   run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
   coordinator --port P           serve a coordinator for islands started elsewhere
+  report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
 """
 
 
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(rest)
     if command == "coordinator":
         return _coordinator(rest)
+    if command == "report":
+        from lightning_islands.report import main as report_main
+
+        return report_main(rest)
     print(f"lightning-islands: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -137,7 +137,8 @@ def main() -> None:
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_every), callbacks=callbacks,
+                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_every),
+                         callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
                          num_sanity_val_steps=0)
