@@ -107,6 +107,21 @@ class StepDelay(pl.Callback):
         time.sleep(self.seconds)
 
 
+class StepTimer(pl.Callback):
+    """Wall time of every training batch (start to start), for steady-state step times."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def median_step_seconds(self, skip: int = 10) -> float | None:
+        """Median of the batch-to-batch intervals after the first ``skip`` batches."""
+        gaps = sorted(b - a for a, b in zip(self.times[skip:], self.times[skip + 1 :]))
+        return gaps[len(gaps) // 2] if gaps else None
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train this process's part of the job; returns (and on rank 0 writes) the island's result."""
     island, num_islands = island_identity()
@@ -126,7 +141,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     ckpt_dir = run_dir / f"island{island}" / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,
                                  every_n_train_steps=int(t.get("checkpoint_every_n_steps", 0) or 0) or None)
-    callbacks: list[pl.Callback] = [checkpoint]
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = [checkpoint, timer]
     if member.get("step_delay_s"):
         callbacks.append(StepDelay(float(member["step_delay_s"])))
     progress = os.environ.get(ENV_PROGRESS, "1") != "0"
@@ -147,6 +163,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "island": island, "num_islands": num_islands, "strategy": cfg.strategy.name,
         "world_size": trainer.world_size, "batch_size": datamodule.batch_size,
         "global_step": trainer.global_step, "fit_seconds": fit_seconds,
+        "step_seconds_median": timer.median_step_seconds(),
         "val_loss": float(metrics["val/loss"]), "val_ppl": float(metrics["val/ppl"]),
         "tokens": int(trainer.global_step) * datamodule.batch_size * model.hparams.seq_len * trainer.world_size
         * trainer.accumulate_grad_batches,

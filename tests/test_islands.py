@@ -68,8 +68,9 @@ def assert_islands_equal(out, rounds_expected, n_islands=2):
 
 
 def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
+    # validation every 3 steps lands mid-round: it must see the global model and leave the local one intact
     launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4,
-                    "--batch-sizes", "4,8"], tmp_path / "logs")
+                    "--batch-sizes", "4,8", "--val-every", 3], tmp_path / "logs")
     per_island = assert_islands_equal(tmp_path, 3)
     ref = reference_diloco([2, 1], [4, 8], steps=12, H=4, outer_lr=0.7, momentum=0.9, nesterov=True)
     for r, params in ref.items():
@@ -169,3 +170,19 @@ def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):
     assert m_fast["islands/steps_per_round"] > m_slow["islands/steps_per_round"] == 3
     # tokens weight the merge: the fast island processed more in the round
     assert m_fast["islands/round_tokens"] > m_slow["islands/round_tokens"]
+
+
+@pytest.mark.parametrize("args, rounds", [
+    # manual optimization, two optimizers with LR schedulers: Lightning counts both optimizers' steps
+    # in global_step, so max_steps=8 is 4 batches; a round is H batches that stepped
+    (["--two-optimizers", 1], 2),
+    (["--accumulate", 2, "--clip", 0.5, "--inner", "adamw"], 4),  # gradient accumulation and clipping
+], ids=["two-optimizers", "accumulate-clip"])
+def test_lightning_features_keep_working_under_islands(tmp_path, args, rounds):
+    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, *args], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, rounds)
+    accumulate = args[args.index("--accumulate") + 1] if "--accumulate" in args else 1
+    assert per_island[0][rounds]["inner_steps"] == 2 * rounds
+    m = per_island[0][rounds]["metrics"]
+    assert m["islands/round_tokens"] == 2 * accumulate * 4 * 2 * 6  # 2 steps x micro-batches x 2 ranks x (4 x DIM)
+    assert m["islands/pseudo_grad_norm"] > 0

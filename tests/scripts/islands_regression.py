@@ -43,10 +43,12 @@ class Stream(IterableDataset):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, hidden: int = 8, inner: str = "sgd", lr: float = 0.05) -> None:
+    def __init__(self, hidden: int = 8, inner: str = "sgd", lr: float = 0.05, two_optimizers: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(DIM, hidden), nn.Linear(hidden, 2)])
         self.inner, self.lr = inner, lr
+        self.two_optimizers = two_optimizers
+        self.automatic_optimization = not two_optimizers
 
     def forward(self, x):
         return self.layers[1](self.layers[0](x))
@@ -55,6 +57,15 @@ class Regression(pl.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self(x), y)
         self.log("train/loss", loss)
+        if self.two_optimizers:  # manual optimization: one optimizer per layer, each with a scheduler
+            opts, scheds = self.optimizers(), self.lr_schedulers()
+            for opt in opts:
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt, sched in zip(opts, scheds):
+                opt.step()
+                sched.step()
+            return None
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -62,6 +73,9 @@ class Regression(pl.LightningModule):
         self.log("val/loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
+        if self.two_optimizers:
+            opts = [torch.optim.SGD(layer.parameters(), lr=self.lr) for layer in self.layers]
+            return opts, [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in opts]
         if self.inner == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -97,6 +111,9 @@ def main() -> None:
     p.add_argument("--delays", default="0", help="seconds to sleep after each batch, per island (comma list)")
     p.add_argument("--balance", default="none")
     p.add_argument("--max-rounds", type=int, default=0)
+    p.add_argument("--two-optimizers", type=int, default=0)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0)
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -105,7 +122,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(island)  # islands start from different seeds: island 0's parameters must win
     hidden = [int(h) for h in args.hidden.split(",")]
-    model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner)
+    model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner,
+                       two_optimizers=bool(args.two_optimizers))
     model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
     outer_lr = args.outer_lr
     if args.outer_lrs:
@@ -141,7 +159,8 @@ def main() -> None:
                          callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
-                         num_sanity_val_steps=0)
+                         num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
+                         gradient_clip_val=args.clip or None)
     ckpt = args.resume.format(island=island) if args.resume else None
     trainer.fit(model, ckpt_path=ckpt)
     if trainer.global_rank == 0:
