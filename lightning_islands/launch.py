@@ -10,6 +10,7 @@ reported with the island's index and exit code.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from lightning_islands.transport import ENV_COORDINATOR, ENV_ISLAND, ENV_NUM_ISLANDS, ENV_RUN_ID, Coordinator
 
@@ -161,6 +162,7 @@ def run_islands(
     codes: list[int | None] = [None] * len(procs)
     stopped: set[int] = set()
     shown = 0
+    previous = _raise_on_sigterm()
     try:
         while any(c is None for c in codes):
             for i, p in enumerate(procs):
@@ -179,11 +181,13 @@ def run_islands(
                 out.flush()
                 shown = len(lines)
             time.sleep(0.5)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         for p in procs:
             p.terminate()
         raise
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for p in procs:
             with_timeout_kill(p)
         for t in threads:
@@ -194,6 +198,17 @@ def run_islands(
     results = [IslandResult(i, int(c if c is not None else -1), tails[i], i in stopped)
                for i, c in enumerate(codes)]
     return results
+
+
+def _raise_on_sigterm() -> Any:
+    """Turn SIGTERM into SystemExit so a terminated launcher stops its islands (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def with_timeout_kill(proc: subprocess.Popen, timeout: float = 20.0) -> None:

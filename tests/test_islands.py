@@ -186,3 +186,24 @@ def test_lightning_features_keep_working_under_islands(tmp_path, args, rounds):
     m = per_island[0][rounds]["metrics"]
     assert m["islands/round_tokens"] == 2 * accumulate * 4 * 2 * 6  # 2 steps x micro-batches x 2 ranks x (4 x DIM)
     assert m["islands/pseudo_grad_norm"] > 0
+
+
+def test_terminating_the_launcher_stops_every_island(tmp_path):
+    import signal
+    import time
+
+    marker = str(tmp_path / "long-run")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_islands.cli", "run", "--islands", "1,1", "--live", "off", "--",
+         sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", marker, "--steps", "100000", "--H", "5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )
+    deadline = time.time() + 120
+    while not list((tmp_path / "long-run").glob("island1_round*.pt")) and time.time() < deadline:
+        time.sleep(0.5)
+    assert list((tmp_path / "long-run").glob("island1_round*.pt")), "islands never reached an outer step"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not left, f"island processes survived the launcher: {left}"
