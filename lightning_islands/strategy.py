@@ -264,6 +264,7 @@ class IslandStrategy(FSDP2Strategy):
         assert module is not None
         named = [(n, p) for n, p in module.named_parameters()]
         self._params = [p for _, p in named]
+        self._anchors = []
         self.layout = CanonicalLayout(named)
         error: str | None = None
         if self.is_leader and self.num_islands > 1:
@@ -292,10 +293,14 @@ class IslandStrategy(FSDP2Strategy):
                 self.layout.gather([local_view(p).detach() for p in self._params], self._params)
             if self.island_index != 0:
                 flat = self._island_broadcast_tensor(flat, self.layout.numel)
+                shards = [self.layout.shard_of(flat, i, p) for i, p in enumerate(self._params)]
                 with torch.no_grad():
-                    for i, p in enumerate(self._params):
-                        local_view(p).copy_(self.layout.shard_of(flat, i, p))
-        self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
+                    for p, shard in zip(self._params, shards):
+                        local_view(p).copy_(shard)
+                # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
+                self._anchors = [self._outer_tensor(shard) for shard in shards]
+        if not self._anchors:
+            self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
         if self.expert_weighting and not callable(getattr(module, "island_token_counts", None)):
             raise TypeError(
                 f"expert_weighting=True needs the module to implement island_token_counts() and "

@@ -188,6 +188,14 @@ def test_lightning_features_keep_working_under_islands(tmp_path, args, rounds):
     assert m["islands/pseudo_grad_norm"] > 0
 
 
+@pytest.mark.parametrize("precisions", ["32-true,bf16-mixed", "32-true,bf16-true"])
+def test_islands_with_different_precision_share_one_fp32_global_state(tmp_path, precisions):
+    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 6, "--H", 2, "--precisions", precisions],
+           tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 3)
+    assert all(t.dtype == torch.float32 for t in per_island[1][3]["params"].values())
+
+
 def test_terminating_the_launcher_stops_every_island(tmp_path):
     import signal
     import time

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--balance", default="none")
     p.add_argument("--max-rounds", type=int, default=0)
     p.add_argument("--two-optimizers", type=int, default=0)
+    p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0)
     args = p.parse_args()
@@ -160,7 +161,8 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
                          num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
-                         gradient_clip_val=args.clip or None)
+                         gradient_clip_val=args.clip or None,
+                         precision=args.precisions.split(",")[min(island, args.precisions.count(","))])
     ckpt = args.resume.format(island=island) if args.resume else None
     trainer.fit(model, ckpt_path=ckpt)
     if trainer.global_rank == 0:

@@ -1,0 +1,670 @@
+"""Tests for lightning_islands.codecs: error bounds, wire format, validation, determinism, EF."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_islands import codecs as C
+from lightning_islands.codecs import (
+    ErrorFeedback,
+    compression_ratio,
+    crc32_combine,
+    default_error_feedback,
+    make_codec,
+    quantization_error,
+)
+
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+ALL_SPECS = [
+    "fp32",
+    "bf16",
+    "fp8",
+    "int8",
+    "int4",
+    "int2",
+    "int4/64",
+    "int2/4",
+    "int8/12",
+    "fp8/32",
+    "topk:0.01",
+    "topk:0.05+int4",
+    "topk:0.1+int2/16",
+    "topk:0.3+int8/64",
+    "topk:0.2+fp8",
+    "topk:0.5+bf16",
+    "topk:1+int4/32",
+]
+QMAX = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# ----------------------------------------------------------------------------------------------
+# data generation
+# ----------------------------------------------------------------------------------------------
+
+KINDS = ["gauss", "uniform", "sparse", "const_blocks", "zeros", "mixed_magnitudes", "heavy_tail", "ties"]
+
+
+def make_vector(n: int, seed: int, log10_scale: float, kind: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = 10.0**log10_scale
+    if kind == "gauss":
+        x = torch.randn(n, generator=g, dtype=torch.float64) * scale
+    elif kind == "uniform":
+        x = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * scale
+    elif kind == "sparse":
+        x = torch.randn(n, generator=g, dtype=torch.float64) * scale
+        x[torch.rand(n, generator=g) < 0.9] = 0.0
+    elif kind == "const_blocks":  # runs of identical values of random length and sign
+        x = torch.empty(n, dtype=torch.float64)
+        i = 0
+        while i < n:
+            run = int(torch.randint(1, 300, (1,), generator=g))
+            x[i : i + run] = float(torch.randn(1, generator=g)) * scale
+            i += run
+    elif kind == "zeros":
+        x = torch.zeros(n, dtype=torch.float64)
+    elif kind == "mixed_magnitudes":  # 1e-30 .. 1e30 within the same block
+        exps = torch.rand(n, generator=g, dtype=torch.float64) * 60 - 30
+        signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+        x = signs * torch.pow(10.0, exps)
+    elif kind == "heavy_tail":
+        x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(
+            torch.randn(n, generator=g, dtype=torch.float64) * 3
+        )
+        x = x * scale
+    elif kind == "ties":  # few distinct magnitudes: many exact ties
+        x = torch.randint(-3, 4, (n,), generator=g).double() * scale
+    else:  # pragma: no cover
+        raise AssertionError(kind)
+    x = x.clamp(-1e36, 1e36)
+    return x.to(torch.float32)
+
+
+@st.composite
+def vectors(draw: st.DrawFn, max_len: int = 3000) -> torch.Tensor:
+    n = draw(st.integers(0, max_len))
+    seed = draw(st.integers(0, 2**31 - 1))
+    log10_scale = draw(st.floats(-30, 30))
+    kind = draw(st.sampled_from(KINDS))
+    return make_vector(n, seed, log10_scale, kind)
+
+
+def block_absmax(v: torch.Tensor, bsz: int) -> torch.Tensor:
+    """Per element: absmax of its codec block, float64."""
+    m = v.numel()
+    nb = -(-m // bsz)
+    padded = torch.zeros(nb * bsz, dtype=torch.float64)
+    padded[:m] = v.double().abs()
+    return padded.view(max(nb, 0), bsz).amax(1).repeat_interleave(bsz)[:m] if nb else padded[:0]
+
+
+def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> None:
+    """Element-wise error bound of a dense codec (x and d are the carried values)."""
+    assert d.dtype == torch.float32 and d.shape == x.shape
+    assert torch.isfinite(d).all()
+    xd, dd = x.double(), d.double()
+    err = (xd - dd).abs()
+    family = codec.spec()["family"]
+    if family == "fp32":
+        assert torch.equal(x, d)
+        return
+    if family == "bf16":
+        bound = xd.abs() * 2.0**-8 + 2.0**-133
+    else:
+        a = block_absmax(x, codec.block_size)
+        tiny = 2.0**-140  # only matters for blocks whose scale is a denormal
+        if family == "fp8":
+            s = a / 448.0
+            bound = xd.abs() * 2.0**-4 * (1 + 2.0**-16) + s * 2.0**-10 + a * 2.0**-20 + tiny
+        else:
+            qmax = QMAX[family]
+            bound = a / (2 * qmax) + a * 2.0**-20 + tiny
+    bad = err > bound
+    assert not bad.any(), (
+        f"{codec.name}: {int(bad.sum())} elements out of bound, e.g. x={xd[bad][:3].tolist()} "
+        f"d={dd[bad][:3].tolist()} bound={bound[bad][:3].tolist()}"
+    )
+
+
+def reference_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+
+
+# ----------------------------------------------------------------------------------------------
+# round trips and error bounds
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/4", "int8/12"])
+@SETTINGS
+@given(x=vectors())
+def test_dense_roundtrip_bounds(spec, x):
+    codec = make_codec(spec)
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    assert payload.numel() == codec.nbytes(x.numel())
+    d = codec.decode(payload)
+    assert_within_bound(codec, x, d)
+    # zeros stay exactly zero, signs never flip
+    assert (d[x == 0] == 0).all()
+    assert ((d * x) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "spec", ["topk:0.01", "topk:0.05+int4", "topk:0.1+int2/16", "topk:0.3+int8/64", "topk:0.2+fp8"]
+)
+@FEW
+@given(x=vectors())
+def test_topk_roundtrip_bounds(spec, x):
+    codec = make_codec(spec)
+    n = x.numel()
+    payload = codec.encode(x)
+    assert payload.numel() == codec.nbytes(n)
+    d = codec.decode(payload)
+    assert d.shape == x.shape
+    k = codec._count(n)
+    assert k == min(n, math.ceil(n * codec.fraction))
+    # the carried indices, straight from the Elias-Fano block
+    body = payload[C.HEADER_BYTES :]
+    idx = C._ef_decode(body[codec.inner._values_nbytes(k) :], n, k)
+    assert idx.numel() == k
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[idx] = True
+    assert (d[~mask] == 0).all()
+    if k and k < n:  # exactly the k largest magnitudes (ties may go either way)
+        assert x[mask].abs().min() >= x[~mask].abs().max()
+    assert_within_bound(codec.inner, x[idx], d[idx])
+
+
+def test_topk_keeps_exactly_k_largest():
+    codec = make_codec("topk:0.01")
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(1))
+    d = codec.decode(codec.encode(x))
+    k = math.ceil(100_003 * 0.01)
+    kept = d != 0
+    assert int(kept.sum()) == k
+    ref = reference_topk(x, k)
+    assert torch.equal(torch.nonzero(kept).view(-1), ref)
+    assert torch.equal(d[kept], x[kept])  # fp32 values travel exactly
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "sparse", "zeros", "heavy_tail", "const_blocks"])
+@pytest.mark.parametrize("fraction", ["0.001", "0.01", "0.2"])
+def test_topk_sampled_threshold_selects_an_exact_topk_set(kind, fraction):
+    n = 300_007  # large enough for the sampled-threshold path
+    x = make_vector(n, 17, 0.0, kind)
+    codec = make_codec(f"topk:{fraction}")
+    k = codec._count(n)
+    idx = C._topk_indices(x.abs(), k)
+    assert idx.numel() == k and torch.unique(idx).numel() == k
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[idx] = True
+    assert x[mask].abs().min() >= x[~mask].abs().max()
+    d = codec.decode(codec.encode(x))
+    assert torch.equal(d[mask], x[mask]) and (d[~mask] == 0).all()
+
+
+def test_topk_k_rounding_and_small_n():
+    codec = make_codec("topk:0.01")
+    assert [codec._count(n) for n in (0, 1, 99, 100, 101, 300)] == [0, 1, 1, 1, 2, 3]
+    full = make_codec("topk:1")
+    x = torch.randn(257)
+    assert torch.equal(full.decode(full.encode(x)), x)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (7, 7), (1000, 1), (1000, 10), (1000, 999), (4096, 64), (5, 2)])
+def test_elias_fano_roundtrip(n, k):
+    g = torch.Generator().manual_seed(n * 31 + k)
+    idx = torch.randperm(n, generator=g)[:k].sort().values
+    low, low_bytes, high_bytes = C._ef_layout(n, k)
+    buf = torch.zeros(low_bytes + high_bytes, dtype=torch.uint8)
+    C._ef_encode(idx, n, buf)
+    assert torch.equal(C._ef_decode(buf, n, k), idx)
+    # about 2 + log2(n/k) bits per index
+    assert (low_bytes + high_bytes) * 8 <= k * (low + 2) + n / 2**low + 16
+
+
+def test_elias_fano_is_compact_at_one_percent():
+    n = 1 << 20
+    k = n // 100
+    _, low_bytes, high_bytes = C._ef_layout(n, k)
+    bits_per_index = (low_bytes + high_bytes) * 8 / k
+    assert bits_per_index < 9.0  # vs 32 for int32 indices
+
+
+# ----------------------------------------------------------------------------------------------
+# exact packing
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family,bsz", [("int8", 128), ("int4", 128), ("int4", 4), ("int4", 12), ("int2", 128), ("int2", 36)]
+)
+@SETTINGS
+@given(n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1), log2_scale=st.integers(-100, 100))
+def test_grid_values_roundtrip_exactly(family, bsz, n, seed, log2_scale):
+    """Values already on the quantization grid (q * 2**e, every block reaching +-qmax) are exact."""
+    qmax = int(QMAX[family])
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-qmax, qmax + 1, (n,), generator=g)
+    q[::bsz] = qmax * (torch.randint(0, 2, (len(q[::bsz]),), generator=g) * 2 - 1)  # absmax per block
+    x = q.to(torch.float32) * 2.0**log2_scale
+    codec = make_codec(f"{family}/{bsz}")
+    payload = codec.encode(x)
+    assert payload.numel() == codec.nbytes(n)
+    assert torch.equal(codec.decode(payload), x)
+
+
+def test_packed_layout_is_pinned():
+    # int4/4: group-planar nibbles over the value stream (one partial group of width W = 6):
+    # byte j = (q[j] + 8) | (q[j + 3] + 8) << 4
+    codec = make_codec("int4/4")
+    x = torch.tensor([1.0, -1.0, 7.0, -7.0, 3.0])
+    body = codec.encode(x)[C.HEADER_BYTES :]
+    scales = body[:8].view(torch.float32)
+    assert scales[0].item() == 1.0
+    assert scales[1].item() == pytest.approx(3.0 / 7.0)
+    # q = [1, -1, 7, -7, 7, pad 0]
+    assert body[8:].tolist() == [9 | 1 << 4, 7 | 15 << 4, 15 | 8 << 4]
+    # int2/4: crumbs q + 1 at bits 0-1, 2-3, 4-5, 6-7 for values j, j+1, j+2, j+3 (W/4 = 1)
+    codec2 = make_codec("int2/4")
+    body2 = codec2.encode(torch.tensor([1.0, -1.0, 0.0, 1.0]))[C.HEADER_BYTES :]
+    assert body2[4:].tolist() == [2 | 0 << 2 | 1 << 4 | 2 << 6]
+    # int8: plain two's complement bytes; fp8: raw float8_e4m3fn bytes
+    body8 = make_codec("int8/4").encode(torch.tensor([127.0, -127.0, 1.0, 0.0]))[C.HEADER_BYTES :]
+    assert body8[4:].view(torch.int8).tolist() == [127, -127, 1, 0]
+    bodyf8 = make_codec("fp8/4").encode(torch.tensor([448.0, -448.0, 1.0, 0.0]))[C.HEADER_BYTES :]
+    assert bodyf8[4:].view(torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0, 0.0]
+
+
+def test_fp8_decode_matches_builtin_cast_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]  # 0x7F / 0xFF are NaN in e4m3fn
+    codec = make_codec("fp8/4")
+    m = finite.numel()
+    nblocks = -(-m // 4)
+    body = torch.cat([torch.ones(nblocks, dtype=torch.float32).view(torch.uint8), finite])
+    out = torch.empty(m)
+    codec._decode_values(body, m, out)  # scale 1: the decoded values are the fp8 values
+    expected = finite.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))  # incl. -0.0, subnormals
+
+
+def test_header_layout_is_pinned():
+    codec = make_codec("int4/64")
+    x = torch.randn(1000)
+    payload = codec.encode(x)
+    raw = bytes(payload[: C.HEADER_BYTES].numpy())
+    magic, version, codec_id, kind, block, n, k, crc = struct.unpack("<4sHBBIQQI", raw)
+    assert (magic, version, codec_id, kind, block, n, k) == (b"LIQ1", C.FORMAT_VERSION, 5, 0, 64, 1000, 1000)
+    assert crc == zlib.crc32(bytes(payload.numpy())[C.HEADER_BYTES :], zlib.crc32(raw[:28]))
+    info = codec.describe_header(payload)
+    assert info["n"] == 1000 and info["block_size"] == 64
+
+
+# ----------------------------------------------------------------------------------------------
+# payload size formula
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_nbytes_matches_payload(spec):
+    codec = make_codec(spec)
+    for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 129, 1000, 2047, 3001]:
+        x = torch.randn(n)
+        assert codec.encode(x).numel() == codec.nbytes(n), (spec, n)
+
+
+def test_nbytes_formulas():
+    h = C.HEADER_BYTES
+    n = 1000
+    assert make_codec("fp32").nbytes(n) == h + 4000
+    assert make_codec("bf16").nbytes(n) == h + 2000
+    assert make_codec("fp8").nbytes(n) == h + 4 * 8 + 1000
+    assert make_codec("int8").nbytes(n) == h + 4 * 8 + 1000
+    assert make_codec("int4").nbytes(n) == h + 4 * 8 + 500
+    assert make_codec("int4").nbytes(1001) == h + 4 * 8 + 501
+    assert make_codec("int2").nbytes(n) == h + 4 * 8 + 250
+    assert make_codec("int2/64").nbytes(1001) == h + 4 * 16 + 251
+    assert make_codec("int4").nbytes(0) == h
+    # top-k: k = ceil(f n) values + Elias-Fano indices
+    k = 10
+    low = (n // k).bit_length() - 1
+    ef = -(-k * low // 8) + -(-(k + ((n - 1) >> low) + 1) // 8)
+    assert make_codec("topk:0.01").nbytes(n) == h + 4 * k + ef
+    assert make_codec("topk:0.01+int4").nbytes(n) == h + 4 + 5 + ef
+
+
+def test_compression_is_real():
+    n = 1 << 16
+    assert compression_ratio(n, make_codec("int4").nbytes(n)) > 7.5
+    assert compression_ratio(n, make_codec("int2").nbytes(n)) > 14
+    assert compression_ratio(n, make_codec("topk:0.01+int4").nbytes(n)) > 150
+
+
+# ----------------------------------------------------------------------------------------------
+# validation: tampering, truncation, wrong codec, non-finite input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_wrong_codec_rejected_with_clear_message():
+    x = torch.randn(500)
+    p4 = make_codec("int4").encode(x)
+    with pytest.raises(ValueError, match=r"codec mismatch.*'int4/128'.*'int8/128'"):
+        make_codec("int8").decode(p4)
+    with pytest.raises(ValueError, match=r"codec mismatch.*'int4/128'.*'int4/64'"):
+        make_codec("int4/64").decode(p4)
+    with pytest.raises(ValueError, match="codec mismatch"):
+        make_codec("topk:0.01+int4").decode(p4)
+    pk = make_codec("topk:0.01+int4").encode(x)
+    with pytest.raises(ValueError, match=r"k=5 values .* k=25"):
+        make_codec("topk:0.05+int4").decode(pk)
+    with pytest.raises(ValueError, match="codec mismatch"):
+        make_codec("fp32").decode(make_codec("bf16").encode(x))
+
+
+def test_truncated_and_padded_payloads_rejected():
+    codec = make_codec("int4")
+    p = codec.encode(torch.randn(999))
+    with pytest.raises(ValueError, match=r"truncated: \d+ bytes, expected \d+"):
+        codec.decode(p[:-1])
+    with pytest.raises(ValueError, match="shorter than the 32-byte header"):
+        codec.decode(p[:10])
+    with pytest.raises(ValueError, match="trailing bytes"):
+        codec.decode(torch.cat([p, torch.zeros(1, dtype=torch.uint8)]))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        codec.decode(p.view(torch.int8))
+
+
+def test_magic_and_version_rejected():
+    codec = make_codec("int8")
+    p = codec.encode(torch.randn(10))
+    bad = p.clone()
+    bad[0] = ord("X")
+    with pytest.raises(ValueError, match="magic"):
+        codec.decode(bad)
+    bad = p.clone()
+    bad[4] = C.FORMAT_VERSION + 1
+    with pytest.raises(ValueError, match=r"version 2, but this build reads version 1"):
+        codec.decode(bad)
+
+
+@pytest.mark.parametrize("spec", ["int4/16", "topk:0.2+int2/8", "bf16", "fp8/8"])
+def test_every_single_bit_flip_is_detected(spec):
+    codec = make_codec(spec)
+    p = codec.encode(torch.randn(37, generator=torch.Generator().manual_seed(0)))
+    for pos in range(p.numel()):
+        for bit in (0, 3, 7):
+            bad = p.clone()
+            bad[pos] ^= 1 << bit
+            with pytest.raises(ValueError):
+                codec.decode(bad)
+
+
+def test_body_corruption_message():
+    codec = make_codec("int8")
+    p = codec.encode(torch.randn(300))
+    p[100] ^= 0x10
+    with pytest.raises(ValueError, match=r"checksum mismatch: header says crc32=0x[0-9a-f]{8}.*corrupted"):
+        codec.decode(p)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_input_refused(spec, bad):
+    codec = make_codec(spec)
+    x = torch.randn(1000)
+    x[[3, 500, 999]] = bad
+    with pytest.raises(ValueError, match=r"3 non-finite values .*diverged.*learning rate"):
+        codec.encode(x)
+
+
+def test_input_type_checks():
+    codec = make_codec("int4")
+    with pytest.raises(TypeError, match="float32"):
+        codec.encode(torch.randn(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="1-D"):
+        codec.encode(torch.randn(2, 5))
+    x = torch.randn(20, 2)[:, 0]  # non-contiguous is accepted
+    assert torch.equal(codec.decode(codec.encode(x)), codec.decode(codec.encode(x.contiguous())))
+
+
+# ----------------------------------------------------------------------------------------------
+# special values
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "topk:0.5+int4"])
+def test_zeros_and_constant_blocks(spec):
+    codec = make_codec(spec)
+    z = torch.zeros(300)
+    for n in (300, 5000):  # 5000: a full slab as well as a tail
+        z = torch.zeros(n)
+        d = codec.decode(codec.encode(z))
+        assert (d.view(torch.int32) == 0).all()  # +0.0 exactly: no NaN, no -0.0
+    c = torch.full((300,), -3.25)
+    d = codec.decode(codec.encode(c))
+    if not spec.startswith("topk"):
+        assert torch.allclose(d, c, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "fp32"])
+def test_extreme_magnitudes_stay_finite(spec):
+    fmax = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.tensor([fmax, -fmax, fmax / 3, tiny, -tiny, 1e-45, 0.0, 1.0] * 40 + [fmax] * 128 + [1e-45, -1e-45] * 64)
+    codec = make_codec(spec)
+    d = codec.decode(codec.encode(x))
+    assert torch.isfinite(d).all()
+    if spec == "bf16":  # beyond the bf16 range: clamped to its largest value
+        assert d[0].item() == torch.finfo(torch.bfloat16).max
+    else:
+        assert_within_bound(codec, x, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# determinism
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_deterministic_bytes_and_decode(spec):
+    codec = make_codec(spec)
+    x = make_vector(5000, 7, 0.0, "heavy_tail")
+    p1, p2 = codec.encode(x), codec.encode(x.clone())
+    assert torch.equal(p1, p2)
+    d1, d2 = codec.decode(p1), codec.decode(p2.clone())
+    assert torch.equal(d1, d2)
+    out = torch.full_like(x, float("nan"))
+    assert codec.decode(p1, out=out) is out and torch.equal(out, d1)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8/32", "bf16", "topk:0.1+int2"])
+def test_misaligned_and_strided_payloads_decode(spec):
+    codec = make_codec(spec)
+    x = make_vector(1001, 2, 0.0, "gauss")
+    p = codec.encode(x)
+    ref = codec.decode(p)
+    shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), p])[1:]  # storage offset 1
+    strided = torch.stack([p, p], dim=1)[:, 0]
+    assert torch.equal(codec.decode(shifted), ref)
+    assert torch.equal(codec.decode(strided), ref)
+
+
+def test_thread_count_and_slab_size_do_not_change_results(monkeypatch):
+    x = make_vector(200_000, 3, 2.0, "gauss")
+    threads = torch.get_num_threads()
+    for spec in ["int4", "int2/64", "fp8", "int8", "topk:0.01+int4"]:
+        codec = make_codec(spec)
+        ref_p = codec.encode(x)
+        ref_d = codec.decode(ref_p)
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(codec.encode(x), ref_p)
+            assert torch.equal(codec.decode(ref_p), ref_d)
+        finally:
+            torch.set_num_threads(threads)
+        for slab in (1 << 12, 1 << 30):  # many small slabs; one slab (the path non-CPU devices take)
+            monkeypatch.setattr(C, "_CPU_SLAB_ELEMS", slab)
+            assert torch.equal(codec.encode(x), ref_p)
+            assert torch.equal(codec.decode(ref_p), ref_d)
+            monkeypatch.undo()
+
+
+def test_decode_is_q_times_scale_with_one_rounding():
+    codec = make_codec("int8/64")
+    x = make_vector(1000, 11, -3.0, "gauss")
+    body = codec.encode(x)[C.HEADER_BYTES :]
+    scales = body[: 4 * 16].view(torch.float32)
+    q = body[4 * 16 :].view(torch.int8)
+    expected = q.float() * scales.repeat_interleave(64)[:1000]
+    assert torch.equal(codec.decode(codec.encode(x)), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_cuda_decode_matches_cpu_bitwise(spec):
+    codec = make_codec(spec)
+    x = make_vector(300_001, 5, 0.0, "heavy_tail")
+    p_cpu = codec.encode(x)
+    d_cpu = codec.decode(p_cpu)
+    d_cuda = codec.decode(p_cpu.cuda())
+    assert d_cuda.is_cuda and torch.equal(d_cuda.cpu(), d_cpu)
+    p_cuda = codec.encode(x.cuda())
+    assert p_cuda.is_cuda and p_cuda.numel() == p_cpu.numel()
+    assert torch.equal(codec.decode(p_cuda.cpu()), codec.decode(p_cuda).cpu())
+    if not spec.startswith("topk"):
+        assert_within_bound(codec, x, codec.decode(p_cuda).cpu())
+
+
+# ----------------------------------------------------------------------------------------------
+# error feedback
+# ----------------------------------------------------------------------------------------------
+
+
+def _run_rounds(codec: C.Codec, rounds: int, ef: ErrorFeedback | None) -> tuple[list[float], float]:
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    bias = torch.randn(n, generator=g) * 0.3  # systematic component int2 mostly rounds to zero
+    true_sum = torch.zeros(n, dtype=torch.float64)
+    sent_sum = torch.zeros(n, dtype=torch.float64)
+    errors = []
+    one_round = 0.0
+    for _ in range(rounds):
+        delta = bias + torch.randn(n, generator=g)
+        c = ef.compensate(delta) if ef is not None else delta
+        dec = codec.decode(codec.encode(c))
+        if ef is not None:
+            ef.update(c, dec)
+        err = delta - codec.decode(codec.encode(delta))
+        one_round = max(one_round, float(torch.linalg.vector_norm(err)))
+        true_sum += delta.double()
+        sent_sum += dec.double()
+        errors.append(float(torch.linalg.vector_norm(true_sum - sent_sum)))
+    return errors, one_round
+
+
+def test_error_feedback_keeps_running_sum_on_track():
+    codec = make_codec("int2")
+    with_ef, one_round = _run_rounds(codec, 150, ErrorFeedback())
+    without_ef, _ = _run_rounds(codec, 150, None)
+    # with feedback the accumulated error is just the current residual: about one round's error
+    # (a bit more, since the compensated vector is larger than the raw delta)
+    assert max(with_ef) <= 2 * one_round
+    # without feedback the systematic part that int2 rounds away accumulates linearly
+    assert without_ef[-1] > 10 * one_round
+    assert without_ef[-1] > 8 * max(with_ef)
+    assert without_ef[-1] > 2 * without_ef[len(without_ef) // 4]
+
+
+def test_error_feedback_state_roundtrip_and_reset():
+    ef = ErrorFeedback()
+    x = torch.randn(100)
+    assert ef.compensate(x) is x  # no residual yet
+    codec = make_codec("int4")
+    dec = codec.decode(codec.encode(x))
+    ef.update(x, dec)
+    assert torch.equal(ef.residual, x - dec)
+    state = ef.state_dict()
+    ef2 = ErrorFeedback()
+    ef2.load_state_dict(state)
+    assert torch.equal(ef2.compensate(x), x + (x - dec))
+    state["residual"].zero_()  # state_dict is a copy
+    assert not torch.equal(ef.residual, state["residual"])
+    ef.update(x, dec)  # in-place reuse of the residual buffer
+    assert torch.equal(ef.residual, x - dec)
+    with pytest.raises(ValueError, match="reset"):
+        ef.compensate(torch.randn(5))
+    ef.reset()
+    assert ef.residual is None and ef.state_dict() == {"residual": None}
+    ef.load_state_dict({"residual": None})
+    with pytest.raises(ValueError):
+        ef.load_state_dict({})
+
+
+def test_default_error_feedback():
+    for spec in ["int4", "int2", "int4/64", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
+        assert default_error_feedback(spec) is True, spec
+    for spec in ["fp32", "bf16", "fp8", "int8", "int8/64"]:
+        assert default_error_feedback(spec) is False, spec
+
+
+# ----------------------------------------------------------------------------------------------
+# factory, metrics, checksum helper
+# ----------------------------------------------------------------------------------------------
+
+
+def test_make_codec_parsing():
+    assert make_codec("int4").block_size == 128
+    assert make_codec("int4", block_size=64).name == "int4/64"
+    assert make_codec(" INT4/32 ").name == "int4/32"
+    assert make_codec("int4/32", block_size=64).block_size == 32  # the spec wins
+    assert make_codec("fp32", block_size=64).name == "fp32"
+    assert make_codec("topk:0.01").name == "topk:0.01"
+    assert make_codec("topk:1e-3+int4/64").name == "topk:0.001+int4/64"
+    for spec in ALL_SPECS:
+        codec = make_codec(spec)
+        assert make_codec(codec.name) == codec
+        s = codec.spec()
+        assert {"codec", "block_size", "k_fraction", "format_version"} <= set(s)
+        assert s["codec"] == codec.name and s["format_version"] == C.FORMAT_VERSION
+    assert make_codec("topk:0.05+int4").spec()["k_fraction"] == "0.05"
+    assert make_codec("topk:0.05+int4").spec()["index_encoding"] == "elias-fano"
+    for bad in ["", "int3", "int4/6", "int4/0", "int4/x", "topk:0", "topk:1.5", "topk:abc", "topk:1/3",
+                "topk:0.1+topk:0.2", "fp16", "topk:0.1+int5"]:  # fmt: skip
+        with pytest.raises(ValueError):
+            make_codec(bad)
+
+
+def test_metrics():
+    x = torch.tensor([3.0, 4.0])
+    assert quantization_error(x, x) == 0.0
+    assert quantization_error(x, torch.zeros(2)) == pytest.approx(1.0)
+    assert quantization_error(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert compression_ratio(1000, 500) == 8.0
+    with pytest.raises(ValueError):
+        compression_ratio(10, 0)
+
+
+@SETTINGS
+@given(data=st.binary(max_size=4000), cut=st.integers(0, 4000), start=st.integers(0, 2**32 - 1))
+def test_crc32_combine_matches_zlib(data, cut, start):
+    a, b = data[: cut % (len(data) + 1)], data[cut % (len(data) + 1) :]
+    assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(data, start)
+
+
+def test_parallel_crc_equals_zlib():
+    body = torch.randint(0, 256, ((9 << 20) + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    prefix = b"0123456789abcdefghijklmnopqr"
+    assert C._crc32(prefix, body) == zlib.crc32(np.asarray(body.numpy()).tobytes(), zlib.crc32(prefix))

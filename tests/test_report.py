@@ -1,0 +1,208 @@
+"""`lightning-islands report`, the recipes (Hydra experiments) and the quality benchmark's arithmetic."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import lightning_islands.report as report
+from lightning_islands.cli import main as cli_main
+from lightning_islands.train import config_dir
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
+TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_bytes=300000", "data.val_windows=8",
+        "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=6"]
+SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance"]
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in (RECIPES / "experiment").glob("*.yaml"))
+
+
+def _compose(overrides, hydra=False):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+
+
+# ------------------------------------------------------------------------------------------ recipes
+
+
+def test_the_promised_recipes_exist():
+    assert set(SWEEPS + ["quality_quick"]) <= set(recipe_names())
+
+
+@pytest.mark.parametrize("name", recipe_names())
+def test_recipe_composes_and_says_what_it_asks(name):
+    lines = (RECIPES / "experiment" / f"{name}.yaml").read_text().splitlines()
+    # Hydra reads the package header only before the first other line, so it must come first.
+    assert lines[0] == "# @package _global_"
+    assert lines[1].startswith("# Question:")
+    cfg = _compose([f"experiment={name}"], hydra=True)
+    assert cfg.experiment.name == name
+    assert cfg.hydra.sweep.dir.startswith(f"runs/{name}/")
+    params = cfg.hydra.sweeper.params
+    if name.startswith("sweep_"):
+        assert params, f"{name} sets no hydra.sweeper.params"
+        # every value of every swept key composes on its own (group options exist, keys are valid)
+        for key, values in params.items():
+            for value in str(values).split(","):
+                job = _compose([f"experiment={name}", f"{key}={value}"])
+                OmegaConf.resolve(job)
+    else:
+        assert not params
+
+
+def test_recipe_choices_reach_the_job():
+    cfg = _compose(["experiment=sweep_codec", "codec_variant=int2_no_ef"])
+    assert cfg.islands.codec == "int2" and cfg.islands.error_feedback is False
+    cfg = _compose(["experiment=sweep_imbalance", "imbalance=island1_tiny"])
+    sizes = [(m.devices, m.batch_size) for m in cfg.islands.members]
+    assert sizes == [(2, 14), (1, 4)]
+    for choice in ("even", "island0_small", "island1_small", "island1_tiny"):
+        members = _compose(["experiment=sweep_imbalance", f"imbalance={choice}"]).islands.members
+        assert sum(m.devices * m.batch_size for m in members) == 32  # same tokens per step in every job
+
+
+def test_recipes_readme_lists_every_recipe():
+    readme = (RECIPES / "README.md").read_text()
+    for name in recipe_names():
+        assert f"experiment={name}" in readme
+    assert "lightning-islands report" in readme
+
+
+# ------------------------------------------------------------------------------- runs and report
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A tiny sweep_h sweep (2 island jobs) and one `single` run, all finished, in one folder."""
+    cwd = tmp_path_factory.mktemp("runs")
+    env = dict(os.environ)
+    env["LIGHTNING_ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    env["WANDB_MODE"] = "offline"
+    env["OMP_NUM_THREADS"] = "1"
+    single = subprocess.Popen([sys.executable, "-m", "lightning_islands.train", "strategy=single", *TINY],
+                              cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep = subprocess.run([sys.executable, "-m", "lightning_islands.train", "-m", "experiment=sweep_h",
+                            "hydra.sweeper.params.islands.sync_every=2,3", *TINY],
+                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    single_out, _ = single.communicate(timeout=300)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert single.returncode == 0, single_out[-3000:]
+    return cwd / "runs"
+
+
+@pytest.mark.slow
+def test_sweep_recipe_runs_end_to_end(runs):
+    summaries = sorted((runs / "sweep_h").glob("multirun_*/*/summary.json"))
+    assert len(summaries) == 2
+    records = [report.load_run(p) for p in summaries]
+    assert sorted(r.sync_every for r in records) == [2, 3]
+    assert sorted(r.rounds for r in records) == [2, 3]  # 6 steps / H
+    assert all(r.experiment == "sweep_h" and r.bytes_exchanged > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_report_builds_its_table_from_finished_runs(runs, tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert cli_main(["report", str(runs), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = (out / "report.md").read_text()
+    body = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(body) == 3 and all(row in printed for row in body)
+    single = next(row for row in body if "single 1x8" in row)
+    assert "| 1.000 |" in single  # the centralized run is the baseline
+    islands = [row for row in body if "islands 2x8+1x16" in row]
+    assert {("H=2" in r, "H=3" in r) for r in islands} == {(True, False), (False, True)}
+    assert all(" MB |" in r for r in islands)
+    with (out / "report.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["strategy"] for r in rows) == ["islands", "islands", "single"]
+    assert {r["sync_every"] for r in rows if r["strategy"] == "islands"} == {"2", "3"}
+    assert all(float(r["tokens"]) > 0 and r["ratio"] for r in rows)
+    if report._pyplot() is not None:
+        assert (out / "val_loss_vs_tokens.png").stat().st_size > 0
+        assert (out / "loss_vs_bytes.png").stat().st_size > 0
+    else:
+        assert "plots skipped" in printed
+
+
+@pytest.mark.slow
+def test_validation_curve_counts_steps_done(runs):
+    rec = next(report.load_run(p) for p in runs.rglob("summary.json") if "sweep_h" not in str(p))
+    points = report.val_curve(rec)
+    # validated after 3 and 6 steps (Lightning logs the in-fit ones at step 2 and 5), 8 windows x 128 per step
+    assert [t for t, _ in points] == [3 * 8 * 128, 6 * 8 * 128]
+    assert points[-1][1] == pytest.approx(rec.val_loss)
+
+
+@pytest.mark.slow
+def test_report_without_matplotlib_skips_plots_with_a_note(runs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    assert report.main([str(runs), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "plots skipped" in out and len([line for line in out.splitlines() if "plots" in line]) == 1
+    assert (tmp_path / "report.md").exists() and not list(tmp_path.glob("*.png"))
+
+
+def test_report_of_a_folder_without_runs_names_it(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no summary.json" in err and str(tmp_path) in err
+
+
+# ------------------------------------------------------------------------------ quality benchmark
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("quality_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_benchmark_compares_at_equal_tokens_per_step():
+    bench = _bench()
+    jobs = {j.name: j for j in bench.plan("quick", 300, [25, 50], ["fp32", "int4"], ["seed=7"])}
+    assert set(jobs) == {"centralized", "alone_island0", "alone_island1", "islands_H25_fp32", "islands_H25_int4",
+                         "islands_H50_fp32", "islands_H50_int4"}
+
+    def windows(name):
+        cfg = _compose([o for o in jobs[name].overrides if not o.startswith("hydra.")])
+        if cfg.strategy.name == "islands":
+            return sum(m.devices * m.batch_size for m in cfg.islands.members), cfg.trainer.max_steps
+        return cfg.strategy.get("devices", 1) * cfg.data.batch_size, cfg.trainer.max_steps
+
+    assert windows("centralized") == windows("islands_H50_int4") == (32, 300)
+    assert windows("alone_island0") == windows("alone_island1") == (16, 300)
+    assert all("seed=7" in j.overrides for j in jobs.values())
+    large = {j.name: j for j in bench.plan("large", 1200, [50], ["fp32"], [])}
+    assert "data.batch_size=32" in large["centralized"].overrides
+
+
+def test_quality_benchmark_scores():
+    bench = _bench()
+    jobs = bench.plan("quick", 100, [25], ["fp32"], [])
+    losses = {"centralized": 2.0, "alone_island0": 2.5, "alone_island1": 2.4, "islands_H25_fp32": 2.1}
+    n = 1000
+    for job in jobs:
+        job.record = report.RunRecord(name=job.name, run_dir=".", experiment="q", label=job.name,
+                                      strategy="islands" if job.kind == "islands" else "fsdp",
+                                      val_loss=losses[job.name], parameters=n,
+                                      bytes_exchanged=8e4 if job.kind == "islands" else 0.0)
+    central, alone_best = bench.score(jobs, 100)
+    assert (central, alone_best) == (2.0, 2.4)
+    m = next(j for j in jobs if j.kind == "islands").metrics
+    assert m["gain_recovered"] == pytest.approx(0.75)
+    assert m["vs_centralized"] == pytest.approx(1.05)
+    assert m["vs_sync_dp"] == pytest.approx(8e4 / (100 * 2 * 4 * n))
