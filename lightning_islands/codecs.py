@@ -55,11 +55,14 @@ and the high parts as a unary-coded bit vector of ``k + ((n-1) >> l) + 1`` bits,
 deltas its size depends only on ``(n, k)``, so :meth:`Codec.nbytes` stays an exact formula, and
 both directions are vectorized (bit (un)packing with shifts, ``nonzero`` for the unary part).
 
-Quantization rule (int codecs): ``q = round_half_even(x * r)``, ``r = qmax/absmax`` (correctly
-rounded, clamped to the largest float for all-zero or denormal-tiny blocks), so
-``|x - q*scale| <= scale/2`` up to a few fp32 ulps of absmax. All-zero blocks get scale 0 and
-decode to exact zeros. fp8 stores ``float8_e4m3fn(x * 448/absmax)`` (round to nearest even).
-Non-finite input raises :class:`ValueError` (a diverged pseudo-gradient must not be shipped).
+Quantization rule: ``scale = fl(absmax/qmax)`` per block, ``r = fl(1/scale)`` (clamped to the
+largest float, so all-zero and denormal-tiny blocks get a finite multiplier) and
+``q = round_half_even(x * r)`` via ``torch.round`` for int codecs, ``float8_e4m3fn(x * r)`` (also
+round to nearest even) for fp8. Since ``|x * r| <= qmax * (1 + 2**-22)`` no clamp is needed, and
+``|x - q*scale| <= scale/2`` up to a few fp32 ulps of absmax. All-zero blocks get scale +0.0 and
+decode to exact zeros. Decoding is ``q.float() * scale``: the int-to-float conversion is exact,
+so the multiply is the only rounding. Non-finite input raises :class:`ValueError` (a diverged
+pseudo-gradient must not be shipped to the other islands).
 
 CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python
 loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
@@ -83,6 +86,7 @@ from torch import Tensor
 
 __all__ = [
     "BASE_CODECS",
+    "DEFAULT_BLOCK_SIZE",
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "MAGIC",
@@ -120,7 +124,6 @@ _MAX_BLOCK_SIZE = 1 << 24
 _CPU_SLAB_ELEMS = 1 << 20  # elements per cache-blocked slab on CPU (4 MiB of fp32, L3-resident)
 _TOPK_SAMPLE = 1 << 15  # sample size for the top-k threshold estimate
 PACK_GROUP = 2048  # values per planar packing group of int4/int2 (part of the wire format)
-_PACK_GROUP = PACK_GROUP
 _FP32_MAX = torch.finfo(torch.float32).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -188,9 +191,12 @@ _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 
 
+_CRC_WORKERS = min(8, os.cpu_count() or 1)
+
+
 def _crc_pool() -> ThreadPoolExecutor | None:
     global _pool, _pool_pid
-    workers = min(8, os.cpu_count() or 1)
+    workers = _CRC_WORKERS
     if workers < 2:
         return None
     with _pool_lock:
@@ -214,8 +220,7 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     pool = _crc_pool() if size >= _CRC_PARALLEL_MIN_BYTES else None
     if pool is None:
         return zlib.crc32(data, crc)
-    workers = pool._max_workers
-    piece = max(_CRC_PIECE_MIN_BYTES, -(-size // workers))
+    piece = max(_CRC_PIECE_MIN_BYTES, -(-size // _CRC_WORKERS))
     bounds = [(s, min(s + piece, size)) for s in range(0, size, piece)]
     futures = [pool.submit(zlib.crc32, data[s:e]) for s, e in bounds[1:]]
     crc = zlib.crc32(data[bounds[0][0] : bounds[0][1]], crc)
@@ -379,9 +384,9 @@ class Codec:
         page faults that can exceed the decode itself). Raises ``ValueError`` on any mismatch
         (wrong codec, truncation, corruption) with expected vs. got values.
         """
+        if isinstance(payload, Tensor) and (not payload.is_contiguous() or payload.storage_offset() % 4):
+            payload = payload.clone(memory_format=torch.contiguous_format)  # fp32 views need alignment
         n, k = self._validate(payload)
-        if payload.storage_offset() % 4:  # fp32 scale views need 4-byte alignment
-            payload = payload.clone()
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=payload.device)
         elif (
@@ -516,7 +521,9 @@ class BFloat16Codec(Codec):
         y = body.view(torch.bfloat16)
         y.copy_(v)
         # One pass over the half-size output catches both NaN/Inf input and overflow to Inf.
-        if v.numel() and not math.isfinite(float(y.sum(dtype=torch.float32))):
+        # (A plain bf16 sum accumulates in fp32 internally and is ~50x faster than sum(dtype=fp32);
+        # an overflowing sum of finite values just takes the exact path below.)
+        if v.numel() and not math.isfinite(float(y.sum())):
             err = _nonfinite_error(v)
             if err is not None:
                 raise err
@@ -554,20 +561,20 @@ class _Work:
 def _pack_planar(q: Tensor, out: Tensor, pack: int) -> None:
     """Pack two's-complement int values (a uint8 view) ``pack`` per byte into ``out``.
 
-    Group-planar layout: within each group of ``_PACK_GROUP`` values (the last group: its length
+    Group-planar layout: within each group of ``PACK_GROUP`` values (the last group: its length
     rounded up to a multiple of ``pack``, zero padded), byte j holds values j + i*W/pack for
     i = 0..pack-1 in bit field i, offset binary. uint8 arithmetic wraps mod 256, so
     ``sum_i (q_i + offset) << (bits*i)`` is computed as ``sum_i q_i * 2**(bits*i) + const``.
     """
     count = q.numel()
-    per = _PACK_GROUP // pack
-    full = count // _PACK_GROUP
+    per = PACK_GROUP // pack
+    full = count // PACK_GROUP
     if full:
-        _pack_rows(q[: full * _PACK_GROUP].view(full, pack, per), out[: full * per].view(full, per), pack)
-    rem = count - full * _PACK_GROUP
+        _pack_rows(q[: full * PACK_GROUP].view(full, pack, per), out[: full * per].view(full, per), pack)
+    rem = count - full * PACK_GROUP
     if rem:
         width = _ceil_div(rem, pack) * pack
-        tail = q[full * _PACK_GROUP :]
+        tail = q[full * PACK_GROUP :]
         if width != rem:
             tail = torch.cat([tail, tail.new_zeros(width - rem)])
         _pack_rows(tail.view(1, pack, width // pack), out[full * per :].view(1, width // pack), pack)
@@ -587,17 +594,17 @@ def _pack_rows(qv: Tensor, out: Tensor, pack: int) -> None:
 def _unpack_planar(packed: Tensor, q: Tensor, pack: int) -> None:
     """Inverse of :func:`_pack_planar`: fill ``q`` (uint8, the value count) with two's-complement ints."""
     count = q.numel()
-    per = _PACK_GROUP // pack
-    full = count // _PACK_GROUP
+    per = PACK_GROUP // pack
+    full = count // PACK_GROUP
     if full:
-        _unpack_rows(packed[: full * per].view(full, per), q[: full * _PACK_GROUP].view(full, pack, per), pack)
-    rem = count - full * _PACK_GROUP
+        _unpack_rows(packed[: full * per].view(full, per), q[: full * PACK_GROUP].view(full, pack, per), pack)
+    rem = count - full * PACK_GROUP
     if rem:
         width = _ceil_div(rem, pack) * pack
-        dst = q[full * _PACK_GROUP :] if width == rem else q.new_empty(width)
+        dst = q[full * PACK_GROUP :] if width == rem else q.new_empty(width)
         _unpack_rows(packed[full * per :].view(1, width // pack), dst.view(1, pack, width // pack), pack)
         if width != rem:
-            q[full * _PACK_GROUP :].copy_(dst[:rem])
+            q[full * PACK_GROUP :].copy_(dst[:rem])
     q.sub_(8 if pack == 2 else 1)  # offset binary -> two's complement (wraps mod 256)
 
 
@@ -631,21 +638,21 @@ class _BlockCodec(Codec):
 
     def _slab_elems(self, device: torch.device, m: int) -> int:
         """Slab length: a multiple of the block size and (if packed) of the packing group."""
-        unit = self.block_size if self.pack == 1 else math.lcm(self.block_size, _PACK_GROUP)
+        unit = self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
         if device.type != "cpu":
             return max(unit, m)  # one slab: no cache blocking needed, fewer kernel launches
         return max(1, _CPU_SLAB_ELEMS // unit) * unit
 
-    # per-slab kernels. x: (rows, B) fp32 (zero padded), count: real values in the slab
-    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
+    # per-slab kernels: x / out are flat slices of whole blocks (the last may be partial),
+    # scale the matching fp32 scales, values the matching packed bytes
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         raise NotImplementedError
 
-    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: _Work) -> None:
         raise NotImplementedError
 
-    def _scaled(self, x: Tensor, scale: Tensor, work: _Work) -> Tensor:
-        """Write absmax/qmax into ``scale``; return ``x * (1/scale)`` in a workspace view."""
-        rows, width = x.shape
+    def _scale_rows(self, x: Tensor, scale: Tensor, t: Tensor) -> None:
+        """Per row of ``x``: scale = absmax/qmax; ``t = x * (1/scale)``."""
         amax = torch.amax(x, dim=1)
         amin = torch.amin(x, dim=1)
         # max(amax, -amin) is >= 0 but may be -0.0 (max(+0, -0) is unspecified); abs_ makes it +0.0.
@@ -654,9 +661,28 @@ class _BlockCodec(Codec):
         torch.div(absmax, self.qmax, out=scale)
         # 1/scale, clamped so that all-zero (and denormal-tiny) blocks give a finite multiplier
         inv = torch.reciprocal(scale).clamp_(max=_FP32_MAX)
-        t = work.f32(rows * width).view(rows, width)
         torch.mul(x, inv.unsqueeze(1), out=t)
+
+    def _scaled(self, x: Tensor, scale: Tensor, work: _Work) -> Tensor:
+        """Write the block scales of flat ``x`` into ``scale``; return ``x * (1/scale)`` (workspace)."""
+        bsz = self.block_size
+        count = x.numel()
+        full = count // bsz
+        t = work.f32(count)
+        if full:
+            self._scale_rows(x[: full * bsz].view(full, bsz), scale[:full], t[: full * bsz].view(full, bsz))
+        if count > full * bsz:  # partial last block: its own row, no padding needed
+            self._scale_rows(x[full * bsz :].view(1, -1), scale[full:], t[full * bsz :].view(1, -1))
         return t
+
+    def _rescale(self, out: Tensor, scale: Tensor) -> None:
+        """``out *= scale`` block by block (the one rounding of the decode)."""
+        bsz = self.block_size
+        full = out.numel() // bsz
+        if full:
+            out[: full * bsz].view(full, bsz).mul_(scale[:full].unsqueeze(1))
+        if out.numel() > full * bsz:
+            out[full * bsz :].mul_(scale[full])
 
     def _encode_values(self, v: Tensor, body: Tensor) -> None:
         m = v.numel()
@@ -665,20 +691,14 @@ class _BlockCodec(Codec):
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
         slab = self._slab_elems(v.device, m)
-        work = _Work(v.device, min(slab, nblocks * bsz))
+        work = _Work(v.device, min(slab, m))
         for s in range(0, m, slab):
             e = min(s + slab, m)
-            count = e - s
-            rows = _ceil_div(count, bsz)
-            xs = v[s:e]
-            if count != rows * bsz:  # last, partial block: zero padding does not change its absmax
-                xs = torch.cat([xs, xs.new_zeros(rows * bsz - count)])
             b0 = s // self.pack
             self._encode_slab(
-                xs.view(rows, bsz),
-                count,
-                scales[s // bsz : s // bsz + rows],
-                values[b0 : b0 + _ceil_div(count, self.pack)],
+                v[s:e],
+                scales[s // bsz : _ceil_div(e, bsz)],
+                values[b0 : b0 + _ceil_div(e - s, self.pack)],
                 work,
             )
         if nblocks:
@@ -703,23 +723,16 @@ class _BlockCodec(Codec):
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
         slab = self._slab_elems(body.device, m)
-        work = _Work(body.device, min(slab, nblocks * bsz))
+        work = _Work(body.device, min(slab, m))
         for s in range(0, m, slab):
             e = min(s + slab, m)
-            count = e - s
-            rows = _ceil_div(count, bsz)
-            padded = rows * bsz != count
-            dst = work.f32(rows * bsz) if padded else out[s:e]
             b0 = s // self.pack
             self._decode_slab(
-                values[b0 : b0 + _ceil_div(count, self.pack)],
-                count,
-                scales[s // bsz : s // bsz + rows],
-                dst.view(rows, bsz),
+                values[b0 : b0 + _ceil_div(e - s, self.pack)],
+                scales[s // bsz : _ceil_div(e, bsz)],
+                out[s:e],
                 work,
             )
-            if padded:
-                out[s:e].copy_(dst[:count])
 
 
 class Float8Codec(_BlockCodec):
@@ -733,22 +746,20 @@ class Float8Codec(_BlockCodec):
     qmax = _FP8_MAX
     bits = 8.0
 
-    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         t = self._scaled(x, scale, work)
-        values.view(torch.float8_e4m3fn).copy_(t.view(-1)[:count])  # round to nearest even, |t| <= 448
+        values.view(torch.float8_e4m3fn).copy_(t)  # round to nearest even; |t| <= 448
 
-    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: _Work) -> None:
         # float8_e4m3fn -> fp32 by bit placement (the built-in CPU cast is scalar and ~6x slower):
         # sign-extend the byte, shift it so mantissa/exponent land at fp32 bits 20..26 and the sign
         # at bit 31, and rescale by 2**120 (exact). fp8 subnormals become fp32 subnormals, so this
         # equals ``.float()`` bit for bit (checked in the tests for all 254 finite codes).
-        flat = out.view(-1)
-        bits = flat.view(torch.int32)
-        bits[:count].copy_(values.view(torch.int8))
-        bits[count:].zero_()
+        bits = out.view(torch.int32)
+        bits.copy_(values.view(torch.int8))
         bits.bitwise_left_shift_(20).bitwise_and_(_FP8_BITS_MASK)
-        flat.mul_(2.0**120)
-        out.mul_(scale.unsqueeze(1))  # the one rounding: fp8 value * scale
+        out.mul_(2.0**120)
+        self._rescale(out, scale)  # the one rounding: fp8 value * scale
 
 
 class IntCodec(_BlockCodec):
@@ -767,26 +778,24 @@ class IntCodec(_BlockCodec):
         self.pack = 8 // bits
         super().__init__(block_size)
 
-    def _encode_slab(self, x: Tensor, count: int, scale: Tensor, values: Tensor, work: _Work) -> None:
-        t = self._scaled(x, scale, work).view(-1)
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
+        t = self._scaled(x, scale, work)
         t.round_()  # half to even; |t| <= qmax (see module docstring), so no clamp is needed
         if self.pack == 1:
-            values.view(torch.int8).copy_(t[:count])
+            values.view(torch.int8).copy_(t)
             return
-        q = work.u8(count)
-        q.view(torch.int8).copy_(t[:count])
+        q = work.u8(t.numel())
+        q.view(torch.int8).copy_(t)
         _pack_planar(q, values, self.pack)
 
-    def _decode_slab(self, values: Tensor, count: int, scale: Tensor, out: Tensor, work: _Work) -> None:
-        flat = out.view(-1)
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: _Work) -> None:
         if self.pack == 1:
-            flat[:count].copy_(values.view(torch.int8))
+            out.copy_(values.view(torch.int8))
         else:
-            q = work.u8(count)
+            q = work.u8(out.numel())
             _unpack_planar(values, q, self.pack)
-            flat[:count].copy_(q.view(torch.int8))
-        flat[count:].zero_()
-        out.mul_(scale.unsqueeze(1))  # the one rounding: q.float() * scale
+            out.copy_(q.view(torch.int8))
+        self._rescale(out, scale)  # the one rounding: q.float() * scale
 
 
 # ----------------------------------------------------------------------------------------------

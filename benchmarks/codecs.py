@@ -1,0 +1,165 @@
+"""Throughput and accuracy of the pseudo-gradient codecs, against ``torch.Tensor.copy_``.
+
+For every codec, in the same run and interleaved with a ``copy_`` of the same fp32 tensor (so both
+see the same machine state), this measures:
+
+* ``enc`` / ``dec``: :meth:`Codec.encode` / :meth:`Codec.decode` with reused output buffers
+  (``out=``), i.e. the steady state of an outer loop that keeps its buffers;
+* ``alloc``: the same with fresh outputs (on CPU, page-faulting fresh multi-MiB allocations can cost
+  more than the codec itself);
+* ``kern``: quantize+pack / unpack+dequantize alone, without the header and the CRC32 that
+  ``encode``/``decode`` add (``crc ms`` is one CRC32 of the payload, paid once per direction).
+
+Throughputs are GB/s of fp32 input (4 * numel bytes / time); ``copy_`` GB/s is measured the same
+way (it reads and writes 4 * numel bytes). ``rt/copy`` = copy_ time / (encode + decode time).
+Times are medians over ``--repeats`` after ``--warmup`` rounds.
+
+    PYTHONPATH=. python benchmarks/codecs.py --numel $((1<<22)) --repeats 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_islands import codecs as C
+
+DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,topk:0.01,topk:0.01+int4"
+
+
+def _timer(device: torch.device):
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    return timed
+
+
+def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> dict:
+    codec = C.make_codec(spec, block_size=args.block_size)
+    n = x.numel()
+    payload = codec.encode(x)
+    decoded = codec.decode(payload)
+    body = payload[C.HEADER_BYTES :]
+    k = codec._count(n)
+    pbuf = torch.empty_like(payload)
+    dbuf = torch.empty_like(x)
+    kbody = torch.empty_like(body)
+    y = torch.empty_like(x)
+    ops = {
+        "copy": lambda: y.copy_(x),
+        "enc": lambda: codec.encode(x, out=pbuf),
+        "dec": lambda: codec.decode(payload, out=dbuf),
+        "enc_alloc": lambda: codec.encode(x),
+        "dec_alloc": lambda: codec.decode(payload),
+        "kern_enc": lambda: codec._encode_body(x, kbody),
+        "kern_dec": lambda: codec._decode_body(body, n, k, dbuf),
+        "crc": lambda: C._crc32(b"", body),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in ops}
+    for r in range(args.warmup + args.repeats):
+        for name, fn in ops.items():
+            t = timed(fn)
+            if r >= args.warmup:
+                samples[name].append(t)
+    med = {name: statistics.median(ts) for name, ts in samples.items()}
+    best = {name: min(ts) for name, ts in samples.items()}
+    gbs = lambda t: 4 * n / t / 1e9  # noqa: E731
+    return {
+        "codec": codec.name,
+        "spec": codec.spec(),
+        "payload_bytes": payload.numel(),
+        "bytes_per_elem": payload.numel() / n,
+        "compression_ratio": C.compression_ratio(n, payload.numel()),
+        "rel_error_gaussian": C.quantization_error(x, decoded),
+        "median_ms": {name: t * 1e3 for name, t in med.items()},
+        "min_ms": {name: t * 1e3 for name, t in best.items()},
+        "copy_gbs": gbs(med["copy"]),
+        "enc_gbs": gbs(med["enc"]),
+        "dec_gbs": gbs(med["dec"]),
+        "roundtrip_gbs": gbs(med["enc"] + med["dec"]),
+        "roundtrip_over_copy": med["copy"] / (med["enc"] + med["dec"]),
+        "kernel_roundtrip_over_copy": med["copy"] / (med["kern_enc"] + med["kern_dec"]),
+        "alloc_roundtrip_over_copy": med["copy"] / (med["enc_alloc"] + med["dec_alloc"]),
+        "crc_ms": med["crc"] * 1e3,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=1 << 24, help="elements of the fp32 vector")
+    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per codec (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds per codec")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    parser.add_argument("--codecs", default=DEFAULT_CODECS, help="comma-separated codec specs")
+    parser.add_argument("--block-size", type=int, default=C.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/codecs.json")
+    args = parser.parse_args(argv)
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.numel, generator=gen).to(device)
+    timed = _timer(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(
+        f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
+        f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median)"
+    )
+
+    results = []
+    for spec in [s.strip() for s in args.codecs.split(",") if s.strip()]:
+        results.append(bench_codec(spec, x, args, timed))
+
+    cols = (
+        f"{'codec':<20} {'B/elem':>7} {'ratio':>7} {'rel.err':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
+        f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} {'crc ms':>7}"
+    )
+    print(cols)
+    print("-" * len(cols))
+    for r in results:
+        print(
+            f"{r['codec']:<20} {r['bytes_per_elem']:>7.3f} {r['compression_ratio']:>7.2f} "
+            f"{r['rel_error_gaussian']:>8.2e} {r['enc_gbs']:>9.2f} {r['dec_gbs']:>9.2f} "
+            f"{r['roundtrip_gbs']:>8.2f} {r['copy_gbs']:>9.2f} {r['roundtrip_over_copy']:>8.2f} "
+            f"{r['kernel_roundtrip_over_copy']:>9.2f} {r['alloc_roundtrip_over_copy']:>10.2f} "
+            f"{r['crc_ms']:>7.2f}"
+        )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "device": str(device),
+        "device_name": name,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "numel": args.numel,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "block_size": args.block_size,
+        "format_version": C.FORMAT_VERSION,
+        "timing": "median seconds over repeats; GB/s = 4*numel bytes / time",
+    }
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
