@@ -147,3 +147,19 @@ def test_moe_expert_weighting_with_time_balanced_slow_island(tmp_path, cache_env
     assert fast["global_step"] > slow["global_step"], "the fast island runs more inner steps"
     assert fast["val_loss"] == pytest.approx(slow["val_loss"], rel=1e-5)
     assert 0.0 <= fast["idle_fraction"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, logger", [("ddp", "wandb"), ("single", "tensorboard")])
+def test_other_strategies_and_loggers_run(tmp_path, cache_env, strategy, logger):
+    args = [f"strategy={strategy}", f"logger={logger}", "trainer.max_steps=4", "trainer.val_check_interval=2",
+            "trainer.checkpoint_every_n_steps=0", "data.max_bytes=300000", "data.val_windows=8",
+            "data.val_batch_size=4", "experiment.name=smoke"]
+    run = _run_dir(_train(args, tmp_path, cache_env))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["strategy"] == strategy and summary["islands"][0]["global_step"] == 4
+    if logger == "wandb":
+        offline_runs = list((run / "wandb").glob("offline-run-*"))
+        assert len(offline_runs) == 1, "one offline W&B run for the island"
+    else:
+        assert list((run / "tb" / "island0").glob("events.out.tfevents.*"))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 import torch
 from conftest import SCRIPTS, launch, load_rounds
+
+from lightning_islands.launch import run_islands
 
 sys.path.insert(0, str(SCRIPTS))
 from islands_regression import Regression, batch_for  # noqa: E402
@@ -215,3 +218,16 @@ def test_terminating_the_launcher_stops_every_island(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert not left, f"island processes survived the launcher: {left}"
+
+
+def test_live_status_lines_replace_interleaved_logs(tmp_path):
+    buf = io.StringIO()
+    results = run_islands([1, 1], [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
+                                   "--steps", "40", "--H", "4", "--delays", "0.05"],
+                          log_dir=tmp_path / "logs", live=True, out=buf)
+    assert all(r.returncode == 0 for r in results)
+    text = buf.getvalue()
+    assert "island 0: step" in text and "island 1: step" in text and "round" in text
+    assert "island 0: done" in text and "island 1: done" in text
+    assert "[island 0]" not in text, "in live mode the logs go to files, not the terminal"
+    assert (tmp_path / "logs" / "island0.log").read_text()
