@@ -231,13 +231,36 @@ def test_shards_two_islands_disjoint_and_covering():
 
     # windows stay inside their shard: with tokens = positions, every value lies in the range
     tokens = np.arange(n, dtype=np.int64)
-    for spec in [ShardSpec(0, 2, 0, 2), ShardSpec(0, 2, 1, 2), ShardSpec(1, 2, 0, 1)]:
+    for spec in [ShardSpec(0, 2, 0, 2, "contiguous"), ShardSpec(0, 2, 1, 2, "contiguous"),
+                 ShardSpec(1, 2, 0, 1, "contiguous")]:
         lo, hi = spec.range(n)
         ds = TrainWindows(tokens, seq_len=16, batch_size=32, shard=spec, seed=7)
         for x, y in itertools.islice(iter(ds), 20):
             assert int(x.min()) >= lo and int(y.max()) < hi
             assert torch.equal(x[:, 1:], y[:, :-1])
             assert torch.equal(y[:, -1], x[:, -1] + 1)
+
+
+def test_interleaved_streams_are_disjoint_and_each_spans_the_corpus():
+    n, seq = 200_000, 16
+    tokens = np.arange(n, dtype=np.int64)
+    specs = [ShardSpec(0, 2, 0, 2, chunk=4096), ShardSpec(0, 2, 1, 2, chunk=4096), ShardSpec(1, 2, 0, 1, chunk=4096)]
+    owners: dict[int, int] = {}
+    for k, spec in enumerate(specs):
+        ds = TrainWindows(tokens, seq_len=seq, batch_size=64, shard=spec, seed=3)
+        assert ds.chunk_len == 4096
+        seen = set()
+        for x, y in itertools.islice(iter(ds), 30):
+            first, last = x[:, 0], y[:, -1]
+            assert torch.equal(first // ds.chunk_len, last // ds.chunk_len), "a window crossed a chunk boundary"
+            seen.update(int(c) for c in first // ds.chunk_len)
+        for c in seen:
+            assert owners.setdefault(c, k) == k, f"chunk {c} is read by two streams"
+            assert c % 2 == spec.island
+        # every stream samples from the whole corpus, not one region of it
+        assert min(seen) * ds.chunk_len < n // 8 and max(seen) * ds.chunk_len > n - n // 8
+    # small corpora shrink the chunk so every island still gets chunks
+    assert TrainWindows(tokens[:20_000], seq, 2, shard=ShardSpec(1, 2, 0, 1)).chunk_len == 20_000 // 32
 
 
 @settings(max_examples=60, deadline=None)
@@ -279,8 +302,8 @@ def test_train_windows_determinism(corpus_dir, cache_dir):
     assert any(not torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
     # batches within one stream differ, and different ranks read different windows
     assert not torch.equal(a[0][0], a[1][0])
-    r0 = TrainWindows(train, 32, 4, shard=ShardSpec(0, 1, 0, 2), seed=1)
-    r1 = TrainWindows(train, 32, 4, shard=ShardSpec(0, 1, 1, 2), seed=1)
+    r0 = TrainWindows(train, 32, 4, shard=ShardSpec(0, 1, 0, 2, "contiguous"), seed=1)
+    r1 = TrainWindows(train, 32, 4, shard=ShardSpec(0, 1, 1, 2, "contiguous"), seed=1)
     assert r0.end <= r1.start
 
 

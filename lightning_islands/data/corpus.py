@@ -310,18 +310,55 @@ def shard_range(n_tokens: int, island: int, num_islands: int, rank: int, world_s
     return lo + rank * length // world_size, lo + (rank + 1) * length // world_size
 
 
+SHARD_LAYOUTS = ("interleaved", "contiguous")
+"""``interleaved``: disjoint chunks dealt round-robin (every stream sees the whole corpus's mix);
+``contiguous``: one contiguous range per stream (streams see different parts: a non-IID split)."""
+
+
+def chunk_length(n_tokens: int, num_islands: int, chunk: int, seq_len: int) -> int:
+    """Chunk size of the interleaved layout: ``chunk``, shrunk for small corpora so every island gets
+    at least 16 chunks, never below one window. Depends only on values every island shares."""
+    return max(seq_len + 1, min(chunk, n_tokens // (16 * num_islands)))
+
+
+def interleaved_chunks(n_tokens: int, island: int, num_islands: int, rank: int, world_size: int,
+                       chunk: int) -> np.ndarray:
+    """Indices of the ``chunk``-token chunks of ``[0, n_tokens)`` that ``rank`` of ``island`` reads.
+
+    Chunk ``c`` belongs to island ``c % num_islands``; that island's chunks, in order, are dealt to its
+    ranks round-robin. Streams are disjoint, and each one samples the whole corpus evenly. A trailing
+    partial chunk is not used.
+    """
+    shard_range(n_tokens, island, num_islands, rank, world_size)  # validates the indices
+    n_chunks = n_tokens // chunk
+    own = np.arange(island, n_chunks, num_islands, dtype=np.int64)
+    return own[rank::world_size]
+
+
 @dataclass(frozen=True)
 class ShardSpec:
-    """Which slice of the train stream a process reads: ``rank`` of ``world_size`` inside ``island``."""
+    """Which part of the train stream a process reads: ``rank`` of ``world_size`` inside ``island``.
+
+    ``layout`` is ``"interleaved"`` (default: disjoint chunks of ``chunk`` tokens dealt round-robin)
+    or ``"contiguous"`` (one contiguous range, see :func:`shard_range`).
+    """
 
     island: int = 0
     num_islands: int = 1
     rank: int = 0
     world_size: int = 1
+    layout: str = "interleaved"
+    chunk: int = 65536
 
     def range(self, n_tokens: int) -> tuple[int, int]:
-        """``(start, end)`` of this shard in a train array of ``n_tokens`` tokens."""
+        """``(start, end)`` of the contiguous-layout shard in a train array of ``n_tokens`` tokens."""
         return shard_range(n_tokens, self.island, self.num_islands, self.rank, self.world_size)
+
+    def chunks(self, n_tokens: int, seq_len: int) -> tuple[np.ndarray, int]:
+        """Interleaved layout: this shard's chunk indices and the chunk length used."""
+        length = chunk_length(n_tokens, self.num_islands, self.chunk, seq_len)
+        return interleaved_chunks(n_tokens, self.island, self.num_islands, self.rank, self.world_size,
+                                  length), length
 
 
 # ------------------------------------------------------------------------------------------- datasets
@@ -375,8 +412,17 @@ class TrainWindows(IterableDataset):
         self.seed = seed
         self.start_batch = start_batch
         self.num_batches = num_batches
+        if self.shard.layout not in SHARD_LAYOUTS:
+            raise ValueError(f"shard layout must be one of {SHARD_LAYOUTS}, got {self.shard.layout!r}")
         self.start, self.end = self.shard.range(len(tokens))
-        if self.end - self.start < seq_len + 1:
+        self.chunk_ids, self.chunk_len = self.shard.chunks(len(tokens), seq_len)
+        if self.shard.layout == "interleaved" and len(self.chunk_ids) == 0:
+            raise ValueError(
+                f"train shard {self.shard} gets fewer than one window of seq_len+1={seq_len + 1}: no chunk of "
+                f"{self.chunk_len} tokens out of {len(tokens)}; use more data (data.source / data.max_bytes), "
+                f"a smaller seq_len, or fewer islands/ranks"
+            )
+        if self.shard.layout == "contiguous" and self.end - self.start < seq_len + 1:
             raise ValueError(
                 f"train shard {self.shard} holds {self.end - self.start} tokens, fewer than one window of "
                 f"seq_len+1={seq_len + 1}; use more data (data.source / data.max_bytes), a smaller "
@@ -388,6 +434,10 @@ class TrainWindows(IterableDataset):
         g = torch.Generator().manual_seed(
             batch_seed(self.seed, self.shard.island, self.shard.rank, batch_index)
         )
+        if self.shard.layout == "interleaved":
+            which = torch.randint(0, len(self.chunk_ids), (self.batch_size,), generator=g).numpy()
+            offset = torch.randint(0, self.chunk_len - self.seq_len, (self.batch_size,), generator=g).numpy()
+            return self.chunk_ids[which] * self.chunk_len + offset
         starts = torch.randint(self.start, self.end - self.seq_len, (self.batch_size,), generator=g)
         return starts.numpy()
 
@@ -485,8 +535,12 @@ class ByteCorpusDataModule(pl.LightningDataModule):
         max_bytes: int | None = None,
         island: int | None = None,
         num_islands: int | None = None,
+        shard_layout: str = "interleaved",
+        shard_chunk: int = 65536,
     ) -> None:
         super().__init__()
+        if shard_layout not in SHARD_LAYOUTS:
+            raise ValueError(f"shard_layout must be one of {SHARD_LAYOUTS}, got {shard_layout!r}")
         if seq_len < 1 or batch_size < 1 or val_batch_size < 1:
             raise ValueError("seq_len, batch_size and val_batch_size must be >= 1")
         if val_windows < 0:
@@ -503,6 +557,8 @@ class ByteCorpusDataModule(pl.LightningDataModule):
         self.max_bytes = max_bytes
         self.island = island
         self.num_islands = num_islands
+        self.shard_layout = shard_layout
+        self.shard_chunk = shard_chunk
         self.corpus: ByteCorpus | None = None
         self._train: np.ndarray | None = None
         self._val: np.ndarray | None = None
@@ -538,7 +594,8 @@ class ByteCorpusDataModule(pl.LightningDataModule):
         rank, world = self._rank_world()
         if not 0 <= island < num:
             raise ValueError(f"island index {island} is outside [0, num_islands={num})")
-        return ShardSpec(island=island, num_islands=num, rank=rank, world_size=world)
+        return ShardSpec(island=island, num_islands=num, rank=rank, world_size=world, layout=self.shard_layout,
+                         chunk=self.shard_chunk)
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
