@@ -18,7 +18,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_islands.parallel import apply_fully_shard, is_fully_sharded
@@ -65,8 +64,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def shard_module(self, module: pl.LightningModule) -> None:
         """Apply the wrapping policy unless the module shards itself or is already sharded."""
-        if is_overridden("configure_model", module) and is_fully_sharded(module):
-            return
         if is_fully_sharded(module):
             return
         apply_fully_shard(

@@ -32,44 +32,18 @@ def merge_weights(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def merge(deltas: Sequence[Tensor], weights: Sequence[float] | Sequence[Tensor]) -> Tensor:
-    """Weighted average of the islands' pseudo-gradients, summed in island order.
-
-    ``weights`` are either one number per island (normalised here) or one tensor per island that
-    broadcasts against the deltas (already normalised per element, see :func:`normalise_weight_tensors`).
-    """
+def merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
+    """Weighted average of the islands' pseudo-gradients (one weight per island), in island order."""
     if not deltas:
         raise ValueError("merge needs at least one pseudo-gradient")
     if len(deltas) != len(weights):
         raise ValueError(f"{len(deltas)} pseudo-gradients but {len(weights)} weights")
-    if isinstance(weights[0], Tensor):
-        coefs: Sequence[Tensor | float] = list(weights)  # type: ignore[arg-type]
-    else:
-        coefs = merge_weights([float(w) for w in weights])  # type: ignore[arg-type]
     out: Tensor | None = None
-    for delta, coef in zip(deltas, coefs):
-        c = coef if isinstance(coef, Tensor) else torch.tensor(coef, dtype=delta.dtype)
-        term = torch.mul(delta, c.to(delta.device))
+    for delta, coef in zip(deltas, merge_weights([float(w) for w in weights])):
+        term = torch.mul(delta, torch.tensor(coef, dtype=delta.dtype, device=delta.device))
         out = term if out is None else out.add_(term)
     assert out is not None
     return out
-
-
-def normalise_weight_tensors(weights: Sequence[Tensor]) -> list[Tensor]:
-    """Per-element weights (one tensor per island) -> per-element coefficients that sum to one.
-
-    Where every island's weight is zero the coefficients fall back to equal shares.
-    """
-    total = weights[0].clone()
-    for w in weights[1:]:
-        total = total.add_(w)
-    zero = total == 0
-    n = len(weights)
-    coefs = []
-    for w in weights:
-        c = torch.div(w, torch.where(zero, torch.ones_like(total), total))
-        coefs.append(torch.where(zero, torch.full_like(c, 1.0 / n), c))
-    return coefs
 
 
 def expert_coefficients(counts: Sequence[Sequence[float]]) -> list[Tensor]:

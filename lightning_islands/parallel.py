@@ -93,3 +93,16 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+def reshard_all(module: nn.Module | None) -> None:
+    """Free every FSDP2 unit's unsharded parameters, so that writes to the local shards are what the
+    next forward uses (after a no-grad forward, or with ``reshard_after_forward=False``, FSDP2 may
+    otherwise keep using its unsharded copy)."""
+    if module is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

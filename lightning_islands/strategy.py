@@ -16,6 +16,7 @@ the network in :mod:`lightning_islands.transport` and the shard bookkeeping in
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import time
@@ -37,12 +38,13 @@ from lightning_islands import outer
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec, quantization_error
 from lightning_islands.fsdp import FSDP2Strategy
-from lightning_islands.parallel import local_view
+from lightning_islands.parallel import local_view, reshard_all
 from lightning_islands.transport import (
     ENV_COORDINATOR,
     ENV_ISLAND,
     ENV_NUM_ISLANDS,
     ENV_RUN_ID,
+    IslandAborted,
     IslandLink,
 )
 
@@ -158,9 +160,10 @@ class IslandStrategy(FSDP2Strategy):
             raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
         self.sync_every = sync_every
         self.steps_per_round = steps_per_round or sync_every
-        self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        # outer_lr=1, outer_momentum=0 is plain averaging; Nesterov needs momentum, so it is off then.
+        self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum,
+                                        nesterov=nesterov and outer_momentum > 0)
         self.codec = make_codec(codec, block_size=block_size)
-        self.codec_spec = codec
         self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
         self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
         self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
@@ -202,6 +205,9 @@ class IslandStrategy(FSDP2Strategy):
         self.last_round_metrics: dict[str, float] = {}
         self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
         self._last_status = 0.0
+        self._stopping = False  # the islands agreed to stop: no further rounds start
+        self._resuming = False
+        self._timed_steps = 0  # steps closed since _round_started (step time excludes restarts)
 
     # ------------------------------------------------------------------ identity and rendezvous
     @property
@@ -226,6 +232,7 @@ class IslandStrategy(FSDP2Strategy):
             "expert_weighting": self.expert_weighting,
             "balance": self.balance,
             "max_rounds": self.max_rounds,
+            "resuming": bool(self._resuming),
         }
 
     @staticmethod
@@ -242,12 +249,26 @@ class IslandStrategy(FSDP2Strategy):
         return ("islands disagree before the first step; make their model and island settings equal:\n  "
                 + "\n  ".join(problems))
 
-    def _island_broadcast_object(self, obj: Any) -> Any:
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def _agree(self, leader_work: Callable[[], Any]) -> Any:
+        """Run ``leader_work`` on the leader; every rank of the island gets its result, or its error.
+
+        A failure on the leader is re-raised on every rank (and reported to the other islands),
+        instead of leaving the island's other ranks waiting in a collective.
+        """
+        box: tuple[str, Any] = ("ok", None)
+        if self.is_leader:
+            try:
+                box = ("ok", leader_work())
+            except Exception as err:  # noqa: BLE001 - forwarded to every rank below
+                message = f"island {self.island_index}: {type(err).__name__}: {err}"
+                if self.link is not None and not isinstance(err, IslandAborted):
+                    with suppress(Exception):
+                        self.link.abort(message)
+                box = ("error", message)
+        box = self.broadcast(box)
+        if box[0] == "error":
+            raise RuntimeError(box[1])
+        return box[1]
 
     def _outer_tensor(self, t: Tensor) -> Tensor:
         device = torch.device(self.outer_device) if self.outer_device else t.device
@@ -257,56 +278,79 @@ class IslandStrategy(FSDP2Strategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._resuming = trainer.ckpt_path is not None
             self._rendezvous()
 
     def _rendezvous(self) -> None:
         module = self.lightning_module
         assert module is not None
-        named = [(n, p) for n, p in module.named_parameters()]
-        self._params = [p for _, p in named]
-        self._anchors = []
-        self.layout = CanonicalLayout(named)
-        error: str | None = None
-        if self.is_leader and self.num_islands > 1:
-            try:
-                assert self.coordinator is not None
-                self.link = IslandLink(self.coordinator, self.island_index, self.num_islands,
-                                       run_id=self.run_id, lanes=self.lanes, timeout=self.timeout)
-                prints = self.link.gather_objects("fingerprint", self.fingerprint())
-                error = self.compare_fingerprints(prints)
-            except Exception as err:  # noqa: BLE001 - every rank of the island must learn of it
-                error = f"island {self.island_index} could not meet the other islands: {err}"
-        error = self._island_broadcast_object(error)
-        if error:
-            raise RuntimeError(error)
-        # Initial parameters come from island 0, never from seeds.
-        if self.num_islands > 1:
-            flat = None
-            if self.is_leader:
-                mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
-                if self.island_index == 0:
-                    payload = mine.cpu().view(torch.uint8)
-                    self.link.broadcast_bytes(payload, src=0)  # type: ignore[union-attr]
-                else:
-                    flat = self.link.broadcast_bytes(None, src=0).view(torch.float32)  # type: ignore[union-attr]
-            else:
-                self.layout.gather([local_view(p).detach() for p in self._params], self._params)
-            if self.island_index != 0:
-                flat = self._island_broadcast_tensor(flat, self.layout.numel)
-                shards = [self.layout.shard_of(flat, i, p) for i, p in enumerate(self._params)]
-                with torch.no_grad():
-                    for p, shard in zip(self._params, shards):
-                        local_view(p).copy_(shard)
-                # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
-                self._anchors = [self._outer_tensor(shard) for shard in shards]
-        if not self._anchors:
-            self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
         if self.expert_weighting and not callable(getattr(module, "island_token_counts", None)):
             raise TypeError(
                 f"expert_weighting=True needs the module to implement island_token_counts() and "
                 f"reset_island_token_counts(); {type(module).__name__} does not (or set expert_weighting=False)"
             )
+        named = list(module.named_parameters())
+        self._params = [p for _, p in named]
+        self._anchors = []
+        self.layout = CanonicalLayout(named)
+        if self.num_islands > 1:
+            self._agree(self._meet)
+        self._adopt_island0_state()
         self._round_started = time.perf_counter()
+        self._timed_steps = 0
+
+    def _meet(self) -> None:
+        """Leader: join the coordinator, compare fingerprints through the store, then open the lanes."""
+        assert self.coordinator is not None and self.layout is not None
+        try:
+            self.link = IslandLink(self.coordinator, self.island_index, self.num_islands,
+                                   run_id=self.run_id, lanes=self.lanes, timeout=self.timeout)
+        except Exception as err:
+            raise RuntimeError(f"could not meet the other islands: {err}") from err
+        error = self.compare_fingerprints(self.link.gather_objects("fingerprint", self.fingerprint()))
+        if error:
+            raise RuntimeError(error)
+        self.link.open_lanes()
+
+    @torch.no_grad()
+    def _adopt_island0_state(self) -> None:
+        """Every island takes island 0's parameters and buffers; anchors are taken from them (fp32)."""
+        assert self.layout is not None
+        if self.num_islands > 1:
+            reshard_all(self.lightning_module)  # type: ignore[arg-type]
+            flat = None
+            if self.island_index == 0:
+                mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
+                self._agree(lambda: self.link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
+            else:
+                flat = self._agree(lambda: self.link.broadcast_bytes(None, src=0).view(torch.float32))  # type: ignore
+                flat = self._island_broadcast_tensor(flat, self.layout.numel)
+                shards = [self.layout.shard_of(flat, i, p) for i, p in enumerate(self._params)]
+                for p, shard in zip(self._params, shards):
+                    local_view(p).copy_(shard)
+                # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
+                self._anchors = [self._outer_tensor(shard) for shard in shards]
+            self._adopt_island0_buffers()
+        if not self._anchors:
+            self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
+
+    def _adopt_island0_buffers(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        buffers = dict(module.named_buffers())
+        if not buffers:
+            return
+        if self.island_index == 0:
+            blob = io.BytesIO()
+            torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+            payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+            self._agree(lambda: self.link.broadcast_bytes(payload, src=0))  # type: ignore[union-attr]
+            return
+        data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
+        received = torch.load(io.BytesIO(data), weights_only=True)
+        for name, buf in buffers.items():
+            if name in received:
+                buf.copy_(received[name].to(buf.device))
 
     def _island_broadcast_tensor(self, flat: Tensor | None, numel: int) -> Tensor:
         """Broadcast the leader's fp32 flat vector to every rank of this island."""
@@ -328,17 +372,17 @@ class IslandStrategy(FSDP2Strategy):
         self._close_batch()
         super().on_train_batch_start(batch, batch_idx)
         if self._anchors:
-            n = batch_weight(self.lightning_module, batch)  # type: ignore[arg-type]
-            self.round_tokens += n
+            self.round_tokens += batch_weight(self.lightning_module, batch)  # type: ignore[arg-type]
         self._publish_status()
 
     def _close_batch(self) -> None:
-        if not self._stepped_batch:
+        if not self._stepped_batch or not self._anchors:
             return
         self._stepped_batch = False
         self.inner_steps += 1
         self.round_steps += 1
-        if self.round_steps >= self.steps_per_round:
+        self._timed_steps += 1
+        if self.round_steps >= self.steps_per_round and not self._stopping:
             self.outer_step()
 
     def _island_sum(self, value: float) -> float:
@@ -348,24 +392,49 @@ class IslandStrategy(FSDP2Strategy):
         dist.all_reduce(t)
         return float(t.item())
 
+    def _wants_stop(self, final: bool) -> bool:
+        """Whether this round is this island's last: it is ending training (``final``, ``max_steps``
+        reached, or a callback asked the trainer to stop) or ``max_rounds`` is reached. Any island's
+        last round is everyone's."""
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if final or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
+            return True
+        return self.max_rounds is not None and self.round + 1 >= self.max_rounds
+
     @torch.no_grad()
-    def outer_step(self) -> dict[str, float]:
-        """Run one round's exchange and outer step now (every rank of every island must call it)."""
+    def outer_step(self, final: bool = False) -> dict[str, float]:
+        """Run one round's exchange and outer step now (every rank of every island must call it).
+
+        ``final``: this island is ending training (its last, possibly partial or empty, round); the
+        others learn it through the round header and stop after this round too.
+        """
         assert self.layout is not None
         t_start = time.perf_counter()
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
         full = self.layout.gather(deltas, self._params)
         tokens = self._island_sum(float(self.round_tokens))
-        step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self.round_steps)
+        step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
         experts = self._expert_counts()
-        metrics: dict[str, float] = {}
-        merged, next_steps = None, None
-        if self.is_leader:
-            merged, metrics, next_steps = self._exchange(full.cpu(), tokens, step_seconds, experts)
-        merged = self._island_broadcast_tensor(merged, self.layout.numel)
-        if self.balance == "time":
-            self.steps_per_round = int(self._island_broadcast_object(next_steps))
+        header = {"round": self.round, "tokens": tokens, "steps": self.round_steps, "step_seconds": step_seconds,
+                  "experts": experts, "stop": self._wants_stop(final)}
+        box: dict[str, Any] = {"merged": None, "metrics": {}}
+
+        def leader_exchange() -> dict[str, Any]:
+            box["merged"], box["metrics"], plan = self._exchange(full.cpu(), header)
+            return plan
+
+        plan = self._agree(leader_exchange)
+        if plan["stop"]:
+            self._stopping = True
+            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
+        if not plan["update"]:
+            # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
+            # outer step on zero pseudo-gradients would still move the anchor by the momentum.
+            return {}
+        metrics: dict[str, float] = box["metrics"]
+        merged = self._island_broadcast_tensor(box["merged"], self.layout.numel)
         grads = [self.layout.shard_of(merged, i, p).to(a.device) for i, (p, a) in
                  enumerate(zip(self._params, self._anchors))]
         self.outer_opt.step(self._anchors, grads)
@@ -375,6 +444,7 @@ class IslandStrategy(FSDP2Strategy):
         self.round_steps = 0
         self.total_tokens += int(tokens)
         self.round_tokens = 0
+        self.steps_per_round = int(plan["steps"])
         metrics.update({"islands/round": float(self.round), "islands/inner_steps": float(self.inner_steps),
                         "islands/round_tokens": tokens, "islands/step_seconds": step_seconds,
                         "islands/steps_per_round": float(self.steps_per_round),
@@ -384,10 +454,9 @@ class IslandStrategy(FSDP2Strategy):
         self._log(metrics)
         for callback in self.round_callbacks:
             callback(self)
-        if self.max_rounds is not None and self.round >= self.max_rounds:
-            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
         self._round_started = time.perf_counter()
         self._round_val_seconds = 0.0
+        self._timed_steps = 0
         return metrics
 
     def _expert_counts(self) -> dict[str, list[float]] | None:
@@ -407,14 +476,19 @@ class IslandStrategy(FSDP2Strategy):
         return {n: row.cpu().tolist() for n, row in zip(names, stacked)}
 
     def _next_round_steps(self, headers: Sequence[dict[str, Any]]) -> int:
-        """Time balancing: the budget is H steps of the slowest island; each island fits its own steps."""
+        """The next round's inner steps for this island.
+
+        ``balance="none"``: unchanged. ``"time"``: the budget is H steps of the slowest island, and
+        each island runs the steps that fit it.
+        """
+        if self.balance != "time":
+            return self.steps_per_round
         times = [max(float(h["step_seconds"]), 1e-9) for h in headers]
         budget = self.sync_every * max(times)
         return max(1, min(self.max_steps_per_round, round(budget / times[self.island_index])))
 
-    def _exchange(self, delta: Tensor, tokens: float, step_seconds: float = 0.0,
-                  experts: dict[str, list[float]] | None = None) -> tuple[Tensor, dict[str, float], int]:
-        """Leader only: quantize once, exchange, merge in island order; also plans the next round."""
+    def _exchange(self, delta: Tensor, header: dict[str, Any]) -> tuple[Tensor, dict[str, float], dict[str, Any]]:
+        """Leader only: quantize once, exchange, merge in island order; plan the next round."""
         sent = self.error_feedback.compensate(delta) if self.error_feedback is not None else delta
         payload = self.codec.encode(sent)
         decoded_own = self.codec.decode(payload)
@@ -426,21 +500,14 @@ class IslandStrategy(FSDP2Strategy):
             "islands/compression_ratio": 4.0 * delta.numel() / max(1, payload.numel()),
             "islands/payload_bytes": float(payload.numel()),
         }
-        header = {"round": self.round, "tokens": tokens, "steps": self.round_steps,
-                  "step_seconds": step_seconds, "experts": experts}
         if self.link is None:
-            decoded, weights, headers = [decoded_own], [tokens], [header]
+            decoded, headers = [decoded_own], [header]
         else:
             t0 = time.perf_counter()
             headers = self.link.gather_objects(f"round{self.round}", header)
             self.link.stats.seconds_waiting += time.perf_counter() - t0
-            rounds = {h["round"] for h in headers}
-            if len(rounds) != 1:
-                raise RuntimeError(f"islands are in different rounds {[h['round'] for h in headers]}; "
-                                   "resume every island from checkpoints of the same round")
             payloads = self.link.all_gather_bytes(payload)
             decoded = [self.codec.decode(p) for p in payloads]
-            weights = [float(h["tokens"]) for h in headers]
             stats = self.link.take_stats()
             for key in self.totals:
                 self.totals[key] += getattr(stats, key)
@@ -449,13 +516,14 @@ class IslandStrategy(FSDP2Strategy):
                             "islands/seconds_exchanging": stats.seconds_exchanging,
                             "islands/seconds_waiting": stats.seconds_waiting,
                             "islands/cosine": outer.mean_pairwise_cosine(decoded)})
-        if self.weighting == "equal":
-            weights = [1.0] * len(decoded)
+        weights = [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
         merged = outer.merge(decoded, weights)
         if self.expert_weighting:
             self._merge_experts(merged, decoded, headers)
         metrics["islands/merged_norm"] = float(merged.norm())
-        return merged, metrics, self._next_round_steps(headers)
+        plan = {"steps": self._next_round_steps(headers), "stop": any(h["stop"] for h in headers),
+                "update": any(h["steps"] > 0 for h in headers)}
+        return merged, metrics, plan
 
     def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], headers: Sequence[dict[str, Any]]) -> None:
         """Overwrite each expert parameter's slice of ``merged`` with its per-expert weighted merge."""
@@ -491,10 +559,18 @@ class IslandStrategy(FSDP2Strategy):
         with suppress(Exception):
             self.link.store.set(f"status/{self.island_index}", json.dumps(status))
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self.link is not None and self.is_leader and not isinstance(exception, IslandAborted):
+            with suppress(Exception):
+                self.link.abort(f"island {self.island_index}: {type(exception).__name__}: {exception}")
+        super().on_exception(exception)
+
     # ------------------------------------------------------------------ global model views
     def _swap_in_global(self) -> None:
         if not self._anchors or self.round_steps == 0 and not self._stepped_batch:
             return
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
         self._stash = [local_view(p).detach().clone() for p in self._params]
         with torch.no_grad():
             for p, a in zip(self._params, self._anchors):
@@ -503,6 +579,7 @@ class IslandStrategy(FSDP2Strategy):
     def _swap_out_global(self) -> None:
         if self._stash is None:
             return
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
         with torch.no_grad():
             for p, s in zip(self._params, self._stash):
                 local_view(p).copy_(s)
@@ -527,21 +604,23 @@ class IslandStrategy(FSDP2Strategy):
 
     @override
     def on_train_end(self) -> None:
-        if self.max_rounds is None or self.round < self.max_rounds:
+        if self._anchors:
             self._close_batch()
-            if self._anchors and self.round_steps > 0:
-                self.outer_step()  # the final partial round, so that training ends on the global model
-        elif self._anchors:
-            # Steps after the last round are not merged anywhere: end on the global parameters.
-            self._swap_in_global()
-            self._stash = None
+            if not self._stopping:
+                # The islands have not agreed to stop yet: this island's last (possibly partial or
+                # empty) round tells the others to stop after it, so nobody waits for a missing round.
+                self.outer_step(final=True)
+            else:
+                # Steps after the agreed last round are not merged anywhere: end on the global model.
+                self._swap_in_global()
+                self._stash = None
         super().on_train_end()
 
     @torch.no_grad()
     def global_parameters(self) -> dict[str, Tensor]:
         """The full global parameters (fp32, on CPU) by name; a collective inside the island."""
         assert self.layout is not None
-        flat = self.layout.gather([a for a in self._anchors], self._params).cpu()
+        flat = self.layout.gather(list(self._anchors), self._params).cpu()
         return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape).clone() for e in self.layout.entries}
 
     @torch.no_grad()
@@ -560,19 +639,20 @@ class IslandStrategy(FSDP2Strategy):
         super().on_train_start()
         if not self._anchors:
             return
+        self._round_started = time.perf_counter()
+        self._timed_steps = 0
+        if self.num_islands == 1:
+            return
         digest = self.global_state_digest()
-        if self.link is not None and self.is_leader:
-            digests = self.link.gather_objects(f"start{self.round}", {"digest": digest, "round": self.round})
-            error = None
-            if len({d["digest"] for d in digests}) != 1:
-                error = ("islands start from different global states (rounds "
-                         f"{[d['round'] for d in digests]}); resume every island from checkpoints of the "
-                         "same round, or none")
-        else:
-            error = None
-        error = self._island_broadcast_object(error)
-        if error:
-            raise RuntimeError(error)
+
+        def compare() -> None:
+            found = self.link.gather_objects("start", {"digest": digest, "round": self.round})  # type: ignore
+            if len({d["digest"] for d in found}) != 1:
+                raise RuntimeError(
+                    f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
+                    "resume every island from its checkpoint of the same step, or none")
+
+        self._agree(compare)
 
     # ------------------------------------------------------------------ checkpoints
     def _outer_dtensors(self, tensors: Sequence[Tensor]) -> dict[str, Tensor]:
@@ -588,14 +668,27 @@ class IslandStrategy(FSDP2Strategy):
                 out[e.name] = t
         return out
 
-    def _counters(self) -> dict[str, Any]:
+    def _counters(self, round_tokens: float) -> dict[str, Any]:
         return {"round": self.round, "inner_steps": self.inner_steps, "round_steps": self.round_steps,
-                "round_tokens": self.round_tokens, "total_tokens": self.total_tokens,
+                "round_tokens": round_tokens, "total_tokens": self.total_tokens,
                 "stepped_batch": self._stepped_batch, "totals": dict(self.totals),
-                "steps_per_round": self.steps_per_round,
+                "steps_per_round": self.steps_per_round, "stopping": self._stopping,
                 "outer_steps": self.outer_opt.steps, "has_momentum": bool(self.outer_opt.buffers)
                 and all(b is not None for b in self.outer_opt.buffers), "island": self.island_index,
+                "num_islands": self.num_islands,
                 "fingerprint": self.fingerprint() if self.layout is not None else None}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A checkpoint taken while validation has the global model swapped in must still hold the
+        # island's local parameters (exact resume); the global ones travel in islands_outer/.
+        if self._stash is None:
+            return super().lightning_module_state_dict()
+        self._swap_out_global()
+        try:
+            return super().lightning_module_state_dict()
+        finally:
+            self._swap_in_global()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -604,7 +697,7 @@ class IslandStrategy(FSDP2Strategy):
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
 
-        checkpoint["islands"] = self._counters()
+        checkpoint["islands"] = self._counters(self._island_sum(float(self.round_tokens)))
         super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(str(filepath)))
         state: dict[str, Any] = {"anchor": self._outer_dtensors(self._anchors)}
@@ -615,31 +708,60 @@ class IslandStrategy(FSDP2Strategy):
             torch.save(self.error_feedback.state_dict(), path / _EF_FILE)
         self.barrier()
 
+    def _load_outer(self, path: Path, like: Sequence[Tensor], momentum: bool) -> dict[str, Any]:
+        from torch.distributed.checkpoint import load as dcp_load
+
+        state: dict[str, Any] = {"anchor": self._outer_dtensors([t.detach().float().clone() for t in like])}
+        if momentum:
+            state["momentum"] = self._outer_dtensors([torch.zeros_like(t, dtype=torch.float32) for t in like])
+        dcp_load(state, checkpoint_id=path / _OUTER_DIR)
+        return state
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         meta = checkpoint.get("islands")
-        if meta is None or not self._anchors:
-            return checkpoint
-        from torch.distributed.checkpoint import load as dcp_load
-
         path = Path(self.broadcast(str(checkpoint_path)))
-        anchors = self._outer_dtensors([a.clone() for a in self._anchors])
-        state: dict[str, Any] = {"anchor": anchors}
-        if meta["has_momentum"]:
-            state["momentum"] = self._outer_dtensors([torch.zeros_like(a) for a in self._anchors])
-        dcp_load(state, checkpoint_id=path / _OUTER_DIR)
-        for a, name in zip(self._anchors, [e.name for e in self.layout.entries]):  # type: ignore[union-attr]
-            a.copy_(local_view(state["anchor"][name]))
+        if not self._anchors:
+            # Not fitting (validate/test/predict from a checkpoint): evaluate the global model.
+            if meta is not None:
+                module = self.lightning_module
+                assert module is not None
+                named = list(module.named_parameters())
+                self._params = [p for _, p in named]
+                self.layout = CanonicalLayout(named)
+                state = self._load_outer(path, [local_view(p) for p in self._params], False)
+                reshard_all(module)
+                with torch.no_grad():
+                    for e, p in zip(self.layout.entries, self._params):
+                        local_view(p).copy_(local_view(state["anchor"][e.name]))
+                self._params, self.layout = [], None
+            return checkpoint
+        if meta is None:
+            # A plain (e.g. FSDP) checkpoint: every island starts again from island 0's loaded state.
+            self._anchors = []
+            self._adopt_island0_state()
+            return checkpoint
+        if meta["island"] != self.island_index or meta.get("num_islands", self.num_islands) != self.num_islands:
+            raise ValueError(
+                f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
+                f"{self.island_index} of {self.num_islands}; give each island its own checkpoint (resume=[...])"
+            )
+        state = self._load_outer(path, self._anchors, meta["has_momentum"])
+        assert self.layout is not None
+        for a, e in zip(self._anchors, self.layout.entries):
+            a.copy_(local_view(state["anchor"][e.name]))
         if meta["has_momentum"]:
             self.outer_opt.buffers = [local_view(state["momentum"][e.name]).to(a.device).clone()
-                                      for e, a in zip(self.layout.entries, self._anchors)]  # type: ignore[union-attr]
+                                      for e, a in zip(self.layout.entries, self._anchors)]
         self.outer_opt.steps = meta["outer_steps"]
         if self.error_feedback is not None and self.is_leader and (path / _EF_FILE).exists():
             self.error_feedback.load_state_dict(torch.load(path / _EF_FILE, weights_only=True))
         self.round, self.inner_steps, self.round_steps = meta["round"], meta["inner_steps"], meta["round_steps"]
-        self.round_tokens, self.total_tokens = meta["round_tokens"], meta["total_tokens"]
+        self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
+        self.total_tokens = meta["total_tokens"]
         self._stepped_batch = meta["stepped_batch"]
+        self._stopping = bool(meta.get("stopping", False))
         self.steps_per_round = int(meta.get("steps_per_round", self.steps_per_round))
         self.totals = dict(meta["totals"])
         return checkpoint

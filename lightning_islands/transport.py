@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -71,11 +71,18 @@ class LinkStats:
     bytes_received: int = 0
     seconds_exchanging: float = 0.0
     seconds_waiting: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+
+
+class IslandAborted(RuntimeError):
+    """Another island reported a failure (or never arrived) while this one waited for it."""
 
 
 class IslandLink:
     """The leader's connection to the other islands: a store client plus ``lanes`` gloo groups.
+
+    Joining claims the island index under ``run_id`` (a second claim fails: a duplicate island index
+    or a reused run id). Small objects go through the store first (fingerprints); :meth:`open_lanes`
+    then builds the gloo groups, so a mismatch is reported before anything can hang in them.
 
     Args:
         address: coordinator ``host:port``.
@@ -111,22 +118,58 @@ class IslandLink:
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "
                 "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
             ) from err
-        self.lanes = [
-            dist.ProcessGroupGloo(dist.PrefixStore(f"{run_id}/lane{k}/", self.store), island, num_islands, timeout)
-            for k in range(lanes)
-        ]
+        claims = self.store.add(f"{run_id}/joined/{island}", 1)
+        if claims > 1:
+            raise RuntimeError(
+                f"island {island} already joined run {run_id!r} on the coordinator at {address}: either two "
+                f"islands were given the same index ({ENV_ISLAND}) or the run id is reused; give every launch "
+                f"a fresh {ENV_RUN_ID}"
+            )
+        self.n_lanes = lanes
+        self.lanes: list = []
         self.stats = LinkStats()
+
+    def open_lanes(self) -> None:
+        """Build the gloo groups (every island must call this after the fingerprint check)."""
+        self.lanes = [
+            dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/lane{k}/", self.store), self.island,
+                                  self.num_islands, self.timeout)
+            for k in range(self.n_lanes)
+        ]
+
+    def abort(self, message: str) -> None:
+        """Tell the other islands that this one failed, so they stop waiting for it with a clear error."""
+        self.store.set(f"{self.run_id}/abort/{self.island}", message[:2000])
 
     # -- small objects through the store -------------------------------------------------------
     def publish(self, key: str, obj: object) -> None:
         """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
         self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
 
+    def _check_aborts(self) -> None:
+        for i in range(self.num_islands):
+            key = f"{self.run_id}/abort/{i}"
+            if i != self.island and self.store.check([key]):
+                raise IslandAborted(f"island {i} failed: {self.store.get(key).decode(errors='replace')}")
+
     def gather_objects(self, key: str, obj: object) -> list:
-        """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order."""
+        """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order.
+
+        Raises :class:`IslandAborted` as soon as another island reports a failure, and names the
+        missing islands when ``timeout`` passes.
+        """
         self.publish(f"{key}/{self.island}", obj)
         keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
-        self.store.wait(keys, self.timeout)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys):
+            self._check_aborts()
+            if time.monotonic() > deadline:
+                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+                raise IslandAborted(
+                    f"islands {missing} did not reach {key!r} within {self.timeout.total_seconds():.0f} s "
+                    "(slow, crashed or never started); raise timeout_s if rounds are legitimately this long"
+                )
+            time.sleep(0.01)
         return [json.loads(self.store.get(k)) for k in keys]
 
     # -- tensors over the lanes ----------------------------------------------------------------
@@ -188,10 +231,6 @@ class IslandLink:
         else:
             self.stats.bytes_received += buf.numel()
         return buf
-
-    def barrier(self) -> None:
-        """Wait until every island reaches this point."""
-        self._all_gather_sizes(0)
 
     def take_stats(self) -> LinkStats:
         """Return the counters accumulated so far and start new ones."""

@@ -97,6 +97,28 @@ def build_loggers(cfg: DictConfig, run_dir: Path, island: int) -> list:
     raise ValueError(f"unknown logger kind {kind!r}; choose csv, tensorboard, wandb or none")
 
 
+def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> str | None:
+    """This island's checkpoint from ``resume``: a list (one per island), a path containing
+    ``{island}``, or (other strategies, or a plain FSDP checkpoint every island starts from) one path."""
+    if resume is None:
+        return None
+    if isinstance(resume, str):
+        if "{island}" in resume:
+            return resume.format(island=island)
+        if strategy == "islands" and num_islands > 1 and Path(resume, "meta.pt").exists():
+            meta = torch.load(Path(resume, "meta.pt"), weights_only=False)
+            if "islands" in meta:
+                raise ValueError(
+                    f"resume={resume} is one island's checkpoint; give one per island: "
+                    "resume='[path/island0/...,path/island1/...]' or a path with {island} in it"
+                )
+        return resume
+    paths = list(resume)
+    if len(paths) != num_islands:
+        raise ValueError(f"resume lists {len(paths)} checkpoints for {num_islands} islands; give one per island")
+    return str(paths[island])
+
+
 class StepDelay(pl.Callback):
     """Emulates a slower island: sleeps ``seconds`` after every training batch."""
 
@@ -152,12 +174,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         use_distributed_sampler=False, enable_progress_bar=progress, enable_model_summary=False,
         **trainer_kwargs,
     )
-    ckpt_path = cfg.get("resume")
-    if ckpt_path is not None and not isinstance(ckpt_path, str):
-        ckpt_path = list(ckpt_path)[island]
+    ckpt_path = resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
     started = time.time()
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.time() - started
+    # The model after the last outer step: global parameters (local == global once training ended).
+    trainer.save_checkpoint(str(ckpt_dir / "final.ckpt"))
     metrics = trainer.validate(model, datamodule=datamodule, verbose=False)[0]
     result: dict[str, Any] = {
         "island": island, "num_islands": num_islands, "strategy": cfg.strategy.name,
@@ -172,6 +194,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if hasattr(model, "num_parameters"):
         result["parameters"] = model.num_parameters()
     if isinstance(strategy, IslandStrategy):
+        result["tokens"] = strategy.total_tokens  # tokens merged into the global model
         result["rounds"] = strategy.round
         result["idle_fraction"] = strategy.totals["seconds_waiting"] / max(fit_seconds, 1e-9)
         last = {f"last_{k.split('/', 1)[1]}": v for k, v in strategy.last_round_metrics.items()}

@@ -199,6 +199,16 @@ def test_islands_with_different_precision_share_one_fp32_global_state(tmp_path, 
     assert all(t.dtype == torch.float32 for t in per_island[1][3]["params"].values())
 
 
+def test_islands_with_different_round_lengths_stop_together(tmp_path):
+    """Island 0 runs 4 steps per round, island 1 runs 2: island 0 reaches max_steps after 3 rounds and
+    its last round tells island 1 to stop there too, instead of island 1 waiting for a 4th round."""
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4, "--steps-per-round", "4,2"],
+           tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 3)
+    assert [per_island[1][r]["inner_steps"] for r in (1, 2, 3)] == [2, 4, 6]
+    assert (tmp_path / "island1_done").read_text() == "3"
+
+
 def test_terminating_the_launcher_stops_every_island(tmp_path):
     import signal
     import time

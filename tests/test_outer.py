@@ -45,12 +45,6 @@ def test_merge_weights_tokens_and_zero_fallback():
         outer.merge([torch.zeros(2), torch.zeros(2)], [1.0])
 
 
-def test_per_element_weights_fall_back_to_equal_where_no_island_counted():
-    w = outer.normalise_weight_tensors([torch.tensor([1.0, 0.0, 3.0]), torch.tensor([3.0, 0.0, 0.0])])
-    torch.testing.assert_close(w[0], torch.tensor([0.25, 0.5, 1.0]))
-    torch.testing.assert_close(w[1], torch.tensor([0.75, 0.5, 0.0]))
-
-
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 3000), cuts=st.lists(st.integers(0, 3000), max_size=4), seed=st.integers(0, 2**16))
 def test_outer_step_on_shards_is_bit_identical_to_full_vector(n, cuts, seed):

@@ -112,6 +112,7 @@ def main() -> None:
     p.add_argument("--balance", default="none")
     p.add_argument("--max-rounds", type=int, default=0)
     p.add_argument("--two-optimizers", type=int, default=0)
+    p.add_argument("--steps-per-round", default="0", help="inner steps per round per island (comma list)")
     p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0)
@@ -132,7 +133,9 @@ def main() -> None:
     strategy = IslandStrategy(sync_every=args.H, outer_lr=outer_lr, outer_momentum=args.momentum,
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
-                              balance=args.balance, max_rounds=args.max_rounds or None)
+                              balance=args.balance, max_rounds=args.max_rounds or None,
+                              steps_per_round=[int(v) for v in args.steps_per_round.split(",")][
+                                  min(island, args.steps_per_round.count(","))] or None)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()

@@ -1,0 +1,58 @@
+"""Coordinator and island links in one process (real TCPStore, real gloo lanes in threads)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+
+from lightning_islands.transport import Coordinator, IslandAborted, IslandLink, parse_address
+
+
+def test_parse_address_names_the_fix():
+    assert parse_address("127.0.0.1:29400") == ("127.0.0.1", 29400)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_address("localhost")
+
+
+def test_duplicate_island_index_or_reused_run_id_is_refused():
+    coord = Coordinator()
+    IslandLink(coord.address, 0, 2, run_id="r1")
+    with pytest.raises(RuntimeError, match="already joined run 'r1'"):
+        IslandLink(coord.address, 0, 2, run_id="r1")
+    IslandLink(coord.address, 0, 2, run_id="r2")  # a fresh run id is fine
+
+
+def test_waiting_island_learns_of_a_failed_island_and_of_missing_ones():
+    coord = Coordinator()
+    a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1))
+    b = IslandLink(coord.address, 1, 2, run_id="r", timeout=timedelta(seconds=1))
+    with pytest.raises(IslandAborted, match=r"islands \[1\] did not reach 'round0'"):
+        a.gather_objects("round0", {"x": 1})
+    b.abort("island 1: RuntimeError: out of memory")
+    with pytest.raises(IslandAborted, match="island 1 failed: island 1: RuntimeError: out of memory"):
+        a.gather_objects("round1", {"x": 1})
+
+
+def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes():
+    coord = Coordinator()
+    links = [IslandLink(coord.address, i, 3, run_id="lanes", lanes=3) for i in range(3)]
+    payloads = [torch.arange(n, dtype=torch.uint8) for n in (10, 0, 7)]
+    results: list = [None] * 3
+
+    def island(i: int) -> None:
+        links[i].open_lanes()
+        results[i] = links[i].all_gather_bytes(payloads[i])
+
+    threads = [threading.Thread(target=island, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for got in results:
+        assert [torch.equal(g, p) for g, p in zip(got, payloads)] == [True, True, True]
+    stats = links[0].take_stats()
+    assert stats.bytes_sent == 10 * 2 and stats.bytes_received == 7
+    assert links[0].take_stats().bytes_sent == 0
