@@ -19,8 +19,8 @@ from lightning_islands.train import config_dir
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
-TINY = ["trainer.max_steps=6", "trainer.val_check_interval=3", "data.max_bytes=300000", "data.val_windows=8",
-        "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=6"]
+TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
+        "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
 SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance"]
 
 
@@ -84,7 +84,8 @@ def test_recipes_readme_lists_every_recipe():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A tiny sweep_h sweep (2 island jobs) and one `single` run, all finished, in one folder."""
+    """A tiny sweep_h sweep (2 jobs of two one-process islands) and one `single` run, run at the same
+    time, all finished, in one folder. About 90 s on 2 cores, mostly process start-up."""
     cwd = tmp_path_factory.mktemp("runs")
     env = dict(os.environ)
     env["LIGHTNING_ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
@@ -93,7 +94,7 @@ def runs(tmp_path_factory):
     single = subprocess.Popen([sys.executable, "-m", "lightning_islands.train", "strategy=single", *TINY],
                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sweep = subprocess.run([sys.executable, "-m", "lightning_islands.train", "-m", "experiment=sweep_h",
-                            "hydra.sweeper.params.islands.sync_every=2,3", *TINY],
+                            "islands.sync_every=2,4", "islands=two_equal", *TINY],  # replaces the recipe's H grid
                            cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     single_out, _ = single.communicate(timeout=300)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
@@ -106,8 +107,8 @@ def test_sweep_recipe_runs_end_to_end(runs):
     summaries = sorted((runs / "sweep_h").glob("multirun_*/*/summary.json"))
     assert len(summaries) == 2
     records = [report.load_run(p) for p in summaries]
-    assert sorted(r.sync_every for r in records) == [2, 3]
-    assert sorted(r.rounds for r in records) == [2, 3]  # 6 steps / H
+    assert sorted(r.sync_every for r in records) == [2, 4]
+    assert sorted(r.rounds for r in records) == [1, 2]  # 4 steps / H
     assert all(r.experiment == "sweep_h" and r.bytes_exchanged > 0 for r in records)
 
 
@@ -121,13 +122,13 @@ def test_report_builds_its_table_from_finished_runs(runs, tmp_path, capsys):
     assert len(body) == 3 and all(row in printed for row in body)
     single = next(row for row in body if "single 1x8" in row)
     assert "| 1.000 |" in single  # the centralized run is the baseline
-    islands = [row for row in body if "islands 2x8+1x16" in row]
-    assert {("H=2" in r, "H=3" in r) for r in islands} == {(True, False), (False, True)}
+    islands = [row for row in body if "islands 1x16+1x16" in row]
+    assert {("H=2" in r, "H=4" in r) for r in islands} == {(True, False), (False, True)}
     assert all(" MB |" in r for r in islands)
     with (out / "report.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert sorted(r["strategy"] for r in rows) == ["islands", "islands", "single"]
-    assert {r["sync_every"] for r in rows if r["strategy"] == "islands"} == {"2", "3"}
+    assert {r["sync_every"] for r in rows if r["strategy"] == "islands"} == {"2", "4"}
     assert all(float(r["tokens"]) > 0 and r["ratio"] for r in rows)
     if report._pyplot() is not None:
         assert (out / "val_loss_vs_tokens.png").stat().st_size > 0
@@ -140,8 +141,8 @@ def test_report_builds_its_table_from_finished_runs(runs, tmp_path, capsys):
 def test_validation_curve_counts_steps_done(runs):
     rec = next(report.load_run(p) for p in runs.rglob("summary.json") if "sweep_h" not in str(p))
     points = report.val_curve(rec)
-    # validated after 3 and 6 steps (Lightning logs the in-fit ones at step 2 and 5), 8 windows x 128 per step
-    assert [t for t, _ in points] == [3 * 8 * 128, 6 * 8 * 128]
+    # validated after 2 and 4 steps (Lightning logs the in-fit ones at step 1 and 3), 8 windows x 128 per step
+    assert [t for t, _ in points] == [2 * 8 * 128, 4 * 8 * 128]
     assert points[-1][1] == pytest.approx(rec.val_loss)
 
 

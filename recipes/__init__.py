@@ -1,0 +1,1 @@
+"""Ready-made Hydra experiments (``experiment=<name>``); installed as ``lightning_islands.recipes``."""
