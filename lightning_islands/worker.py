@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_float32_matmul_precision("high")
     # Lightning 2.6 on torch 2.13 warns about its own use of a deprecated pytree API on every step.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # Lightning's distributed checkpoint save overwrites last.ckpt on purpose, and torch warns each time.
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*overwriting")
     run(OmegaConf.load(argv[0]))  # type: ignore[arg-type]
 
 
