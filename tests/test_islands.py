@@ -118,6 +118,13 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
     resumed = tmp_path / "resumed"
     launch([2, 1], ["islands_regression.py", "--out", resumed, "--steps", 12, *common,
                     "--resume", str(part / "ckpt_island{island}" / "step=6.ckpt")], tmp_path / "l3")
+    # validating the mid-round checkpoint in a fresh process evaluates the global weights (round 1)
+    launch([2], ["islands_regression.py", "--out", tmp_path / "eval", "--val-every", 1, "--eval-ckpt",
+                 str(part / "ckpt_island0" / "step=6.ckpt")], tmp_path / "l4")
+    evaluated = torch.load(tmp_path / "eval" / "eval_params.pt")
+    global_round1 = load_rounds(part, 0)[1]["params"]
+    for name, t in global_round1.items():
+        assert torch.equal(evaluated[name], t), f"validate(ckpt_path) did not load the global {name}"
     a, b = load_rounds(full, 1), load_rounds(resumed, 0)
     assert sorted(b) == [2, 3]
     for r in (2, 3):

@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--max-rounds", type=int, default=0)
     p.add_argument("--two-optimizers", type=int, default=0)
     p.add_argument("--steps-per-round", default="0", help="inner steps per round per island (comma list)")
+    p.add_argument("--eval-ckpt", default=None, help="validate this islands checkpoint instead of training")
     p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0)
@@ -166,6 +167,12 @@ def main() -> None:
                          num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip or None,
                          precision=args.precisions.split(",")[min(island, args.precisions.count(","))])
+    if args.eval_ckpt:  # a fresh process validating a checkpoint must see the global weights
+        trainer.validate(model, ckpt_path=args.eval_ckpt, verbose=False)
+        full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+        if trainer.global_rank == 0:
+            torch.save({n: t.cpu() for n, t in full.items()}, out / "eval_params.pt")
+        return
     ckpt = args.resume.format(island=island) if args.resume else None
     trainer.fit(model, ckpt_path=ckpt)
     if trainer.global_rank == 0:
