@@ -274,16 +274,6 @@ class IslandStrategy(FSDP2Strategy):
         device = torch.device(self.outer_device) if self.outer_device else t.device
         return t.detach().to(device=device, dtype=torch.float32, copy=True)
 
-    @torch.no_grad()
-    def _write_params(self, values: Sequence[Tensor]) -> None:
-        """Copy ``values`` (one per parameter, shaped like its local shard) into the local shards,
-        casting to each parameter's device and dtype; FSDP2 units are resharded first so the next
-        forward uses what was written."""
-        reshard_all(self.lightning_module)  # type: ignore[arg-type]
-        for p, v in zip(self._params, values):
-            local = local_view(p)
-            local.copy_(v.to(device=local.device, dtype=local.dtype))
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -327,6 +317,7 @@ class IslandStrategy(FSDP2Strategy):
         """Every island takes island 0's parameters and buffers; anchors are taken from them (fp32)."""
         assert self.layout is not None
         if self.num_islands > 1:
+            reshard_all(self.lightning_module)  # type: ignore[arg-type]
             flat = None
             if self.island_index == 0:
                 mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
@@ -335,7 +326,8 @@ class IslandStrategy(FSDP2Strategy):
                 flat = self._agree(lambda: self.link.broadcast_bytes(None, src=0).view(torch.float32))  # type: ignore
                 flat = self._island_broadcast_tensor(flat, self.layout.numel)
                 shards = [self.layout.shard_of(flat, i, p) for i, p in enumerate(self._params)]
-                self._write_params(shards)
+                for p, shard in zip(self._params, shards):
+                    local_view(p).copy_(shard)
                 # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
                 self._anchors = [self._outer_tensor(shard) for shard in shards]
             self._adopt_island0_buffers()
@@ -418,6 +410,7 @@ class IslandStrategy(FSDP2Strategy):
         """
         assert self.layout is not None
         t_start = time.perf_counter()
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
         full = self.layout.gather(deltas, self._params)
@@ -445,7 +438,8 @@ class IslandStrategy(FSDP2Strategy):
         grads = [self.layout.shard_of(merged, i, p).to(a.device) for i, (p, a) in
                  enumerate(zip(self._params, self._anchors))]
         self.outer_opt.step(self._anchors, grads)
-        self._write_params(self._anchors)
+        for p, a in zip(self._params, self._anchors):
+            local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
         self.round += 1
         self.round_steps = 0
         self.total_tokens += int(tokens)
@@ -576,13 +570,19 @@ class IslandStrategy(FSDP2Strategy):
     def _swap_in_global(self) -> None:
         if not self._anchors or self.round_steps == 0 and not self._stepped_batch:
             return
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
         self._stash = [local_view(p).detach().clone() for p in self._params]
-        self._write_params(self._anchors)
+        with torch.no_grad():
+            for p, a in zip(self._params, self._anchors):
+                local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
 
     def _swap_out_global(self) -> None:
         if self._stash is None:
             return
-        self._write_params(self._stash)
+        reshard_all(self.lightning_module)  # type: ignore[arg-type]
+        with torch.no_grad():
+            for p, s in zip(self._params, self._stash):
+                local_view(p).copy_(s)
         self._stash = None
 
     @override
@@ -731,7 +731,10 @@ class IslandStrategy(FSDP2Strategy):
                 self._params = [p for _, p in named]
                 self.layout = CanonicalLayout(named)
                 state = self._load_outer(path, [local_view(p) for p in self._params], False)
-                self._write_params([local_view(state["anchor"][e.name]) for e in self.layout.entries])
+                reshard_all(module)
+                with torch.no_grad():
+                    for e, p in zip(self.layout.entries, self._params):
+                        local_view(p).copy_(local_view(state["anchor"][e.name]))
                 self._params, self.layout = [], None
             return checkpoint
         if meta is None:
@@ -769,6 +772,11 @@ class IslandStrategy(FSDP2Strategy):
             self.link.close()
             self.link = None
         super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        pass
 
 
 def register() -> None:
