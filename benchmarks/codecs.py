@@ -8,7 +8,10 @@ see the same machine state), this measures:
 * ``alloc``: the same with fresh outputs (on CPU, page-faulting fresh multi-MiB allocations can cost
   more than the codec itself);
 * ``kern``: quantize+pack / unpack+dequantize alone, without the header and the CRC32 that
-  ``encode``/``decode`` add (``crc ms`` is one CRC32 of the payload, paid once per direction).
+  ``encode``/``decode`` add (``crc ms`` is one CRC32 of the payload, paid once per direction);
+* ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
+  a machine without a C compiler (or a GPU tensor's code path) runs, side by side with the fused
+  CPU kernels of ``lightning_islands/native.py`` that the other columns use when available.
 
 Throughputs are GB/s of fp32 input (4 * numel bytes / time); ``copy_`` GB/s is measured the same
 way (it reads and writes 4 * numel bytes). ``rt/copy`` = copy_ time / (encode + decode time).
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 
 from lightning_islands import codecs as C
+from lightning_islands import native
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,topk:0.01,topk:0.01+int4"
 
@@ -44,6 +48,11 @@ def _timer(device: torch.device):
         return time.perf_counter() - t0
 
     return timed
+
+
+def _reference(fn) -> None:
+    with native.disabled():
+        fn()
 
 
 def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> dict:
@@ -66,6 +75,8 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "kern_enc": lambda: codec._encode_body(x, kbody),
         "kern_dec": lambda: codec._decode_body(body, n, k, dbuf),
         "crc": lambda: C._crc32(b"", body),
+        "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf)),
+        "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf)),
     }
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
@@ -92,6 +103,7 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "roundtrip_over_copy": med["copy"] / (med["enc"] + med["dec"]),
         "kernel_roundtrip_over_copy": med["copy"] / (med["kern_enc"] + med["kern_dec"]),
         "alloc_roundtrip_over_copy": med["copy"] / (med["enc_alloc"] + med["dec_alloc"]),
+        "torch_roundtrip_over_copy": med["copy"] / (med["enc_ref"] + med["dec_ref"]),
         "crc_ms": med["crc"] * 1e3,
     }
 
@@ -120,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
-        f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median)"
+        f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
+        f"fused_cpu_kernels={native.available()} crc32={'zlib-ng' if C._zlib_fast is not None else 'zlib'}"
     )
 
     results = []
@@ -129,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cols = (
         f"{'codec':<20} {'B/elem':>7} {'ratio':>7} {'rel.err':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
-        f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} {'crc ms':>7}"
+        f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} "
+        f"{'torch rt/copy':>13} {'crc ms':>7}"
     )
     print(cols)
     print("-" * len(cols))
@@ -139,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['rel_error_gaussian']:>8.2e} {r['enc_gbs']:>9.2f} {r['dec_gbs']:>9.2f} "
             f"{r['roundtrip_gbs']:>8.2f} {r['copy_gbs']:>9.2f} {r['roundtrip_over_copy']:>8.2f} "
             f"{r['kernel_roundtrip_over_copy']:>9.2f} {r['alloc_roundtrip_over_copy']:>10.2f} "
+            f"{r['torch_roundtrip_over_copy']:>13.2f} "
             f"{r['crc_ms']:>7.2f}"
         )
 
@@ -154,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "block_size": args.block_size,
         "format_version": C.FORMAT_VERSION,
+        "fused_cpu_kernels": native.available(),
+        "crc32": "zlib-ng" if C._zlib_fast is not None else "zlib",
         "timing": "median seconds over repeats; GB/s = 4*numel bytes / time",
     }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import struct
 import zlib
 
@@ -13,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_islands import codecs as C
+from lightning_islands import native
 from lightning_islands.codecs import (
     ErrorFeedback,
     compression_ratio,
@@ -22,8 +25,9 @@ from lightning_islands.codecs import (
     quantization_error,
 )
 
-SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-FEW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=_SUPPRESS)
+FEW = settings(max_examples=20, deadline=None, suppress_health_check=_SUPPRESS)
 
 ALL_SPECS = [
     "fp32",
@@ -46,6 +50,22 @@ ALL_SPECS = [
 ]
 QMAX = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+HAS_COMPILER = shutil.which(os.environ.get("CC") or "cc") is not None
+
+
+@pytest.fixture(params=["fused", "torch"])
+def path(request):
+    """Run a test on the fused CPU kernels and on the torch reference path."""
+    if request.param == "torch":
+        with native.disabled():
+            yield "torch"
+        return
+    if not HAS_COMPILER:
+        pytest.skip("no C compiler: the fused CPU kernels cannot be built here")
+    assert native.available(), "a C compiler is installed but the fused codec kernels did not build"
+    yield "fused"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +169,7 @@ def reference_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("spec", ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/4", "int8/12"])
 @SETTINGS
 @given(x=vectors())
-def test_dense_roundtrip_bounds(spec, x):
+def test_dense_roundtrip_bounds(spec, x, path):
     codec = make_codec(spec)
     payload = codec.encode(x)
     assert payload.dtype == torch.uint8 and payload.dim() == 1
@@ -422,7 +442,7 @@ def test_body_corruption_message():
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_input_refused(spec, bad):
+def test_nonfinite_input_refused(spec, bad, path):
     codec = make_codec(spec)
     x = torch.randn(1000)
     x[[3, 500, 999]] = bad
@@ -446,7 +466,7 @@ def test_input_type_checks():
 
 
 @pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "topk:0.5+int4"])
-def test_zeros_and_constant_blocks(spec):
+def test_zeros_and_constant_blocks(spec, path):
     codec = make_codec(spec)
     z = torch.zeros(300)
     for n in (300, 5000):  # 5000: a full slab as well as a tail
@@ -460,7 +480,7 @@ def test_zeros_and_constant_blocks(spec):
 
 
 @pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "fp32"])
-def test_extreme_magnitudes_stay_finite(spec):
+def test_extreme_magnitudes_stay_finite(spec, path):
     fmax = torch.finfo(torch.float32).max
     tiny = torch.finfo(torch.float32).tiny
     x = torch.tensor([fmax, -fmax, fmax / 3, tiny, -tiny, 1e-45, 0.0, 1.0] * 40 + [fmax] * 128 + [1e-45, -1e-45] * 64)
@@ -502,7 +522,7 @@ def test_misaligned_and_strided_payloads_decode(spec):
     assert torch.equal(codec.decode(strided), ref)
 
 
-def test_thread_count_and_slab_size_do_not_change_results(monkeypatch):
+def test_thread_count_and_slab_size_do_not_change_results(monkeypatch, path):
     x = make_vector(200_000, 3, 2.0, "gauss")
     threads = torch.get_num_threads()
     for spec in ["int4", "int2/64", "fp8", "int8", "topk:0.01+int4"]:
@@ -520,6 +540,64 @@ def test_thread_count_and_slab_size_do_not_change_results(monkeypatch):
             assert torch.equal(codec.encode(x), ref_p)
             assert torch.equal(codec.decode(ref_p), ref_d)
             monkeypatch.undo()
+
+
+# ----------------------------------------------------------------------------------------------
+# fused CPU kernels == torch reference, bit for bit
+# ----------------------------------------------------------------------------------------------
+
+DENSE_SPECS = ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/4", "int8/12", "fp8/36",
+               "int4/4096", "int2/6000", "int8/2052"]
+
+
+def _both_paths(codec: C.Codec, x: torch.Tensor) -> None:
+    fused_p = codec.encode(x)
+    fused_d = codec.decode(fused_p)
+    with native.disabled():
+        ref_p = codec.encode(x)
+        ref_d = codec.decode(ref_p)
+        cross_d = codec.decode(fused_p)
+    assert torch.equal(fused_p, ref_p), f"{codec.name}: {int((fused_p != ref_p).sum())} bytes differ"
+    assert torch.equal(fused_d.view(torch.int32), ref_d.view(torch.int32))
+    assert torch.equal(cross_d.view(torch.int32), fused_d.view(torch.int32))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", DENSE_SPECS)
+@SETTINGS
+@given(x=vectors(max_len=9000))
+def test_fused_kernels_match_torch_reference_bitwise(spec, x):
+    assert native.available()
+    _both_paths(make_codec(spec), x)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", DENSE_SPECS + ["topk:0.1+int4", "topk:0.3+fp8/16"])
+def test_fused_kernels_match_torch_on_edge_values(spec):
+    fmax, tiny = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+    g = torch.Generator().manual_seed(5)
+    cases = [
+        torch.randn(300_001, generator=g),  # several threads, a partial block and packing group
+        torch.randn(70_000, generator=g) * 1e-40,  # fp32 subnormals
+        torch.randn(70_000, generator=g) * 1e37,
+        torch.tensor([fmax, -fmax, fmax / 3, tiny, -tiny, 1e-45, -0.0, 0.0, 1.0] * 500),
+        torch.arange(-4096, 4096, dtype=torch.float32) / 8,  # exact ties at every quantization step
+        torch.tensor([3.3895e38, 3.3896e38, 3.39e38, -3.3897e38, 1.0] * 40),  # around the bf16 maximum
+        torch.zeros(5000),
+    ]
+    codec = make_codec(spec)
+    for x in cases:
+        _both_paths(codec, x)
+
+
+def test_native_ranges_cover_the_vector_on_aligned_starts():
+    for count, unit, workers in [(0, 128, 2), (5, 128, 2), (10_000, 2048, 3), (2048 * 7, 2048, 2), (999, 4, 8)]:
+        ranges = native.parallel_ranges(count, unit, workers)
+        assert len(ranges) <= workers
+        assert [r[0] for r in ranges] == sorted(r[0] for r in ranges)
+        covered = [i for s, e in ranges for i in range(s, e)]
+        assert covered == list(range(count))
+        assert all(s % unit == 0 for s, _ in ranges)
 
 
 def test_decode_is_q_times_scale_with_one_rounding():

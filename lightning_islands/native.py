@@ -1,0 +1,170 @@
+"""Fused CPU codec kernels: a small C library compiled on first use and called through ctypes.
+
+The reference implementation of every codec is plain torch (``codecs.py``); on CPU the hot loops
+of the blockwise codecs, bf16 and fp32 run instead in ``csrc/liq_kernels.c``, which reads the
+input once and writes the output once (torch needs about six passes over memory for the same
+work). Both produce the same bytes: the kernels are IEEE single-precision operations with
+``-ffp-contract=off``, and the tests compare them bit for bit.
+
+The library is compiled with the system C compiler (``$CC``, else ``cc``) the first time a codec
+runs and cached under ``$LI_NATIVE_CACHE`` (default ``~/.cache/lightning_islands``), keyed by a
+hash of the source, flags and machine, and written atomically so concurrent processes are safe.
+If there is no compiler (or ``LI_NATIVE=0``), the codecs use the torch path and say so once.
+Work is split across ``torch.get_num_threads()`` threads; ctypes releases the GIL during calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_parallel"]
+
+_SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
+_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "liq_int_encode": [_P, _I64, _I64, _I32, _P, _P],
+    "liq_int_decode": [_P, _P, _I64, _I64, _I32, _P],
+    "liq_fp8_encode": [_P, _I64, _I64, _P, _P],
+    "liq_fp8_decode": [_P, _P, _I64, _I64, _P, _P],
+    "liq_bf16_encode": [_P, _I64, _P],
+    "liq_bf16_decode": [_P, _I64, _P],
+    "liq_f32_copy_checked": [_P, _I64, _P],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_off = 0
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = -1
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LI_NATIVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lightning_islands"
+    )
+    return Path(root)
+
+
+def _compile(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.system().encode()
+        + compiler.encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"liq_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, compiling it on first use; None if unavailable (see module doc)."""
+    global _lib, _tried
+    if _off:
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("LI_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+            return None
+        compiler = os.environ.get("CC") or "cc"
+        if shutil.which(compiler) is None:
+            warnings.warn(f"lightning_islands: no C compiler ({compiler!r}) found; codecs use the slower torch "
+                          "path (install gcc, or set CC, to get the fused CPU kernels)", stacklevel=3)
+            return None
+        try:
+            lib = ctypes.CDLL(str(_compile(compiler)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            print(f"lightning_islands: fused codec kernels unavailable, using the torch path: {e}", file=sys.stderr)
+            return None
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, :func:`library` returns None: the codecs run their torch reference path."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
+
+
+def available() -> bool:
+    """Whether the fused CPU kernels can be used in this process."""
+    return library() is not None
+
+
+def ptr(t: Tensor, offset: int = 0) -> int:
+    """Address of element ``offset`` of a contiguous CPU tensor."""
+    return t.data_ptr() + offset * t.element_size()
+
+
+def parallel_ranges(count: int, unit: int, workers: int) -> list[tuple[int, int]]:
+    """Split ``[0, count)`` into at most ``workers`` ranges whose starts are multiples of ``unit``."""
+    units = -(-count // unit) if count else 0
+    per = -(-units // max(1, workers)) if units else 0
+    return [(s * unit, min((s + per) * unit, count)) for s in range(0, units, per)] if units else []
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool, _pool_pid
+    with _lock:
+        if _pool is None or _pool_pid != os.getpid():  # a forked child cannot use its parent's threads
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="liq-kernel")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def run_parallel(count: int, unit: int, call: Callable[[int, int], int], min_per_thread: int = 1 << 16) -> list[int]:
+    """Run ``call(start, stop)`` over unit-aligned ranges of ``[0, count)`` on the kernel threads.
+
+    Returns the calls' results in range order. Small inputs run on the calling thread.
+    """
+    workers = max(1, min(torch.get_num_threads(), count // max(min_per_thread, 1)))
+    ranges = parallel_ranges(count, unit, workers)
+    if len(ranges) <= 1:
+        return [call(s, e) for s, e in ranges]
+    pool = _get_pool()
+    futures = [pool.submit(call, s, e) for s, e in ranges[1:]]
+    first = call(*ranges[0])
+    return [first, *(f.result() for f in futures)]
