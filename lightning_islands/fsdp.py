@@ -8,11 +8,14 @@ per block instead, so an unchanged module trains with ``strategy="fsdp2"``.
 
 from __future__ import annotations
 
+import atexit
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -21,6 +24,34 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_islands.parallel import apply_fully_shard, is_fully_sharded
+
+_exit_hook_registered = False
+
+
+_EXIT_GRACE_S = 0.1
+
+
+def _destroy_world_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    # Release the GIL for a moment: a worker thread still holding a finished collective can take
+    # it now and drop its tensors, instead of trying during finalization (see below).
+    time.sleep(_EXIT_GRACE_S)
+
+
+def destroy_world_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits (once per process).
+
+    Lightning does this only for NCCL. With gloo, a worker thread of the process group can still
+    hold the last reference to a finished collective when Python finalizes; its destructor then
+    needs the GIL, the finalizing interpreter ends the thread, and the process aborts with SIGABRT
+    ("terminate called without an active exception"). Destroying the group in an ``atexit``
+    handler, before finalization, joins those threads first (torch releases the GIL for it).
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_world_at_exit)
+        _exit_hook_registered = True
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -61,6 +92,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if dist.is_initialized() and dist.get_backend() != "nccl":
+            destroy_world_at_exit()
 
     def shard_module(self, module: pl.LightningModule) -> None:
         """Apply the wrapping policy unless the module shards itself or is already sharded."""

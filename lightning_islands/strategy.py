@@ -507,7 +507,7 @@ class IslandStrategy(FSDP2Strategy):
             headers = self.link.gather_objects(f"round{self.round}", header)
             self.link.stats.seconds_waiting += time.perf_counter() - t0
             payloads = self.link.all_gather_bytes(payload)
-            decoded = [self.codec.decode(p) for p in payloads]
+            decoded = [decoded_own if i == self.island_index else self.codec.decode(p) for i, p in enumerate(payloads)]
             stats = self.link.take_stats()
             for key in self.totals:
                 self.totals[key] += getattr(stats, key)

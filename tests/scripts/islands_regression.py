@@ -8,12 +8,14 @@ Each island's rank 0 saves the global parameters after every outer step to
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -123,6 +125,10 @@ def main() -> None:
         raise RuntimeError(f"island {island} was told to fail")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    # Registered before the strategy's own exit hook, so it runs after it (atexit is LIFO): by then
+    # the world must be destroyed, or a gloo worker thread can abort the process during finalization.
+    atexit.register(lambda: (out / f"exit_island{island}_rank{rank}").write_text(str(dist.is_initialized())))
     torch.manual_seed(island)  # islands start from different seeds: island 0's parameters must win
     hidden = [int(h) for h in args.hidden.split(",")]
     model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner,
