@@ -219,6 +219,17 @@ def test_islands_with_different_round_lengths_stop_together(tmp_path):
     assert (tmp_path / "island1_done").read_text() == "3"
 
 
+def test_early_stopping_on_one_island_stops_every_island_after_the_same_round(tmp_path):
+    """Island 0's EarlyStopping fires at its validation after step 3 (mid-round, H=2): its partial round 2
+    is its last and says so; island 1 finishes round 2 (step 4) and stops there instead of waiting."""
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 20, "--H", 2, "--val-every", 3,
+                    "--early-stop-island", 0], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 2)
+    assert [per_island[0][r]["inner_steps"] for r in (1, 2)] == [2, 3]
+    assert [per_island[1][r]["inner_steps"] for r in (1, 2)] == [2, 4]
+    assert (tmp_path / "island0_done").read_text() == "2" and (tmp_path / "island1_done").read_text() == "2"
+
+
 def test_terminating_the_launcher_stops_every_island(tmp_path):
     import signal
     import time

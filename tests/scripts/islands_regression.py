@@ -119,6 +119,8 @@ def main() -> None:
     p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--early-stop-island", type=int, default=-1,
+                   help="this island gets an EarlyStopping callback that fires at its first validation")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -161,6 +163,8 @@ def main() -> None:
                 time.sleep(delay)
 
         callbacks.append(Delay())
+    if island == args.early_stop_island:  # stopping_threshold: "good enough" at once -> trainer.should_stop
+        callbacks.append(pl.callbacks.EarlyStopping(monitor="val/loss", stopping_threshold=1e9))
     if args.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"),
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
