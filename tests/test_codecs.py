@@ -6,6 +6,8 @@ import math
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -588,6 +590,20 @@ def test_fused_kernels_match_torch_on_edge_values(spec):
     codec = make_codec(spec)
     for x in cases:
         _both_paths(codec, x)
+
+
+@pytest.mark.parametrize("env, message", [({"CC": "false"}, "fused codec kernels unavailable"),
+                                          ({"CC": "no-such-compiler-li"}, "no C compiler"),
+                                          ({"LI_NATIVE": "0"}, "")])
+def test_without_a_working_compiler_the_torch_path_runs(tmp_path, env, message):
+    code = ("import torch; from lightning_islands import native; from lightning_islands.codecs import make_codec;"
+            "c = make_codec('int4'); x = torch.randn(5000); p = c.encode(x);"
+            "assert native.library() is None; print('ok', float((c.decode(p) - x).abs().max()))")
+    full_env = {**os.environ, "LI_NATIVE_CACHE": str(tmp_path), **env}
+    proc = subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok") and message in proc.stderr
+    assert not list(tmp_path.glob("*.so"))
 
 
 def test_native_ranges_cover_the_vector_on_aligned_starts():
