@@ -6,6 +6,7 @@ Usage (from the repository root, with the package installed)::
     python benchmarks/quality.py --H 25,50,100 --codecs fp32,int4,int2
     python benchmarks/quality.py --large                       # hours on 2 cores: for a bigger machine
     python benchmarks/quality.py --extra model=dense_cpu --extra seed=7
+    python benchmarks/quality.py --seeds 1234,2 --H 10      # every run once per seed, plus mean/spread
 
 Every run is one ``python -m lightning_islands.train`` subprocess of the provided MoE on the default
 corpus (the standard library's source), with the shared settings of the recipe ``quality_quick``
@@ -39,6 +40,12 @@ Outputs go to ``results/quality/<timestamp>/``: ``table.md``, ``table.csv``, ``r
 matplotlib is installed), and each run's folder under ``runs/<name>/`` with its log ``runs/<name>.log``.
 Losses do not depend on speed, so ``--parallel 2`` (two runs at once) changes wall times only;
 wall times are then measured on a shared machine and only roughly comparable.
+
+``--seeds S1,S2,...`` runs every configuration once per seed (names get ``_s<seed>``); each run is
+compared with the centralized and alone runs of its own seed, and a second table gives, per
+configuration, the mean over seeds with the lowest and highest value. At this model size two seeds
+of the same centralized run differed by 2.4% in validation loss, so differences of a few percent
+need several seeds.
 """
 
 from __future__ import annotations
@@ -85,23 +92,34 @@ class Job:
     seconds: float = 0.0
     record: RunRecord | None = None
     metrics: dict = field(default_factory=dict)
+    seed: int | None = None
+    config: str = ""  # the name without the seed suffix
 
 
-def plan(setting: str, steps: int, hs: list[int], codecs: list[str], extra: list[str]) -> list[Job]:
+def plan(setting: str, steps: int, hs: list[int], codecs: list[str], extra: list[str],
+         seeds: list[int] | None = None) -> list[Job]:
+    """The runs of one benchmark: every configuration once per seed (``None``: the config's seed)."""
     recipe, _, central_b, b0, b1 = SETTINGS[setting]
     common = [f"experiment={recipe}", f"trainer.max_steps={steps}",
               f"trainer.val_check_interval={max(1, steps // 6)}", f"trainer.checkpoint_every_n_steps={steps}"]
     jobs = []
-    for h in hs:
-        for codec in codecs:
-            overrides = ["strategy=islands", f"islands.sync_every={h}", f"islands.codec={codec}"]
-            jobs.append(Job(f"islands_H{h}_{codec}", "islands", overrides, H=h, codec=codec))
-    central = ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={central_b}"]
-    jobs.append(Job("centralized", "centralized", central))
-    jobs.append(Job("alone_island0", "alone", ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={b0}"]))
-    jobs.append(Job("alone_island1", "alone", ["strategy=single", f"data.batch_size={b1}"]))
-    for job in jobs:
-        job.overrides = [*common, *job.overrides, *extra, f"hydra.run.dir=runs/{job.name}"]
+    for seed in seeds or [None]:
+        configs = []
+        for h in hs:
+            for codec in codecs:
+                overrides = ["strategy=islands", f"islands.sync_every={h}", f"islands.codec={codec}"]
+                configs.append(Job(f"islands_H{h}_{codec}", "islands", overrides, H=h, codec=codec))
+        central = ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={central_b}"]
+        configs.append(Job("centralized", "centralized", central))
+        configs.append(Job("alone_island0", "alone", ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={b0}"]))
+        configs.append(Job("alone_island1", "alone", ["strategy=single", f"data.batch_size={b1}"]))
+        for job in configs:
+            job.seed, job.config = seed, job.name
+            if seeds:
+                job.name = f"{job.name}_s{seed}"
+            seeded = [f"seed={seed}"] if seed is not None else []
+            job.overrides = [*common, *job.overrides, *extra, *seeded, f"hydra.run.dir=runs/{job.name}"]
+        jobs.extend(configs)
     return jobs
 
 
@@ -125,29 +143,57 @@ def run_job(job: Job, workdir: Path, env: dict[str, str]) -> Job:
     return job
 
 
-def score(jobs: list[Job], steps: int) -> tuple[float | None, float | None]:
-    """Fill each job's metrics; returns (centralized loss, best alone loss)."""
-    by_kind = {}
-    for job in jobs:
-        by_kind.setdefault(job.kind, []).append(job)
-    done = [j for j in jobs if j.record is not None]
-    central = next((j.record.val_loss for j in by_kind.get("centralized", []) if j.record), None)
-    alone = [j.record.val_loss for j in by_kind.get("alone", []) if j.record]
-    alone_best = min(alone) if alone else None
-    for job in done:
-        r = job.record
-        m = {"val_loss": r.val_loss, "vs_centralized": None, "gain_recovered": None,
-             "cross_island_bytes": r.bytes_exchanged, "vs_sync_dp": None}
-        if central is not None:
-            m["vs_centralized"] = r.val_loss / central
-        if central is not None and alone_best is not None and alone_best != central:
-            m["gain_recovered"] = (alone_best - r.val_loss) / (alone_best - central)
-        if r.parameters and job.kind == "islands":
-            dp = steps * 2 * 4 * r.parameters
-            m["sync_dp_bytes"] = dp
-            m["vs_sync_dp"] = r.bytes_exchanged / dp
-        job.metrics = m
-    return central, alone_best
+def score(jobs: list[Job], steps: int) -> dict[int | None, tuple[float | None, float | None]]:
+    """Fill each job's metrics against the baselines of its own seed.
+
+    Returns ``{seed: (centralized loss, best alone loss)}``.
+    """
+    baselines: dict[int | None, tuple[float | None, float | None]] = {}
+    for seed in dict.fromkeys(j.seed for j in jobs):
+        same = [j for j in jobs if j.seed == seed and j.record is not None]
+        central = next((j.record.val_loss for j in same if j.kind == "centralized"), None)
+        alone = [j.record.val_loss for j in same if j.kind == "alone"]
+        alone_best = min(alone) if alone else None
+        baselines[seed] = (central, alone_best)
+        for job in same:
+            r = job.record
+            m = {"val_loss": r.val_loss, "vs_centralized": None, "gain_recovered": None,
+                 "cross_island_bytes": r.bytes_exchanged, "vs_sync_dp": None}
+            if central is not None:
+                m["vs_centralized"] = r.val_loss / central
+            if central is not None and alone_best is not None and alone_best != central:
+                m["gain_recovered"] = (alone_best - r.val_loss) / (alone_best - central)
+            if r.parameters and job.kind == "islands":
+                dp = steps * 2 * 4 * r.parameters
+                m["sync_dp_bytes"] = dp
+                m["vs_sync_dp"] = r.bytes_exchanged / dp
+            job.metrics = m
+    return baselines
+
+
+def seed_summary(jobs: list[Job]) -> tuple[str, list[dict]]:
+    """Per configuration over seeds: mean (lowest, highest) of loss, ratio and gain recovered."""
+    headers = ["config", "seeds", "val loss", "vs centralized", "gain recovered"]
+    rows, flat = [], []
+    for config in dict.fromkeys(j.config for j in jobs):
+        done = [j for j in jobs if j.config == config and j.record is not None]
+
+        def stat(key: str, spec: str, done: list[Job] = done) -> tuple[str, dict]:
+            vals = [j.metrics[key] for j in done if j.metrics.get(key) is not None]
+            if not vals:
+                return "—", {}
+            mean = sum(vals) / len(vals)
+            text = f"{mean:{spec}} ({min(vals):{spec}} – {max(vals):{spec}})"
+            return text, {f"{key}_mean": mean, f"{key}_min": min(vals), f"{key}_max": max(vals)}
+
+        cells, row = [], {"config": config, "seeds": [j.seed for j in done]}
+        for key, spec in (("val_loss", ".4f"), ("vs_centralized", ".3f"), ("gain_recovered", ".2f")):
+            text, values = stat(key, spec)
+            cells.append(text)
+            row.update(values)
+        rows.append([config, str(len(done)), *cells])
+        flat.append(row)
+    return markdown_table(headers, rows), flat
 
 
 def table(jobs: list[Job]) -> tuple[str, list[dict]]:
@@ -170,6 +216,7 @@ def table(jobs: list[Job]) -> tuple[str, list[dict]]:
                      fmt_bytes(r.bytes_exchanged) if job.kind == "islands" else "0",
                      f"{dp:.4f} (1/{1 / dp:.0f})" if dp else "—", f"{r.tokens:,}", f(r.wall_seconds, ".0f")])
         flat.append({"run": job.name, "kind": job.kind, "setup": r.label, "H": job.H, "codec": job.codec,
+                     "seed": job.seed,
                      **m, "tokens": r.tokens, "steps": r.global_step, "parameters": r.parameters,
                      "rounds": r.rounds, "wall_seconds": r.wall_seconds, "run_dir": r.run_dir})
     return markdown_table(headers, rows), flat
@@ -188,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codecs", default="fp32,int4", help="comma-separated codecs (default fp32,int4)")
     parser.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override passed to every run (repeatable)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds: every run once per seed, compared within its seed, "
+                             "plus mean and spread per configuration")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (losses do not depend on it)")
     parser.add_argument("--out", default="results/quality", help="parent of the timestamped results folder")
     parser.add_argument("--resume", default=None, metavar="DIR",
@@ -199,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or SETTINGS[setting][1]
     hs = [int(h) for h in args.H.split(",") if h]
     codecs = [c for c in args.codecs.split(",") if c]
-    jobs = plan(setting, steps, hs, codecs, args.extra)
+    seeds = [int(v) for v in args.seeds.split(",") if v] if args.seeds else None
+    jobs = plan(setting, steps, hs, codecs, args.extra, seeds)
     if args.dry_run:
         for job in jobs:
             print(f"{job.name}: python -m lightning_islands.train {shlex.join(job.overrides)}")
@@ -231,20 +282,27 @@ def main(argv: list[str] | None = None) -> int:
             job.record = load_run(summary, root=workdir / "runs", label=job.name)
             if job.kind != "islands":
                 job.record.label = f"{job.name} ({_setup(job.record)})"
-    central, alone_best = score(jobs, steps)
+    baselines = score(jobs, steps)
     md, flat = table(jobs)
+    spread_md, spread = seed_summary(jobs) if seeds else ("", [])
     machine = f"{platform.node() or 'host'}: {os.cpu_count()} CPU cores, {platform.system()} {platform.machine()}"
     header = (f"# Quality: islands vs centralized ({setting}, {steps} steps)\n\n"
               f"Command: `{command}`\n\nDate: {date[:10]}; machine: {machine}; "
               f"total {total / 60:.1f} min with {args.parallel} run(s) at once.\n\n")
-    notes = (f"\n\nCentralized loss: {_f(central)}; best island alone: {_f(alone_best)}. "
-             "`vs sync DP` = cross-island bytes / (steps x 2 x 4 x N parameters).\n")
+    per_seed = "; ".join(f"{'' if seed is None else f'seed {seed}: '}centralized loss {_f(c)}, best island alone "
+                         f"{_f(a)}" for seed, (c, a) in baselines.items())
+    notes = (f"\n\n{per_seed}. `vs sync DP` = cross-island bytes / (steps x 2 x 4 x N parameters).\n")
+    if spread_md:
+        notes += (f"\n## Over seeds {', '.join(map(str, seeds or []))}: mean (lowest – highest), each run compared "
+                  f"with the centralized and alone runs of its own seed\n\n{spread_md}\n")
     (workdir / "table.md").write_text(header + md + notes)
     write_csv(flat, workdir / "table.csv")
     results = {"command": command, "date": date, "machine": machine,
                "setting": setting, "steps": steps, "H": hs, "codecs": codecs, "extra": args.extra,
-               "parallel": args.parallel, "total_seconds": total, "centralized_val_loss": central,
-               "alone_best_val_loss": alone_best,
+               "parallel": args.parallel, "total_seconds": total, "seeds": seeds,
+               "baselines": [{"seed": seed, "centralized_val_loss": c, "alone_best_val_loss": a}
+                             for seed, (c, a) in baselines.items()],
+               "over_seeds": spread,
                "runs": [{**row, "overrides": j.overrides, "returncode": j.returncode} for row, j in zip(flat, jobs)]}
     (workdir / "results.json").write_text(json.dumps(results, indent=2))
     records = [j.record for j in jobs if j.record is not None]

@@ -201,9 +201,33 @@ def test_quality_benchmark_scores():
                                       strategy="islands" if job.kind == "islands" else "fsdp",
                                       val_loss=losses[job.name], parameters=n,
                                       bytes_exchanged=8e4 if job.kind == "islands" else 0.0)
-    central, alone_best = bench.score(jobs, 100)
-    assert (central, alone_best) == (2.0, 2.4)
+    assert bench.score(jobs, 100) == {None: (2.0, 2.4)}
     m = next(j for j in jobs if j.kind == "islands").metrics
     assert m["gain_recovered"] == pytest.approx(0.75)
     assert m["vs_centralized"] == pytest.approx(1.05)
     assert m["vs_sync_dp"] == pytest.approx(8e4 / (100 * 2 * 4 * n))
+
+
+def test_quality_benchmark_compares_each_seed_with_its_own_baselines():
+    bench = _bench()
+    jobs = bench.plan("quick", 100, [10], ["int4"], ["model=dense_cpu"], seeds=[1, 2])
+    assert [j.name for j in jobs] == [f"{c}_s{s}" for s in (1, 2) for c in
+                                      ("islands_H10_int4", "centralized", "alone_island0", "alone_island1")]
+    assert all(f"seed={j.seed}" in j.overrides and "model=dense_cpu" in j.overrides for j in jobs)
+    assert all(o.endswith(j.name) for j in jobs for o in j.overrides if o.startswith("hydra.run.dir="))
+    losses = {1: {"centralized": 2.0, "alone_island0": 2.5, "alone_island1": 2.4, "islands_H10_int4": 2.1},
+              2: {"centralized": 2.2, "alone_island0": 2.6, "alone_island1": 2.7, "islands_H10_int4": 2.2}}
+    for job in jobs:
+        job.record = report.RunRecord(name=job.name, run_dir=".", experiment="q", label=job.name,
+                                      strategy="islands" if job.kind == "islands" else "fsdp",
+                                      val_loss=losses[job.seed][job.config], parameters=1000, bytes_exchanged=0.0)
+    assert bench.score(jobs, 100) == {1: (2.0, 2.4), 2: (2.2, 2.6)}
+    islands = {j.seed: j.metrics for j in jobs if j.kind == "islands"}
+    assert islands[1]["vs_centralized"] == pytest.approx(1.05) and islands[2]["vs_centralized"] == pytest.approx(1.0)
+    assert islands[1]["gain_recovered"] == pytest.approx(0.75) and islands[2]["gain_recovered"] == pytest.approx(1.0)
+    md, rows = bench.seed_summary(jobs)
+    row = next(r for r in rows if r["config"] == "islands_H10_int4")
+    assert row["seeds"] == [1, 2]
+    assert row["vs_centralized_mean"] == pytest.approx(1.025)
+    assert (row["val_loss_min"], row["val_loss_max"]) == (2.1, 2.2)
+    assert "islands_H10_int4 | 2 | 2.1500 (2.1000 – 2.2000) | 1.025 (1.000 – 1.050)" in md
