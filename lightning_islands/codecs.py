@@ -74,9 +74,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-import threading
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
@@ -193,31 +191,15 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     return crc_a ^ crc_b
 
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = -1
-
-
 _CRC_WORKERS = min(8, os.cpu_count() or 1)
-
-
-def _crc_pool() -> ThreadPoolExecutor | None:
-    global _pool, _pool_pid
-    workers = _CRC_WORKERS
-    if workers < 2:
-        return None
-    with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():  # a forked child cannot use the parent's pool
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="liq-crc")
-            _pool_pid = os.getpid()
-        return _pool
 
 
 def _crc32(prefix: bytes, body: Tensor) -> int:
     """``zlib.crc32(prefix + body)`` for a uint8 tensor on any device, parallel for big bodies.
 
-    zlib.crc32 releases the GIL on large buffers, so pieces run concurrently; the per-piece CRCs
-    are merged with :func:`crc32_combine` into exactly the CRC of the concatenation.
+    zlib(-ng).crc32 releases the GIL on large buffers, so pieces run concurrently on
+    :func:`native.thread_pool`; the per-piece CRCs are merged with :func:`crc32_combine` into
+    exactly the CRC of the concatenation.
     """
     crc = zlib.crc32(prefix)
     if body.numel() == 0:
@@ -225,7 +207,7 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     data = (body if body.device.type == "cpu" else body.cpu()).numpy()
     crc32 = _zlib_fast.crc32 if _zlib_fast is not None else zlib.crc32
     size = data.shape[0]
-    pool = _crc_pool() if size >= _CRC_PARALLEL_MIN_BYTES else None
+    pool = native.thread_pool() if size >= _CRC_PARALLEL_MIN_BYTES and _CRC_WORKERS >= 2 else None
     if pool is None:
         return crc32(data, crc)
     piece = max(_CRC_PIECE_MIN_BYTES, -(-size // _CRC_WORKERS))
@@ -240,6 +222,11 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
 # ----------------------------------------------------------------------------------------------
 # small helpers
 # ----------------------------------------------------------------------------------------------
+
+
+def _kernels(t: Tensor) -> Any:
+    """The fused CPU kernels (a ctypes library) for a CPU tensor; None on other devices or without them."""
+    return native.library() if t.device.type == "cpu" else None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -505,7 +492,7 @@ class Float32Codec(Codec):
         return 4 * m
 
     def _encode_values(self, v: Tensor, body: Tensor) -> None:
-        lib = native.library() if v.device.type == "cpu" else None
+        lib = _kernels(v)
         if lib is None:
             _raise_if_nonfinite_sum(v)
             body.view(torch.float32).copy_(v)
@@ -535,7 +522,7 @@ class BFloat16Codec(Codec):
 
     def _encode_values(self, v: Tensor, body: Tensor) -> None:
         y = body.view(torch.bfloat16)
-        lib = native.library() if v.device.type == "cpu" else None
+        lib = _kernels(v)
         if lib is not None:
             bad = native.run_parallel(v.numel(), 16, lambda s, e: lib.liq_bf16_encode(
                 native.ptr(v, s), e - s, native.ptr(y, s)))
@@ -554,7 +541,7 @@ class BFloat16Codec(Codec):
 
     def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
         y = body.view(torch.bfloat16)
-        lib = native.library() if out.device.type == "cpu" else None
+        lib = _kernels(out)
         if lib is None:
             out.copy_(y)
             return
@@ -744,10 +731,32 @@ class _BlockCodec(Codec):
 
     def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
         """Encode with the fused CPU kernel if there is one; False to use the torch path."""
-        return False
+        lib = _kernels(v)
+        if lib is None:
+            return False
+        failed = native.run_parallel(v.numel(), self._native_unit(),
+                                     lambda s, e: self._encode_range(lib, v, scales, values, s, e))
+        if any(failed):
+            raise MemoryError(f"fused {self.name} encode could not allocate its scratch buffer")
+        return True
 
     def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
-        return False
+        """Decode with the fused CPU kernel if there is one; False to use the torch path."""
+        lib = _kernels(out)
+        if lib is None:
+            return False
+        failed = native.run_parallel(out.numel(), self._native_unit(),
+                                     lambda s, e: self._decode_range(lib, values, scales, out, s, e))
+        if any(failed):
+            raise MemoryError(f"fused {self.name} decode could not allocate its scratch buffer")
+        return True
+
+    # one kernel call on the unit-aligned value range [s, e); returns the kernel's status (0 = ok)
+    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
+        raise NotImplementedError
+
+    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
+        raise NotImplementedError
 
     def _check_scales(self, v: Tensor, scales: Tensor) -> None:
         smax = float(scales.amax())
@@ -804,26 +813,14 @@ class Float8Codec(_BlockCodec):
     qmax = _FP8_MAX
     bits = 8.0
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
-        lib = native.library() if v.device.type == "cpu" else None
-        if lib is None:
-            return False
+    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
         bsz = self.block_size
-        failed = native.run_parallel(v.numel(), bsz, lambda s, e: lib.liq_fp8_encode(
-            native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s)))
-        if any(failed):
-            raise MemoryError("fused fp8 encode could not allocate its scratch buffer")
-        return True
+        return lib.liq_fp8_encode(native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s))
 
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
-        lib = native.library() if out.device.type == "cpu" else None
-        if lib is None:
-            return False
+    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
         bsz = self.block_size
-        lut = _fp8_table()
-        native.run_parallel(out.numel(), bsz, lambda s, e: lib.liq_fp8_decode(
-            native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(lut), native.ptr(out, s)))
-        return True
+        return lib.liq_fp8_decode(native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz,
+                                  native.ptr(_fp8_table()), native.ptr(out, s))
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         t = self._scaled(x, scale, work)
@@ -857,27 +854,15 @@ class IntCodec(_BlockCodec):
         self.pack = 8 // bits
         super().__init__(block_size)
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
-        lib = native.library() if v.device.type == "cpu" else None
-        if lib is None:
-            return False
-        bsz, bits, pack = self.block_size, int(self.bits), self.pack
-        failed = native.run_parallel(v.numel(), self._native_unit(), lambda s, e: lib.liq_int_encode(
-            native.ptr(v, s), e - s, bsz, bits, native.ptr(scales, s // bsz), native.ptr(values, s // pack)))
-        if any(failed):
-            raise MemoryError("fused int encode could not allocate its scratch buffer")
-        return True
+    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
+        bsz = self.block_size
+        return lib.liq_int_encode(native.ptr(v, s), e - s, bsz, int(self.bits), native.ptr(scales, s // bsz),
+                                  native.ptr(values, s // self.pack))
 
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
-        lib = native.library() if out.device.type == "cpu" else None
-        if lib is None:
-            return False
-        bsz, bits, pack = self.block_size, int(self.bits), self.pack
-        failed = native.run_parallel(out.numel(), self._native_unit(), lambda s, e: lib.liq_int_decode(
-            native.ptr(values, s // pack), native.ptr(scales, s // bsz), e - s, bsz, bits, native.ptr(out, s)))
-        if any(failed):
-            raise MemoryError("fused int decode could not allocate its scratch buffer")
-        return True
+    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
+        bsz = self.block_size
+        return lib.liq_int_decode(native.ptr(values, s // self.pack), native.ptr(scales, s // bsz), e - s, bsz,
+                                  int(self.bits), native.ptr(out, s))
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         t = self._scaled(x, scale, work)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_parallel"]
+__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_parallel", "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
@@ -146,7 +146,8 @@ def parallel_ranges(count: int, unit: int, workers: int) -> list[tuple[int, int]
     return [(s * unit, min((s + per) * unit, count)) for s in range(0, units, per)] if units else []
 
 
-def _get_pool() -> ThreadPoolExecutor:
+def thread_pool() -> ThreadPoolExecutor:
+    """The process's worker threads for codec work (kernels, checksums); one per CPU, made on first use."""
     global _pool, _pool_pid
     with _lock:
         if _pool is None or _pool_pid != os.getpid():  # a forked child cannot use its parent's threads
@@ -164,7 +165,7 @@ def run_parallel(count: int, unit: int, call: Callable[[int, int], int], min_per
     ranges = parallel_ranges(count, unit, workers)
     if len(ranges) <= 1:
         return [call(s, e) for s, e in ranges]
-    pool = _get_pool()
+    pool = thread_pool()
     futures = [pool.submit(call, s, e) for s, e in ranges[1:]]
     first = call(*ranges[0])
     return [first, *(f.result() for f in futures)]

@@ -30,10 +30,13 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
-/* Elements per sub-slab: a multiple of `unit` near LIQ_SLAB_TARGET (at least one unit). */
-static int64_t slab_elems(int64_t unit) {
+/* Elements per sub-slab of a `count`-value range: whole blocks and, for packed values (pack > 1),
+ * whole packing groups; a multiple of that unit near LIQ_SLAB_TARGET, at most `count`. */
+static int64_t slab_elems(int64_t block, int pack, int64_t count) {
+    int64_t unit = pack == 1 ? block : block / gcd64(block, LIQ_PACK_GROUP) * LIQ_PACK_GROUP;
     int64_t k = LIQ_SLAB_TARGET / unit;
-    return (k > 0 ? k : 1) * unit;
+    int64_t slab = (k > 0 ? k : 1) * unit;
+    return slab > count ? count : slab;
 }
 
 /* Largest |x| per block as raw bits (max over (bits & 0x7FFFFFFF) is the max of |x| and is
@@ -210,9 +213,7 @@ LIQ_HOT static void unpack_scale_group(const uint8_t *restrict in, const float *
 int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float *scales, uint8_t *values) {
     float qmax = (float)((1 << (bits - 1)) - 1);
     int pack = 8 / bits;
-    int64_t unit = pack == 1 ? block : block / gcd64(block, LIQ_PACK_GROUP) * LIQ_PACK_GROUP;
-    int64_t slab = slab_elems(unit);
-    if (slab > count) slab = count;
+    int64_t slab = slab_elems(block, pack, count);
     float *inv = malloc(sizeof(float) * (size_t)((slab + block - 1) / block + 1));
     int8_t *q = pack == 1 ? NULL : malloc((size_t)slab + 1);
     if (!inv || (pack != 1 && !q)) { free(inv); free(q); return -1; }
@@ -242,9 +243,7 @@ int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float
 
 int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, int bits, float *out) {
     int pack = 8 / bits;
-    int64_t unit = pack == 1 ? block : block / gcd64(block, LIQ_PACK_GROUP) * LIQ_PACK_GROUP;
-    int64_t slab = slab_elems(unit);
-    if (slab > count) slab = count;
+    int64_t slab = slab_elems(block, pack, count);
     int8_t *q = pack == 1 ? NULL : malloc((size_t)slab + 1);
     if (pack != 1 && !q) return -1;
     for (int64_t s = 0; s < count; s += slab) {
@@ -293,8 +292,7 @@ LIQ_HOT static void block_fp8(const float *restrict x, int64_t count, int64_t bl
 }
 
 int liq_fp8_encode(const float *x, int64_t count, int64_t block, float *scales, uint8_t *values) {
-    int64_t slab = slab_elems(block);
-    if (slab > count) slab = count;
+    int64_t slab = slab_elems(block, 1, count);
     float *inv = malloc(sizeof(float) * (size_t)((slab + block - 1) / block + 1));
     if (!inv) return -1;
     for (int64_t s = 0; s < count; s += slab) {
