@@ -26,9 +26,7 @@ from typing_extensions import override
 from lightning_islands.parallel import apply_fully_shard, is_fully_sharded
 
 _exit_hook_registered = False
-
-
-_EXIT_GRACE_S = 0.1
+_EXIT_GRACE_S = 0.1  # seconds the exit hook releases the GIL after destroying the world
 
 
 def _destroy_world_at_exit() -> None:
