@@ -127,7 +127,8 @@ _CODEC_NAMES = {i: name for name, i in _CODEC_IDS.items()}
 DEFAULT_BLOCK_SIZE = 128
 _MAX_BLOCK_SIZE = 1 << 24
 _CPU_SLAB_ELEMS = 1 << 20  # elements per cache-blocked slab on CPU (4 MiB of fp32, L3-resident)
-_TOPK_SAMPLE = 1 << 15  # sample size for the top-k threshold estimate
+_TOPK_SAMPLE = 1 << 15  # sample size for the top-k threshold estimate (torch path)
+_TOPK_BUCKETS = 2048  # buckets of the fused top-k's magnitude histogram (|x| bits >> 20)
 PACK_GROUP = 2048  # values per planar packing group of int4/int2 (part of the wire format)
 _FP32_MAX = torch.finfo(torch.float32).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -918,6 +919,11 @@ def _ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
     low, low_bytes, high_bytes = _ef_layout(n, k)
     if k == 0:
         return
+    lib = _kernels(out)
+    if lib is not None:
+        idx = idx.contiguous()
+        lib.liq_ef_encode(native.ptr(idx), k, low, native.ptr(out), low_bytes, native.ptr(out, low_bytes), high_bytes)
+        return
     if low:
         shifts = torch.arange(low, dtype=torch.int64, device=idx.device)
         bits = ((idx.unsqueeze(1) >> shifts) & 1).to(torch.uint8).view(-1)
@@ -932,6 +938,16 @@ def _ef_decode(data: Tensor, n: int, k: int) -> Tensor:
     low, low_bytes, high_bytes = _ef_layout(n, k)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
+    lib = _kernels(data)
+    if lib is not None:
+        data = data.contiguous()
+        idx = torch.empty(k, dtype=torch.int64)
+        status = lib.liq_ef_decode(native.ptr(data), n, k, low, low_bytes, high_bytes, native.ptr(idx))
+        if status == -1:
+            raise ValueError(f"corrupt top-k index block: the index marks do not number k={k}")
+        if status:
+            raise ValueError(f"corrupt top-k index block: indices not strictly increasing below n={n}")
+        return idx
     positions = torch.nonzero(_unpack_bits(data[low_bytes : low_bytes + high_bytes])).view(-1)
     if positions.numel() != k:
         raise ValueError(f"corrupt top-k index block: {positions.numel()} index marks, expected {k}")
@@ -945,26 +961,83 @@ def _ef_decode(data: Tensor, n: int, k: int) -> Tensor:
     return idx
 
 
-def _topk_indices(a: Tensor, k: int) -> Tensor:
-    """Indices of the k largest entries of ``a`` (>= 0), in no particular order.
+def _kth_largest(a: Tensor, k: int) -> Tensor:
+    """The k-th largest entry of ``a`` (1 <= k <= n), as a 0-d tensor.
 
     ``torch.topk`` over the whole vector is slow on CPU (~0.1-0.5 GB/s), so for small k we first
     estimate a threshold from a strided sample (over-selecting about 2x), keep the candidates at
-    or above it (one compare + ``nonzero`` pass) and run the exact top-k on those. The result is
-    an exact top-k set; if the estimate was too high to leave k candidates, fall back to the
-    full ``torch.topk``. Deterministic: the sample and every step are.
+    or above it and run the exact top-k on those; if the estimate was too high to leave k
+    candidates, fall back to the full ``torch.topk``. The value is unique whatever the route.
     """
     n = a.numel()
     if n < _TOPK_SAMPLE * 4 or 4 * k >= n:
-        return torch.topk(a, k, sorted=False).indices
+        return torch.topk(a, k, sorted=False).values.min()
     sample = a[:: n // _TOPK_SAMPLE]
     rank = min(sample.numel(), 2 * _ceil_div(k * sample.numel(), n) + 32)
-    threshold = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = torch.nonzero(a >= threshold).view(-1)
+    estimate = torch.topk(sample, rank, sorted=False).values.min()
+    candidates = a[a >= estimate]
     if candidates.numel() < k:  # pragma: no cover - needs a very unlucky sample
-        return torch.topk(a, k, sorted=False).indices
-    chosen = torch.topk(a.index_select(0, candidates), k, sorted=False).indices
-    return candidates.index_select(0, chosen)
+        candidates = a
+    return torch.topk(candidates, k, sorted=False).values.min()
+
+
+def _topk_indices(a: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of ``a`` (>= 0, no NaN) in increasing order; torch path.
+
+    The selection rule, shared with the fused kernel and every device: all entries above the
+    k-th largest value, then the lowest-index entries equal to it until there are k.
+    """
+    threshold = _kth_largest(a, k)
+    above = torch.nonzero(a > threshold).view(-1)
+    ties = torch.nonzero(a == threshold).view(-1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values
+
+
+def _native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
+    :func:`_topk_indices`. Three passes over ``x`` split across the kernel threads: bucket
+    histogram, the candidates of the threshold's bucket, selection in index order."""
+    n = x.numel()
+    ranges = native.split(n, 1)
+    each = range(len(ranges))
+    hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
+    status = native.run_each(each, lambda r: lib.liq_topk_hist(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], native.ptr(hist[r])))
+    if any(st < 0 for st in status):
+        raise MemoryError("fused top-k could not allocate its histogram")
+    if any(status):
+        _raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
+    total = hist.sum(0)
+    from_top = total.flip(0).cumsum(0)
+    pos = int(torch.searchsorted(from_top, k))  # first bucket (from the top) reaching k entries
+    bucket = _TOPK_BUCKETS - 1 - pos
+    above_bucket = int(from_top[pos]) - int(total[bucket])
+    per_range = hist[:, bucket]
+    starts = [0, *per_range.cumsum(0).tolist()]
+    cand = torch.empty(starts[-1], dtype=torch.int32)
+    native.run_each(each, lambda r: lib.liq_topk_collect(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], bucket, native.ptr(cand, starts[r])))
+    rank = k - above_bucket  # the threshold is the rank-th largest candidate
+    threshold = int(torch.kthvalue(cand, cand.numel() - rank + 1).values)
+    greater = (hist[:, bucket + 1 :].sum(1) + torch.stack(
+        [(cand[a:b] > threshold).sum() for a, b in zip(starts[:-1], starts[1:])])).tolist()
+    equal = [int((cand[a:b] == threshold).sum()) for a, b in zip(starts[:-1], starts[1:])]
+    need = k - sum(greater)
+    ties, offsets, off = [], [], 0
+    for g, eq in zip(greater, equal):
+        t = min(eq, max(0, need))
+        need -= t
+        ties.append(t)
+        offsets.append(off)
+        off += g + t
+    idx = torch.empty(k, dtype=torch.int64)
+    vals = torch.empty(k, dtype=torch.float32)
+    got = native.run_each(each, lambda r: lib.liq_topk_select(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], threshold, ties[r],
+        native.ptr(idx, offsets[r]), native.ptr(vals, offsets[r])))
+    if sum(got) != k:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k selected {sum(got)} entries, expected {k}")
+    return idx, vals
 
 
 class TopKCodec(Codec):
@@ -972,7 +1045,8 @@ class TopKCodec(Codec):
 
     Indices travel Elias-Fano coded (see the module docstring); values in increasing index
     order, encoded by ``inner`` (fp32 by default) without its own header. Ties at the k-th
-    magnitude are broken by ``torch.topk``.
+    largest magnitude go to the lowest indices, so the kept set (and the payload) is the same
+    on every device and path.
     """
 
     kind = _KIND_TOPK
@@ -1003,12 +1077,16 @@ class TopKCodec(Codec):
     def _encode_body(self, x: Tensor, body: Tensor) -> None:
         n = x.numel()
         k = self._count(n)
-        _raise_if_nonfinite_sum(x)
-        if k == n:
+        lib = _kernels(x)
+        if k < n and lib is not None:
+            idx, values = _native_topk(lib, x, k)  # refuses NaN/Inf in its first pass
+        elif k == n:
+            _raise_if_nonfinite_sum(x)
             idx = torch.arange(n, dtype=torch.int64, device=x.device)
             values = x
         else:
-            idx = _topk_indices(x.abs(), k).sort().values
+            _raise_if_nonfinite_sum(x)
+            idx = _topk_indices(x.abs(), k)
             values = x.index_select(0, idx)
         inner_bytes = self.inner._values_nbytes(k)
         if k:
@@ -1024,8 +1102,16 @@ class TopKCodec(Codec):
         if k == n:
             out.copy_(values)
             return
-        out.zero_()
-        out.index_copy_(0, idx, values)  # unique indices: deterministic
+        lib = _kernels(out)
+        if lib is None:
+            out.zero_()
+            out.index_copy_(0, idx, values)  # unique indices: deterministic
+            return
+        ranges = native.split(n, 1)
+        cuts = torch.searchsorted(idx, torch.tensor([s for s, _ in ranges] + [n])).tolist()
+        native.run_each(range(len(ranges)), lambda r: lib.liq_topk_scatter(
+            native.ptr(idx, cuts[r]), native.ptr(values, cuts[r]), cuts[r + 1] - cuts[r], ranges[r][0], ranges[r][1],
+            native.ptr(out)))
 
     def spec(self) -> dict[str, Any]:
         """Wire-format description including the top-k fraction and index encoding."""

@@ -26,17 +26,22 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_parallel", "thread_pool"]
+__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel", "run_ranges",
+           "split",
+           "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+T = TypeVar("T")
+A = TypeVar("A")
 _I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "liq_int_encode": [_P, _I64, _I64, _I32, _P, _P],
@@ -46,7 +51,14 @@ _SIGNATURES = {
     "liq_bf16_encode": [_P, _I64, _P],
     "liq_bf16_decode": [_P, _I64, _P],
     "liq_f32_copy_checked": [_P, _I64, _P],
+    "liq_topk_hist": [_P, _I64, _P],
+    "liq_topk_collect": [_P, _I64, _I64, _P],
+    "liq_topk_select": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "liq_ef_encode": [_P, _I64, _I32, _P, _I64, _P, _I64],
+    "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
+    "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
 }
+_RETURNS_COUNT = {"liq_topk_collect", "liq_topk_select"}  # these return an int64 count, the rest a status
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -113,7 +125,7 @@ def library() -> ctypes.CDLL | None:
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = args
-            fn.restype = ctypes.c_int
+            fn.restype = _I64 if name in _RETURNS_COUNT else ctypes.c_int
         _lib = lib
         return lib
 
@@ -156,16 +168,33 @@ def thread_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def split(count: int, unit: int, min_per_thread: int = 1 << 16) -> list[tuple[int, int]]:
+    """The unit-aligned ranges of ``[0, count)`` that :func:`run_parallel` hands to its threads."""
+    workers = max(1, min(torch.get_num_threads(), count // max(min_per_thread, 1)))
+    return parallel_ranges(count, unit, workers)
+
+
+def run_each(items: Sequence[A], call: Callable[[A], T]) -> list[T]:
+    """Run ``call(item)`` for each item on the kernel threads (the first on the calling thread).
+
+    Returns the results in item order. One item runs on the calling thread only.
+    """
+    if len(items) <= 1:
+        return [call(item) for item in items]
+    pool = thread_pool()
+    futures = [pool.submit(call, item) for item in items[1:]]
+    first = call(items[0])
+    return [first, *(f.result() for f in futures)]
+
+
+def run_ranges(ranges: Sequence[tuple[int, int]], call: Callable[[int, int], T]) -> list[T]:
+    """Run ``call(start, stop)`` for each range on the kernel threads; results in range order."""
+    return run_each(ranges, lambda r: call(*r))
+
+
 def run_parallel(count: int, unit: int, call: Callable[[int, int], int], min_per_thread: int = 1 << 16) -> list[int]:
     """Run ``call(start, stop)`` over unit-aligned ranges of ``[0, count)`` on the kernel threads.
 
     Returns the calls' results in range order. Small inputs run on the calling thread.
     """
-    workers = max(1, min(torch.get_num_threads(), count // max(min_per_thread, 1)))
-    ranges = parallel_ranges(count, unit, workers)
-    if len(ranges) <= 1:
-        return [call(s, e) for s, e in ranges]
-    pool = thread_pool()
-    futures = [pool.submit(call, s, e) for s, e in ranges[1:]]
-    first = call(*ranges[0])
-    return [first, *(f.result() for f in futures)]
+    return run_ranges(split(count, unit, min_per_thread), call)

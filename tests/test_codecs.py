@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -160,7 +161,9 @@ def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> Non
 
 
 def reference_topk(x: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    """The documented rule, spelled differently: a stable sort by decreasing magnitude (ties keep
+    index order), the first k, in index order."""
+    return torch.argsort(-x.abs(), stable=True)[:k].sort().values
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +191,7 @@ def test_dense_roundtrip_bounds(spec, x, path):
 )
 @FEW
 @given(x=vectors())
-def test_topk_roundtrip_bounds(spec, x):
+def test_topk_roundtrip_bounds(spec, x, path):
     codec = make_codec(spec)
     n = x.numel()
     payload = codec.encode(x)
@@ -204,9 +207,36 @@ def test_topk_roundtrip_bounds(spec, x):
     mask = torch.zeros(n, dtype=torch.bool)
     mask[idx] = True
     assert (d[~mask] == 0).all()
-    if k and k < n:  # exactly the k largest magnitudes (ties may go either way)
+    if k and k < n:  # exactly the k largest magnitudes, ties to the lowest indices
         assert x[mask].abs().min() >= x[~mask].abs().max()
+        assert torch.equal(idx, reference_topk(x, k))
     assert_within_bound(codec.inner, x[idx], d[idx])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_topk_ties_go_to_the_lowest_indices(path, threads):
+    # magnitudes 0.5 / 1 / 2 in a pattern; the k-th largest is 1.0, shared by many entries that
+    # straddle the per-thread ranges of the fused kernel
+    n = 400_003
+    g = torch.Generator().manual_seed(11)
+    mags = torch.tensor([0.5, 1.0, 2.0])[torch.randint(0, 3, (n,), generator=g)]
+    x = mags * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    twos = int((mags == 2.0).sum())
+    k = twos + 50_000
+    codec = C.TopKCodec(Fraction(k, n))
+    assert codec._count(n) == k
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        d = codec.decode(codec.encode(x))
+    finally:
+        torch.set_num_threads(before)
+    kept = torch.nonzero(d).view(-1)
+    ones = torch.nonzero(mags == 1.0).view(-1)[:50_000]
+    expected = torch.cat([torch.nonzero(mags == 2.0).view(-1), ones]).sort().values
+    assert torch.equal(kept, expected)
+    assert torch.equal(kept, reference_topk(x, k))
+    assert torch.equal(d[kept], x[kept])
 
 
 def test_topk_keeps_exactly_k_largest():
@@ -246,7 +276,7 @@ def test_topk_k_rounding_and_small_n():
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (2, 1), (7, 7), (1000, 1), (1000, 10), (1000, 999), (4096, 64), (5, 2)])
-def test_elias_fano_roundtrip(n, k):
+def test_elias_fano_roundtrip(n, k, path):
     g = torch.Generator().manual_seed(n * 31 + k)
     idx = torch.randperm(n, generator=g)[:k].sort().values
     low, low_bytes, high_bytes = C._ef_layout(n, k)
@@ -255,6 +285,24 @@ def test_elias_fano_roundtrip(n, k):
     assert torch.equal(C._ef_decode(buf, n, k), idx)
     # about 2 + log2(n/k) bits per index
     assert (low_bytes + high_bytes) * 8 <= k * (low + 2) + n / 2**low + 16
+
+
+def test_elias_fano_rejects_corrupt_blocks(path):
+    n, k = 10_000, 100
+    idx = torch.arange(0, n, n // k)[:k]
+    low, low_bytes, high_bytes = C._ef_layout(n, k)
+    buf = torch.zeros(low_bytes + high_bytes, dtype=torch.uint8)
+    C._ef_encode(idx, n, buf)
+    extra = buf.clone()
+    extra[-1] |= 0x80  # one index mark too many
+    with pytest.raises(ValueError, match="corrupt top-k index block"):
+        C._ef_decode(extra, n, k)
+    missing = buf.clone()
+    missing[low_bytes] &= 0xFE  # the first index's mark gone
+    with pytest.raises(ValueError, match="corrupt top-k index block"):
+        C._ef_decode(missing, n, k)
+    with pytest.raises(ValueError, match=f"below n={n - 150}"):  # the last index (9900) is past n
+        C._ef_decode(buf, n - 150, k)
 
 
 def test_elias_fano_is_compact_at_one_percent():
@@ -574,7 +622,16 @@ def test_fused_kernels_match_torch_reference_bitwise(spec, x):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
-@pytest.mark.parametrize("spec", DENSE_SPECS + ["topk:0.1+int4", "topk:0.3+fp8/16"])
+@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.05+int4", "topk:0.3+int2/16", "topk:0.5+bf16", "topk:0.9+fp8"])
+@SETTINGS
+@given(x=vectors(max_len=9000))
+def test_fused_topk_matches_torch_reference_bitwise(spec, x):
+    assert native.available()
+    _both_paths(make_codec(spec), x)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", DENSE_SPECS + ["topk:0.1+int4", "topk:0.3+fp8/16", "topk:0.001"])
 def test_fused_kernels_match_torch_on_edge_values(spec):
     fmax, tiny = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
     g = torch.Generator().manual_seed(5)

@@ -351,3 +351,163 @@ LIQ_HOT int liq_f32_copy_checked(const float *restrict x, int64_t count, float *
     }
     return worst >= LIQ_INF_BITS;
 }
+
+/*
+ * Top-k selection by magnitude, exact and in index order, in three passes over x:
+ *   1. liq_topk_hist: histogram of the magnitude's top bits (bucket = |x| bits >> 20: the 8
+ *      exponent bits and 3 mantissa bits; the order of non-negative floats is that of their bits);
+ *   2. liq_topk_collect: the magnitude bits of the entries in the bucket that holds the k-th
+ *      largest magnitude (the caller finds the exact threshold among them);
+ *   3. liq_topk_select: every index whose magnitude is above the threshold, plus the first `ties`
+ *      whose magnitude equals it, with their values, in increasing index order.
+ * The caller splits x into ranges (one per thread) and computes each range's tie quota, so the
+ * selected set is "the k largest magnitudes, ties at the k-th broken towards lower indices".
+ */
+#define LIQ_TOPK_SHIFT 20
+#define LIQ_TOPK_BUCKETS 2048
+#define LIQ_TOPK_CHUNK (1 << 28) /* elements per uint32 sub-histogram flush */
+
+/* hist[2048] += bucket counts of x[0:count]; returns 1 if x holds NaN/Inf (hist then undefined). */
+LIQ_HOT int liq_topk_hist(const float *restrict x, int64_t count, int64_t *restrict hist) {
+    const uint32_t *xb = (const uint32_t *)x;
+    uint32_t *sub = calloc(4 * LIQ_TOPK_BUCKETS, sizeof(uint32_t)); /* 4 copies break store-load chains */
+    if (!sub) return -1;
+    uint32_t worst = 0;
+    for (int64_t s = 0; s < count; s += LIQ_TOPK_CHUNK) {
+        int64_t len = count - s < LIQ_TOPK_CHUNK ? count - s : LIQ_TOPK_CHUNK, j = 0;
+        const uint32_t *p = xb + s;
+        for (; j + 4 <= len; j += 4) {
+            uint32_t a0 = p[j] & LIQ_ABS_MASK, a1 = p[j + 1] & LIQ_ABS_MASK;
+            uint32_t a2 = p[j + 2] & LIQ_ABS_MASK, a3 = p[j + 3] & LIQ_ABS_MASK;
+            uint32_t m01 = a0 > a1 ? a0 : a1, m23 = a2 > a3 ? a2 : a3, m = m01 > m23 ? m01 : m23;
+            worst = m > worst ? m : worst;
+            sub[a0 >> LIQ_TOPK_SHIFT]++;
+            sub[LIQ_TOPK_BUCKETS + (a1 >> LIQ_TOPK_SHIFT)]++;
+            sub[2 * LIQ_TOPK_BUCKETS + (a2 >> LIQ_TOPK_SHIFT)]++;
+            sub[3 * LIQ_TOPK_BUCKETS + (a3 >> LIQ_TOPK_SHIFT)]++;
+        }
+        for (; j < len; j++) {
+            uint32_t a = p[j] & LIQ_ABS_MASK;
+            worst = a > worst ? a : worst;
+            sub[a >> LIQ_TOPK_SHIFT]++;
+        }
+        for (int b = 0; b < LIQ_TOPK_BUCKETS; b++) {
+            hist[b] += (int64_t)sub[b] + sub[LIQ_TOPK_BUCKETS + b] + sub[2 * LIQ_TOPK_BUCKETS + b] +
+                       sub[3 * LIQ_TOPK_BUCKETS + b];
+        }
+        memset(sub, 0, 4 * LIQ_TOPK_BUCKETS * sizeof(uint32_t));
+    }
+    free(sub);
+    return worst >= LIQ_INF_BITS;
+}
+
+/* cand[...] = |x| bits of the entries of x[0:count] in `bucket`, in order; returns how many. */
+LIQ_HOT int64_t liq_topk_collect(const float *restrict x, int64_t count, int64_t bucket, uint32_t *restrict cand) {
+    const uint32_t *xb = (const uint32_t *)x;
+    int64_t m = 0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t a = xb[j] & LIQ_ABS_MASK;
+        if ((int64_t)(a >> LIQ_TOPK_SHIFT) == bucket) cand[m++] = a;
+    }
+    return m;
+}
+
+/* Entries of x[0:count] with |x| bits > thr, or == thr for the first `ties` of those: their
+ * indices (plus `base`) into idx and their values into vals, in order; returns how many. */
+LIQ_HOT int64_t liq_topk_select(const float *restrict x, int64_t count, int64_t base, int64_t thr, int64_t ties,
+                                int64_t *restrict idx, float *restrict vals) {
+    const uint32_t *xb = (const uint32_t *)x;
+    uint32_t t = (uint32_t)thr;
+    int64_t m = 0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t a = xb[j] & LIQ_ABS_MASK;
+        if (a >= t) {
+            if (a == t) {
+                if (ties <= 0) continue;
+                ties--;
+            }
+            idx[m] = base + j;
+            vals[m] = x[j];
+            m++;
+        }
+    }
+    return m;
+}
+
+/*
+ * Elias-Fano code of k strictly increasing indices below n (layout in codecs.py): the low `low`
+ * bits of each index as a little-endian bit stream (low_bytes), then the high parts in unary
+ * (bit (idx >> low) + i set, high_bytes). Outputs are fully written (padding bits zero).
+ */
+int liq_ef_encode(const int64_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
+                  int64_t high_bytes) {
+    memset(low_out, 0, (size_t)low_bytes);
+    memset(high_out, 0, (size_t)high_bytes);
+    uint64_t mask = low ? (~(uint64_t)0 >> (64 - low)) : 0;
+    for (int64_t i = 0; i < k; i++) {
+        uint64_t v = (uint64_t)idx[i];
+        if (low) {
+            uint64_t lo = v & mask;
+            int64_t bit = i * (int64_t)low;
+            for (int done = 0; done < low;) { /* at most 9 bytes touched per value */
+                int64_t byte = (bit + done) >> 3;
+                int off = (int)((bit + done) & 7), take = 8 - off < low - done ? 8 - off : low - done;
+                low_out[byte] |= (uint8_t)(((lo >> done) & ((1u << take) - 1u)) << off);
+                done += take;
+            }
+        }
+        int64_t pos = (int64_t)(v >> low) + i;
+        high_out[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+    }
+    return 0;
+}
+
+/* Inverse of liq_ef_encode into idx[k]. Returns 0; -1 if the high part does not hold exactly k
+ * marks; -2 if the indices are not strictly increasing or not below n. */
+int liq_ef_decode(const uint8_t *data, int64_t n, int64_t k, int low, int64_t low_bytes, int64_t high_bytes,
+                  int64_t *idx) {
+    const uint8_t *high = data + low_bytes;
+    int64_t i = 0;
+    for (int64_t byte = 0; byte < high_bytes; byte++) {
+        unsigned w = high[byte];
+        while (w) {
+            int b = __builtin_ctz(w);
+            w &= w - 1;
+            if (i == k) return -1;
+            idx[i] = ((byte << 3) + b - i) << low;
+            i++;
+        }
+    }
+    if (i != k) return -1;
+    if (low) {
+        for (int64_t j = 0; j < k; j++) {
+            int64_t bit = j * (int64_t)low;
+            uint64_t lo = 0;
+            for (int done = 0; done < low;) {
+                int64_t byte = (bit + done) >> 3;
+                int off = (int)((bit + done) & 7), take = 8 - off < low - done ? 8 - off : low - done;
+                lo |= (uint64_t)((data[byte] >> off) & ((1u << take) - 1u)) << done;
+                done += take;
+            }
+            idx[j] |= (int64_t)lo;
+        }
+    }
+    for (int64_t j = 0; j < k; j++)
+        if (idx[j] >= n || (j && idx[j] <= idx[j - 1])) return -2;
+    return 0;
+}
+
+/* out[start:stop] = 0 except out[idx[i]] = vals[i] for the k increasing indices idx[0:k], all in
+ * [start, stop): the dense vector of a top-k payload, written once. */
+int liq_topk_scatter(const int64_t *restrict idx, const float *restrict vals, int64_t k, int64_t start, int64_t stop,
+                     float *restrict out) {
+    int64_t at = start;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t j = idx[i];
+        if (j > at) memset(out + at, 0, sizeof(float) * (size_t)(j - at));
+        out[j] = vals[i];
+        at = j + 1;
+    }
+    if (stop > at) memset(out + at, 0, sizeof(float) * (size_t)(stop - at));
+    return 0;
+}
