@@ -71,6 +71,7 @@ instead of streaming through DRAM; on other devices the whole vector is one slab
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -128,7 +129,11 @@ DEFAULT_BLOCK_SIZE = 128
 _MAX_BLOCK_SIZE = 1 << 24
 _CPU_SLAB_ELEMS = 1 << 20  # elements per cache-blocked slab on CPU (4 MiB of fp32, L3-resident)
 _TOPK_SAMPLE = 1 << 15  # sample size for the top-k threshold estimate (torch path)
-_TOPK_BUCKETS = 2048  # buckets of the fused top-k's magnitude histogram (|x| bits >> 20)
+_TOPK_SAMPLE_RUN = 128  # the fused top-k samples runs of this many consecutive entries
+_TOPK_BUCKET_SHIFT = 20  # the fused top-k's histogram buckets are |x| bits >> 20 ...
+_TOPK_BUCKETS = 2048  # ... of which there are 2048
+_INF_BITS = 0x7F800000
+_TOPK_SLACK = 16  # liq_topk_band stores branch-free and needs this many spare candidate slots
 PACK_GROUP = 2048  # values per planar packing group of int4/int2 (part of the wire format)
 _FP32_MAX = torch.finfo(torch.float32).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -995,33 +1000,79 @@ def _topk_indices(a: Tensor, k: int) -> Tensor:
 
 def _native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
-    :func:`_topk_indices`. Three passes over ``x`` split across the kernel threads: bucket
-    histogram, the candidates of the threshold's bucket, selection in index order."""
+    :func:`_topk_indices`. Usually two passes over ``x``, split across the kernel threads: one
+    over a band of magnitudes guessed from a sample (count above it, collect inside it), then the
+    selection in index order. A poor guess costs a histogram pass that finds the band exactly."""
     n = x.numel()
     ranges = native.split(n, 1)
-    each = range(len(ranges))
+    guess = _sampled_band(x, k)
+    if guess is not None:
+        lo, hi, expected = guess
+        caps = [_ceil_div(expected * (e - s), n) + 256 + _TOPK_SLACK for s, e in ranges]
+        found = _band_select(lib, x, k, ranges, lo, hi, caps)
+        if found is not None:
+            return found
     hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
-    status = native.run_each(each, lambda r: lib.liq_topk_hist(
+    status = native.run_each(range(len(ranges)), lambda r: lib.liq_topk_hist(
         native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], native.ptr(hist[r])))
     if any(st < 0 for st in status):
         raise MemoryError("fused top-k could not allocate its histogram")
     if any(status):
         _raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
-    total = hist.sum(0)
-    from_top = total.flip(0).cumsum(0)
-    pos = int(torch.searchsorted(from_top, k))  # first bucket (from the top) reaching k entries
-    bucket = _TOPK_BUCKETS - 1 - pos
-    above_bucket = int(from_top[pos]) - int(total[bucket])
-    per_range = hist[:, bucket]
-    starts = [0, *per_range.cumsum(0).tolist()]
+    from_top = hist.sum(0).flip(0).cumsum(0)
+    bucket = _TOPK_BUCKETS - 1 - int(torch.searchsorted(from_top, k))  # first bucket reaching k
+    shift = _TOPK_BUCKET_SHIFT
+    caps = (hist[:, bucket] + _TOPK_SLACK).tolist()
+    found = _band_select(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps)
+    if found is None:  # pragma: no cover - the bucket holds the k-th largest by construction
+        raise RuntimeError("fused top-k: the histogram bucket does not hold the threshold")
+    return found
+
+
+def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
+    """A band [lo, hi) of |x| bit patterns likely to hold the k-th largest magnitude, and about how
+    many entries fall inside it, from a sample (contiguous runs spread evenly over ``x``, which
+    is cheaper to read than a strided sample); None for short vectors."""
+    n = x.numel()
+    if n < 8 * _TOPK_SAMPLE:
+        return None
+    runs = _TOPK_SAMPLE // _TOPK_SAMPLE_RUN
+    starts = torch.arange(runs, dtype=torch.int64) * (n // runs)
+    where = (starts.unsqueeze(1) + torch.arange(_TOPK_SAMPLE_RUN, dtype=torch.int64)).view(-1)
+    sample = x.index_select(0, where).abs().view(torch.int32)
+    m = sample.numel()
+    mean = m * k / n  # expected sample entries at or above the threshold
+    margin = 4.0 * math.sqrt(mean) + 8
+    top, bottom = math.floor(mean - margin), math.ceil(mean + margin)
+    ranked = torch.topk(sample, min(bottom + 1, m)).values  # descending
+    hi = int(ranked[top]) + 1 if top >= 0 else _INF_BITS
+    lo = int(ranked[bottom]) if bottom < m else 0
+    inside = int(((sample >= lo) & (sample < hi)).sum())
+    return lo, hi, _ceil_div(n * (inside + 16), m) * 3 // 2
+
+
+def _band_select(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
+                 caps: list[int]) -> tuple[Tensor, Tensor] | None:
+    """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
+    and each range has at most ``caps[r] - _TOPK_SLACK`` entries in it; else None."""
+    each = range(len(ranges))
+    starts = [0, *itertools.accumulate(caps)]
     cand = torch.empty(starts[-1], dtype=torch.int32)
-    native.run_each(each, lambda r: lib.liq_topk_collect(
-        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], bucket, native.ptr(cand, starts[r])))
-    rank = k - above_bucket  # the threshold is the rank-th largest candidate
-    threshold = int(torch.kthvalue(cand, cand.numel() - rank + 1).values)
-    greater = (hist[:, bucket + 1 :].sum(1) + torch.stack(
-        [(cand[a:b] > threshold).sum() for a, b in zip(starts[:-1], starts[1:])])).tolist()
-    equal = [int((cand[a:b] == threshold).sum()) for a, b in zip(starts[:-1], starts[1:])]
+    above = torch.zeros(len(ranges), dtype=torch.int64)
+    got = native.run_each(each, lambda r: lib.liq_topk_band(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], lo, hi, native.ptr(cand, starts[r]), caps[r],
+        native.ptr(above, r)))
+    if any(g == -2 for g in got):
+        _raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
+    n_above = int(above.sum())
+    if any(g < 0 for g in got) or not n_above < k <= n_above + sum(got):
+        return None
+    segments = [cand[starts[r] : starts[r] + got[r]] for r in each]
+    inside = torch.cat(segments)
+    rank = k - n_above  # the threshold is the rank-th largest candidate
+    threshold = int(torch.kthvalue(inside, inside.numel() - rank + 1).values)
+    greater = [int(above[r]) + int((seg > threshold).sum()) for r, seg in zip(each, segments)]
+    equal = [int((seg == threshold).sum()) for seg in segments]
     need = k - sum(greater)
     ties, offsets, off = [], [], 0
     for g, eq in zip(greater, equal):
@@ -1032,11 +1083,11 @@ def _native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         off += g + t
     idx = torch.empty(k, dtype=torch.int64)
     vals = torch.empty(k, dtype=torch.float32)
-    got = native.run_each(each, lambda r: lib.liq_topk_select(
+    picked = native.run_each(each, lambda r: lib.liq_topk_select(
         native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], threshold, ties[r],
         native.ptr(idx, offsets[r]), native.ptr(vals, offsets[r])))
-    if sum(got) != k:  # pragma: no cover - would be a kernel bug
-        raise RuntimeError(f"fused top-k selected {sum(got)} entries, expected {k}")
+    if sum(picked) != k:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k selected {sum(picked)} entries, expected {k}")
     return idx, vals
 
 

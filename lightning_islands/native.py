@@ -52,13 +52,13 @@ _SIGNATURES = {
     "liq_bf16_decode": [_P, _I64, _P],
     "liq_f32_copy_checked": [_P, _I64, _P],
     "liq_topk_hist": [_P, _I64, _P],
-    "liq_topk_collect": [_P, _I64, _I64, _P],
     "liq_topk_select": [_P, _I64, _I64, _I64, _I64, _P, _P],
+    "liq_topk_band": [_P, _I64, _I64, _I64, _P, _I64, _P],
     "liq_ef_encode": [_P, _I64, _I32, _P, _I64, _P, _I64],
     "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
     "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
 }
-_RETURNS_COUNT = {"liq_topk_collect", "liq_topk_select"}  # these return an int64 count, the rest a status
+_RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 count, the rest a status
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -353,12 +353,14 @@ LIQ_HOT int liq_f32_copy_checked(const float *restrict x, int64_t count, float *
 }
 
 /*
- * Top-k selection by magnitude, exact and in index order, in three passes over x:
- *   1. liq_topk_hist: histogram of the magnitude's top bits (bucket = |x| bits >> 20: the 8
- *      exponent bits and 3 mantissa bits; the order of non-negative floats is that of their bits);
- *   2. liq_topk_collect: the magnitude bits of the entries in the bucket that holds the k-th
- *      largest magnitude (the caller finds the exact threshold among them);
- *   3. liq_topk_select: every index whose magnitude is above the threshold, plus the first `ties`
+ * Top-k selection by magnitude, exact and in index order (magnitudes compare as their bits: the
+ * order of non-negative floats is that of their bit patterns):
+ *   1. liq_topk_band: for a band [lo, hi) of magnitudes that should hold the k-th largest (the
+ *      caller guesses it from a sample), count the entries above it and collect those inside it;
+ *      the caller checks the guess and finds the exact threshold among the candidates;
+ *   1'. if the guess was poor, liq_topk_hist (a histogram of |x| bits >> 20: the exponent and 3
+ *      mantissa bits) finds the bucket that holds the k-th largest, and that bucket is the band;
+ *   2. liq_topk_select: every index whose magnitude is above the threshold, plus the first `ties`
  *      whose magnitude equals it, with their values, in increasing index order.
  * The caller splits x into ranges (one per thread) and computes each range's tie quota, so the
  * selected set is "the k largest magnitudes, ties at the k-th broken towards lower indices".
@@ -401,16 +403,7 @@ LIQ_HOT int liq_topk_hist(const float *restrict x, int64_t count, int64_t *restr
     return worst >= LIQ_INF_BITS;
 }
 
-/* cand[...] = |x| bits of the entries of x[0:count] in `bucket`, in order; returns how many. */
-LIQ_HOT int64_t liq_topk_collect(const float *restrict x, int64_t count, int64_t bucket, uint32_t *restrict cand) {
-    const uint32_t *xb = (const uint32_t *)x;
-    int64_t m = 0;
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t a = xb[j] & LIQ_ABS_MASK;
-        if ((int64_t)(a >> LIQ_TOPK_SHIFT) == bucket) cand[m++] = a;
-    }
-    return m;
-}
+#define LIQ_TOPK_BLOCK 16 /* entries tested together (vectorized) before any scalar work */
 
 /* Entries of x[0:count] with |x| bits > thr, or == thr for the first `ties` of those: their
  * indices (plus `base`) into idx and their values into vals, in order; returns how many. */
@@ -418,20 +411,84 @@ LIQ_HOT int64_t liq_topk_select(const float *restrict x, int64_t count, int64_t 
                                 int64_t *restrict idx, float *restrict vals) {
     const uint32_t *xb = (const uint32_t *)x;
     uint32_t t = (uint32_t)thr;
-    int64_t m = 0;
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t a = xb[j] & LIQ_ABS_MASK;
-        if (a >= t) {
-            if (a == t) {
-                if (ties <= 0) continue;
-                ties--;
+    int64_t m = 0, j0 = 0;
+    for (; j0 < count; j0 += LIQ_TOPK_BLOCK) {
+        int64_t len = count - j0 < LIQ_TOPK_BLOCK ? count - j0 : LIQ_TOPK_BLOCK;
+        uint32_t top = 0;
+        if (len == LIQ_TOPK_BLOCK) {
+            for (int j = 0; j < LIQ_TOPK_BLOCK; j++) {
+                uint32_t a = xb[j0 + j] & LIQ_ABS_MASK;
+                top = a > top ? a : top;
             }
-            idx[m] = base + j;
-            vals[m] = x[j];
-            m++;
+            if (top < t) continue; /* the common case: nothing to keep in this block */
+        }
+        for (int64_t j = j0; j < j0 + len; j++) {
+            uint32_t a = xb[j] & LIQ_ABS_MASK;
+            if (a >= t) {
+                if (a == t) {
+                    if (ties <= 0) continue;
+                    ties--;
+                }
+                idx[m] = base + j;
+                vals[m] = x[j];
+                m++;
+            }
         }
     }
     return m;
+}
+
+#define LIQ_TOPK_CHUNK_BAND 1024 /* entries per L1-resident chunk of liq_topk_band */
+
+/* One pass for a guessed threshold band [lo, hi) of |x| bits: *above = how many entries are >= hi;
+ * cand[...] = the bits of the entries inside the band, in order. Returns the candidate count, -1
+ * if there are more than cap - 16 (cand holds cap values; the guess was poor: the caller falls
+ * back to the histogram), or -2 if x holds NaN/Inf. Per chunk, a vectorized loop counts and flags
+ * the 16-entry blocks that hold candidates; only flagged blocks are then scanned, branch-free
+ * (every entry is stored at the write position, which advances only for entries in the band). */
+LIQ_HOT int64_t liq_topk_band(const float *restrict x, int64_t count, int64_t lo, int64_t hi,
+                              uint32_t *restrict cand, int64_t cap, int64_t *restrict above) {
+    const uint32_t *xb = (const uint32_t *)x;
+    uint32_t l = (uint32_t)lo, h = (uint32_t)hi, width = h - l, bad = 0;
+    int64_t m = 0, n_above = 0;
+    uint8_t flag[LIQ_TOPK_CHUNK_BAND / LIQ_TOPK_BLOCK];
+    for (int64_t c0 = 0; c0 < count; c0 += LIQ_TOPK_CHUNK_BAND) {
+        const uint32_t *p = xb + c0;
+        int64_t len = count - c0 < LIQ_TOPK_CHUNK_BAND ? count - c0 : LIQ_TOPK_CHUNK_BAND;
+        int nblocks = (int)(len / LIQ_TOPK_BLOCK);
+        for (int b = 0; b < nblocks; b++) {
+            uint32_t n_hi = 0, n_in = 0, n_bad = 0;
+            for (int j = 0; j < LIQ_TOPK_BLOCK; j++) {
+                uint32_t a = p[b * LIQ_TOPK_BLOCK + j] & LIQ_ABS_MASK;
+                n_bad += a >= LIQ_INF_BITS;
+                n_hi += a >= h;
+                n_in += a - l < width;
+            }
+            bad += n_bad;
+            n_above += n_hi;
+            flag[b] = n_in != 0;
+        }
+        for (int b = 0; b < nblocks; b++) {
+            if (!flag[b]) continue;
+            if (m + LIQ_TOPK_BLOCK > cap) return -1;
+            for (int j = 0; j < LIQ_TOPK_BLOCK; j++) {
+                uint32_t a = p[b * LIQ_TOPK_BLOCK + j] & LIQ_ABS_MASK;
+                cand[m] = a;
+                m += a - l < width;
+            }
+        }
+        for (int64_t j = (int64_t)nblocks * LIQ_TOPK_BLOCK; j < len; j++) { /* the ragged tail */
+            uint32_t a = p[j] & LIQ_ABS_MASK;
+            bad += a >= LIQ_INF_BITS;
+            n_above += a >= h;
+            if (a - l < width) {
+                if (m == cap) return -1;
+                cand[m++] = a;
+            }
+        }
+    }
+    *above = n_above;
+    return bad ? -2 : m;
 }
 
 /*
