@@ -239,6 +239,30 @@ def test_topk_ties_go_to_the_lowest_indices(path, threads):
     assert torch.equal(d[kept], x[kept])
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("guess", ["natural", "band_too_high", "band_too_low", "too_few_slots", "none"])
+def test_fused_topk_falls_back_when_the_sampled_band_misses(monkeypatch, guess):
+    n = 600_001  # long enough for the sampled band
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g)
+    x[: n // 2] *= 1e-3  # two scales: the sample's runs see both
+    x[n // 3 : n // 3 + 5000] = 0.5  # a run of ties
+    fake = {"band_too_high": (0x7F000000, 0x7F7FFFFF, 10), "band_too_low": (0, 1, 10),
+            "too_few_slots": None, "none": None}
+    if guess in ("band_too_high", "band_too_low", "none"):
+        monkeypatch.setattr(C, "_sampled_band", lambda x, k, _v=fake[guess]: _v)
+    elif guess == "too_few_slots":
+        real = C._sampled_band
+        monkeypatch.setattr(C, "_sampled_band", lambda x, k: (*real(x, k)[:2], 1))
+    for fraction in ["0.001", "0.01", "0.3"]:
+        codec = make_codec(f"topk:{fraction}")
+        k = codec._count(n)
+        idx, vals = C._native_topk(native.library(), x, k)
+        ref = reference_topk(x, k)
+        assert torch.equal(idx, ref), fraction
+        assert torch.equal(vals, x[ref])
+
+
 def test_topk_keeps_exactly_k_largest():
     codec = make_codec("topk:0.01")
     x = torch.randn(100_003, generator=torch.Generator().manual_seed(1))
