@@ -797,15 +797,9 @@ class _BlockCodec(Codec):
             )
 
 
-_FP8_TABLE: Tensor | None = None
-
-
-def _fp8_table() -> Tensor:
-    """The 256 float8_e4m3fn codes as fp32 (exact), for the fused decode."""
-    global _FP8_TABLE
-    if _FP8_TABLE is None:
-        _FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    return _FP8_TABLE
+# The 256 float8_e4m3fn codes as fp32 (exact), for the fused decode. Built at import: the kernel
+# threads read it concurrently, and a lazily built table could be replaced (and freed) under them.
+_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 class Float8Codec(_BlockCodec):
@@ -826,7 +820,7 @@ class Float8Codec(_BlockCodec):
     def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
         bsz = self.block_size
         return lib.liq_fp8_decode(native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz,
-                                  native.ptr(_fp8_table()), native.ptr(out, s))
+                                  native.ptr(_FP8_TABLE), native.ptr(out, s))
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         t = self._scaled(x, scale, work)

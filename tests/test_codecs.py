@@ -687,6 +687,25 @@ def test_without_a_working_compiler_the_torch_path_runs(tmp_path, env, message):
     assert not list(tmp_path.glob("*.so"))
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_first_decode_in_a_fresh_process_is_right_on_several_threads():
+    # regression: the fp8 lookup table was built lazily inside the per-thread kernel calls, so on
+    # the first decode of a process two threads could each build one and the loser's was freed
+    # while its kernel still read it (garbage values in part of the output)
+    code = ("import torch; from lightning_islands import native; from lightning_islands.codecs import make_codec;"
+            "torch.set_num_threads(4); x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(0));"
+            "specs = ['fp8', 'int4', 'int2', 'int8', 'bf16', 'topk:0.01+fp8'];"
+            "payloads = [make_codec(s).encode(x) for s in specs];"
+            "fused = [make_codec(s).decode(p) for s, p in zip(specs, payloads)];"
+            "ctx = native.disabled(); ctx.__enter__();"
+            "ref = [make_codec(s).decode(p) for s, p in zip(specs, payloads)];"
+            "bad = [s for s, a, b in zip(specs, fused, ref) if not torch.equal(a, b)];"
+            "print('bad', bad)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "bad []" in proc.stdout, proc.stdout
+
+
 def test_native_ranges_cover_the_vector_on_aligned_starts():
     for count, unit, workers in [(0, 128, 2), (5, 128, 2), (10_000, 2048, 3), (2048 * 7, 2048, 2), (999, 4, 8)]:
         ranges = native.parallel_ranges(count, unit, workers)
