@@ -124,6 +124,19 @@ def test_fsdp2_two_processes_loss_falls_and_checkpoint_resumes(tmp_path, cache_e
     resumed = _losses(_run_dir(out2) / "logs" / "island0" / "metrics.csv")
     assert len(resumed) == 10, "the resumed run trains only the 10 remaining steps"
 
+    # the same plain FSDP checkpoint seeds a two-island run (2 ranks and 1 rank: resharded on load)
+    fsdp_val = json.loads((run / "summary.json").read_text())["val_loss"]
+    out3 = _train(["trainer.max_steps=36", "trainer.val_check_interval=6", "trainer.checkpoint_every_n_steps=6",
+                   "data.max_bytes=400000", "data.val_windows=16", "data.val_batch_size=8", "islands.sync_every=3",
+                   f"resume={ckpt}"], tmp_path, cache_env)
+    seeded = json.loads((_run_dir(out3) / "summary.json").read_text())
+    assert seeded["strategy"] == "islands" and seeded["rounds"] == 2
+    for island in (0, 1):
+        result = json.loads((_run_dir(out3) / f"island{island}" / "result.json").read_text())
+        assert result["global_step"] == 36
+    # 6 steps from random weights land far above (~4.5); from the checkpoint they continue its curve
+    assert seeded["val_loss_per_island"][0] < fsdp_val + 0.15, (seeded["val_loss_per_island"], fsdp_val)
+
 
 @pytest.mark.slow
 def test_multirun_sweep_of_two_jobs(tmp_path, cache_env):
