@@ -190,6 +190,8 @@ class IslandStrategy(FSDP2Strategy):
 
         self.link: IslandLink | None = None
         self.layout: CanonicalLayout | None = None
+        # whether island 0's initial state had to be broadcast (None until the islands have met)
+        self.initial_state_broadcast: bool | None = None
         self.error_feedback = ErrorFeedback() if self.use_error_feedback else None
         self._params: list[Tensor] = []
         self._anchors: list[Tensor] = []
@@ -314,14 +316,33 @@ class IslandStrategy(FSDP2Strategy):
 
     @torch.no_grad()
     def _adopt_island0_state(self) -> None:
-        """Every island takes island 0's parameters and buffers; anchors are taken from them (fp32)."""
+        """Every island takes island 0's parameters and buffers; anchors are taken from them (fp32).
+
+        Islands first compare a SHA-256 of their full fp32 parameters and buffers: islands built
+        from the same seed (or resumed from the same checkpoint) already agree bit for bit, and
+        then nothing is broadcast (for a large model that saves a full fp32 copy across the slow
+        link at every start). Otherwise island 0's state is broadcast.
+        """
         assert self.layout is not None
         if self.num_islands > 1:
             reshard_all(self.lightning_module)  # type: ignore[arg-type]
-            flat = None
-            if self.island_index == 0:
-                mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
+            mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
+            buffers = self._buffers_blob()
+            h = hashlib.sha256(mine.cpu().numpy().tobytes())
+            for name, buf in self.lightning_module.named_buffers():  # type: ignore[union-attr]
+                h.update(f"{name}:{buf.dtype}:{tuple(buf.shape)}".encode())
+                h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            digest = h.hexdigest()
+            found = self._agree(lambda: self.link.gather_objects("initial_state", digest))  # type: ignore[union-attr]
+            self.initial_state_broadcast = len(set(found)) != 1
+            if not self.initial_state_broadcast:
+                self._anchors = [self._outer_tensor(self.layout.shard_of(mine, i, p))
+                                 for i, p in enumerate(self._params)]
+            elif self.island_index == 0:
                 self._agree(lambda: self.link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
+                if buffers:  # every island has the same module, so the same buffers (or none)
+                    self._agree(lambda: self.link.broadcast_bytes(  # type: ignore[union-attr]
+                        torch.frombuffer(bytearray(buffers), dtype=torch.uint8), src=0))
             else:
                 flat = self._agree(lambda: self.link.broadcast_bytes(None, src=0).view(torch.float32))  # type: ignore
                 flat = self._island_broadcast_tensor(flat, self.layout.numel)
@@ -330,25 +351,28 @@ class IslandStrategy(FSDP2Strategy):
                     local_view(p).copy_(shard)
                 # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
                 self._anchors = [self._outer_tensor(shard) for shard in shards]
-            self._adopt_island0_buffers()
+                if buffers:
+                    data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
+                    self._load_buffers_blob(data)
         if not self._anchors:
             self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
 
-    def _adopt_island0_buffers(self) -> None:
+    def _buffers_blob(self) -> bytes:
+        """The module's buffers serialized (empty if it has none); the same bytes for equal buffers."""
         module = self.lightning_module
         assert module is not None
         buffers = dict(module.named_buffers())
         if not buffers:
-            return
-        if self.island_index == 0:
-            blob = io.BytesIO()
-            torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
-            payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
-            self._agree(lambda: self.link.broadcast_bytes(payload, src=0))  # type: ignore[union-attr]
-            return
-        data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
+            return b""
+        blob = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+        return blob.getvalue()
+
+    def _load_buffers_blob(self, data: bytes) -> None:
+        module = self.lightning_module
+        assert module is not None
         received = torch.load(io.BytesIO(data), weights_only=True)
-        for name, buf in buffers.items():
+        for name, buf in module.named_buffers():
             if name in received:
                 buf.copy_(received[name].to(buf.device))
 

@@ -81,6 +81,10 @@ def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
             torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
     m = per_island[0][3]["metrics"]
     assert m["islands/bytes_sent"] == pytest.approx(m["islands/payload_bytes"])  # two islands: one peer
+    # different seeds: island 0's initial parameters (and buffers) crossed the link before round 1
+    assert per_island[1][1]["initial_state_broadcast"] is True
+    first = per_island[0][1]["metrics"]
+    assert first["islands/bytes_sent"] > first["islands/payload_bytes"]
     assert m["islands/bytes_received"] > 0 and -1.0 <= m["islands/cosine"] <= 1.0
     assert m["islands/pseudo_grad_norm"] > 0
     # every process destroyed its process groups before the interpreter finalized (see fsdp.destroy_world_at_exit)
@@ -90,8 +94,14 @@ def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
 
 def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):
     launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 5, "--H", 1, "--outer-lr", 1.0,
-                    "--momentum", 0.0, "--nesterov", 0, "--batch-sizes", "4,12"], tmp_path / "logs")
+                    "--momentum", 0.0, "--nesterov", 0, "--batch-sizes", "4,12", "--same-seed", 1],
+           tmp_path / "logs")
     per_island = assert_islands_equal(tmp_path, 5)
+    # the same seed gives the same initial state: the digests agree and nothing else is sent
+    for island in (0, 1):
+        assert per_island[island][1]["initial_state_broadcast"] is False
+        first = per_island[island][1]["metrics"]
+        assert first["islands/bytes_sent"] == pytest.approx(first["islands/payload_bytes"])
     # synchronous data parallel with parameter averaging after every step, weighted by batch size
     torch.manual_seed(0)
     model = Regression(hidden=8)

@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--eval-ckpt", default=None, help="validate this islands checkpoint instead of training")
     p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--same-seed", type=int, default=0, help="every island builds its model from seed 0")
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
@@ -131,7 +132,8 @@ def main() -> None:
     # Registered before the strategy's own exit hook, so it runs after it (atexit is LIFO): by then
     # the world must be destroyed, or a gloo worker thread can abort the process during finalization.
     atexit.register(lambda: (out / f"exit_island{island}_rank{rank}").write_text(str(dist.is_initialized())))
-    torch.manual_seed(island)  # islands start from different seeds: island 0's parameters must win
+    # islands start from different seeds: island 0's parameters must win (unless --same-seed)
+    torch.manual_seed(0 if args.same_seed else island)
     hidden = [int(h) for h in args.hidden.split(",")]
     model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner,
                        two_optimizers=bool(args.two_optimizers))
@@ -151,7 +153,8 @@ def main() -> None:
         digest = s.global_state_digest()
         if s.global_rank == 0:
             torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
-                        "inner_steps": s.inner_steps}, out / f"island{s.island_index}_round{s.round}.pt")
+                        "inner_steps": s.inner_steps, "initial_state_broadcast": s.initial_state_broadcast},
+                       out / f"island{s.island_index}_round{s.round}.pt")
 
     strategy.round_callbacks.append(save_round)
     callbacks = []
