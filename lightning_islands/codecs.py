@@ -960,6 +960,12 @@ def _ef_decode(data: Tensor, n: int, k: int) -> Tensor:
     return idx
 
 
+def _magnitude_bits(x: Tensor) -> Tensor:
+    """|x| as int32 bit patterns: for finite x they order exactly as the magnitudes, and unlike a
+    float comparison they do not depend on a flush-to-zero mode (subnormals stay above zero)."""
+    return x.view(torch.int32) & 0x7FFFFFFF
+
+
 def _kth_largest(a: Tensor, k: int) -> Tensor:
     """The k-th largest entry of ``a`` (1 <= k <= n), as a 0-d tensor.
 
@@ -981,7 +987,8 @@ def _kth_largest(a: Tensor, k: int) -> Tensor:
 
 
 def _topk_indices(a: Tensor, k: int) -> Tensor:
-    """Indices of the k largest entries of ``a`` (>= 0, no NaN) in increasing order; torch path.
+    """Indices of the k largest entries of ``a`` in increasing order; torch path. ``a`` holds
+    magnitudes as :func:`_magnitude_bits` (or any non-negative values without NaN).
 
     The selection rule, shared with the fused kernel and every device: all entries above the
     k-th largest value, then the lowest-index entries equal to it until there are k.
@@ -1080,8 +1087,8 @@ def _band_select(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo:
     picked = native.run_each(each, lambda r: lib.liq_topk_select(
         native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], threshold, ties[r],
         native.ptr(idx, offsets[r]), native.ptr(vals, offsets[r])))
-    if sum(picked) != k:  # pragma: no cover - would be a kernel bug
-        raise RuntimeError(f"fused top-k selected {sum(picked)} entries, expected {k}")
+    if picked != [g + t for g, t in zip(greater, ties)]:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k selected {picked} entries per range, expected {greater} + {ties}")
     return idx, vals
 
 
@@ -1131,7 +1138,7 @@ class TopKCodec(Codec):
             values = x
         else:
             _raise_if_nonfinite_sum(x)
-            idx = _topk_indices(x.abs(), k)
+            idx = _topk_indices(_magnitude_bits(x), k)
             values = x.index_select(0, idx)
         inner_bytes = self.inner._values_nbytes(k)
         if k:

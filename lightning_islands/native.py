@@ -63,7 +63,7 @@ _RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 c
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_off = 0
+_off = threading.local()  # .depth: nesting of disabled() in this thread
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 
@@ -102,43 +102,48 @@ def _compile(compiler: str) -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, compiling it on first use; None if unavailable (see module doc)."""
     global _lib, _tried
-    if _off:
+    if getattr(_off, "depth", 0):
         return None
-    if _tried:
+    if _tried:  # set only once _lib holds the outcome, so a caller racing the first compile waits below
         return _lib
     with _lock:
         if _tried:
             return _lib
+        _lib = _load()
         _tried = True
-        if os.environ.get("LI_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-            return None
-        compiler = os.environ.get("CC") or "cc"
-        if shutil.which(compiler) is None:
-            warnings.warn(f"lightning_islands: no C compiler ({compiler!r}) found; codecs use the slower torch "
-                          "path (install gcc, or set CC, to get the fused CPU kernels)", stacklevel=3)
-            return None
-        try:
-            lib = ctypes.CDLL(str(_compile(compiler)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            print(f"lightning_islands: fused codec kernels unavailable, using the torch path: {e}", file=sys.stderr)
-            return None
-        for name, args in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = args
-            fn.restype = _I64 if name in _RETURNS_COUNT else ctypes.c_int
-        _lib = lib
-        return lib
+        return _lib
+
+
+def _load() -> ctypes.CDLL | None:
+    """Compile (or find in the cache) and load the kernel library; None if it cannot be had."""
+    if os.environ.get("LI_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        warnings.warn(f"lightning_islands: no C compiler ({compiler!r}) found; codecs use the slower torch "
+                      "path (install gcc, or set CC, to get the fused CPU kernels)", stacklevel=4)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_compile(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"lightning_islands: fused codec kernels unavailable, using the torch path: {e}", file=sys.stderr)
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = _I64 if name in _RETURNS_COUNT else ctypes.c_int
+    return lib
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, :func:`library` returns None: the codecs run their torch reference path."""
-    global _off
-    _off += 1
+    """Within the block, :func:`library` returns None in this thread: the codecs that this thread
+    runs use their torch reference path (other threads keep the kernels)."""
+    _off.depth = getattr(_off, "depth", 0) + 1
     try:
         yield
     finally:
-        _off -= 1
+        _off.depth -= 1
 
 
 def available() -> bool:

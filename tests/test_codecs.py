@@ -282,7 +282,7 @@ def test_topk_sampled_threshold_selects_an_exact_topk_set(kind, fraction):
     x = make_vector(n, 17, 0.0, kind)
     codec = make_codec(f"topk:{fraction}")
     k = codec._count(n)
-    idx = C._topk_indices(x.abs(), k)
+    idx = C._topk_indices(C._magnitude_bits(x), k)
     assert idx.numel() == k and torch.unique(idx).numel() == k
     mask = torch.zeros(n, dtype=torch.bool)
     mask[idx] = True
@@ -704,6 +704,40 @@ def test_first_decode_in_a_fresh_process_is_right_on_several_threads():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "bad []" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_concurrent_first_use_waits_for_the_compile_and_disabled_is_per_thread(tmp_path):
+    code = ("import threading; from lightning_islands import native;"
+            "got = []; ts = [threading.Thread(target=lambda: got.append(native.library() is not None)) "
+            "for _ in range(4)]; [t.start() for t in ts]; [t.join() for t in ts];"
+            "print('libs', got);"
+            "seen = [];"
+            "ctx = native.disabled(); ctx.__enter__();"
+            "t = threading.Thread(target=lambda: seen.append(native.library() is not None)); t.start(); t.join();"
+            "print('other thread while disabled here', seen, 'this thread', native.library() is not None)")
+    env = {**os.environ, "LI_NATIVE_CACHE": str(tmp_path)}  # empty cache: the first use compiles
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "libs [True, True, True, True]" in proc.stdout, proc.stdout
+    assert "other thread while disabled here [True] this thread False" in proc.stdout, proc.stdout
+
+
+def test_topk_selection_ignores_the_flush_to_zero_mode(path):
+    # subnormal magnitudes rank above zeros on every path, whatever the CPU's denormal mode
+    x = torch.zeros(1000)
+    x[500:] = torch.arange(1, 501).float() * 1e-45
+    x[0] = 1.0
+    codec = make_codec("topk:0.01")
+    expected = make_codec("topk:0.01").encode(x)
+    assert torch.set_flush_denormal(True)
+    try:
+        got = codec.encode(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, expected)
+    idx = C._ef_decode(got[C.HEADER_BYTES + 4 * 10 :], 1000, 10)
+    assert idx.tolist() == [0, *range(991, 1000)]
 
 
 def test_native_ranges_cover_the_vector_on_aligned_starts():

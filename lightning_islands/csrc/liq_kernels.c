@@ -464,7 +464,7 @@ LIQ_HOT int64_t liq_topk_band(const float *restrict x, int64_t count, int64_t lo
                 n_hi += a >= h;
                 n_in += a - l < width;
             }
-            bad += n_bad;
+            bad |= n_bad;
             n_above += n_hi;
             flag[b] = n_in != 0;
         }
@@ -479,7 +479,7 @@ LIQ_HOT int64_t liq_topk_band(const float *restrict x, int64_t count, int64_t lo
         }
         for (int64_t j = (int64_t)nblocks * LIQ_TOPK_BLOCK; j < len; j++) { /* the ragged tail */
             uint32_t a = p[j] & LIQ_ABS_MASK;
-            bad += a >= LIQ_INF_BITS;
+            bad |= a >= LIQ_INF_BITS;
             n_above += a >= h;
             if (a - l < width) {
                 if (m == cap) return -1;
