@@ -149,8 +149,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     island, num_islands = island_identity()
     run_dir = Path(cfg.run_dir)
     member = island_member(cfg, island)
-    pl.seed_everything(int(cfg.seed) + island, workers=True, verbose=False)
+    # Every island builds the same initial model (so no island has to broadcast its weights at the
+    # start), then continues with its own random stream.
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = instantiate(cfg.model)
+    if island:
+        pl.seed_everything(int(cfg.seed) + island, workers=True, verbose=False)
     data_kwargs: dict[str, Any] = {}
     if "batch_size" in member:
         data_kwargs["batch_size"] = member["batch_size"]
