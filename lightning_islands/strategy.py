@@ -192,6 +192,7 @@ class IslandStrategy(FSDP2Strategy):
         self.layout: CanonicalLayout | None = None
         # whether island 0's initial state had to be broadcast (None until the islands have met)
         self.initial_state_broadcast: bool | None = None
+        self._state_exchanges = 0
         self.error_feedback = ErrorFeedback() if self.use_error_feedback else None
         self._params: list[Tensor] = []
         self._anchors: list[Tensor] = []
@@ -319,27 +320,25 @@ class IslandStrategy(FSDP2Strategy):
         """Every island takes island 0's parameters and buffers; anchors are taken from them (fp32).
 
         Islands first compare a SHA-256 of their full fp32 parameters and buffers: islands built
-        from the same seed (or resumed from the same checkpoint) already agree bit for bit, and
-        then nothing is broadcast (for a large model that saves a full fp32 copy across the slow
-        link at every start). Otherwise island 0's state is broadcast.
+        from the same seed, or all loaded from the same plain checkpoint, already agree bit for
+        bit, and then nothing is broadcast (a full fp32 copy less across the slow link). Otherwise
+        island 0's state is broadcast. Runs at setup and again after a plain checkpoint is loaded.
         """
         assert self.layout is not None
         if self.num_islands > 1:
             reshard_all(self.lightning_module)  # type: ignore[arg-type]
             mine = self.layout.gather([local_view(p).detach() for p in self._params], self._params)
-            buffers = self._buffers_blob()
-            h = hashlib.sha256(mine.cpu().numpy().tobytes())
-            for name, buf in self.lightning_module.named_buffers():  # type: ignore[union-attr]
-                h.update(f"{name}:{buf.dtype}:{tuple(buf.shape)}".encode())
-                h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            digest = h.hexdigest()
-            found = self._agree(lambda: self.link.gather_objects("initial_state", digest))  # type: ignore[union-attr]
+            # Called at setup and again after loading a plain checkpoint: each exchange its own key.
+            self._state_exchanges += 1
+            key = f"initial_state/{self._state_exchanges}"
+            found = self._agree(lambda: self.link.gather_objects(key, self._state_digest(mine)))  # type: ignore
             self.initial_state_broadcast = len(set(found)) != 1
             if not self.initial_state_broadcast:
                 self._anchors = [self._outer_tensor(self.layout.shard_of(mine, i, p))
                                  for i, p in enumerate(self._params)]
             elif self.island_index == 0:
                 self._agree(lambda: self.link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
+                buffers = self._buffers_blob()
                 if buffers:  # every island has the same module, so the same buffers (or none)
                     self._agree(lambda: self.link.broadcast_bytes(  # type: ignore[union-attr]
                         torch.frombuffer(bytearray(buffers), dtype=torch.uint8), src=0))
@@ -351,11 +350,19 @@ class IslandStrategy(FSDP2Strategy):
                     local_view(p).copy_(shard)
                 # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
                 self._anchors = [self._outer_tensor(shard) for shard in shards]
-                if buffers:
+                if any(True for _ in self.lightning_module.named_buffers()):  # type: ignore[union-attr]
                     data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
                     self._load_buffers_blob(data)
         if not self._anchors:
             self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
+
+    def _state_digest(self, flat: Tensor) -> str:
+        """SHA-256 of the full fp32 parameters and of every buffer (name, dtype, shape, bytes)."""
+        h = hashlib.sha256(flat.cpu().numpy())
+        for name, buf in self.lightning_module.named_buffers():  # type: ignore[union-attr]
+            h.update(f"{name}:{buf.dtype}:{tuple(buf.shape)}".encode())
+            h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        return h.hexdigest()
 
     def _buffers_blob(self) -> bytes:
         """The module's buffers serialized (empty if it has none); the same bytes for equal buffers."""

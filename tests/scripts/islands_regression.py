@@ -48,6 +48,7 @@ class Regression(pl.LightningModule):
     def __init__(self, hidden: int = 8, inner: str = "sgd", lr: float = 0.05, two_optimizers: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(DIM, hidden), nn.Linear(hidden, 2)])
+        self.register_buffer("calibration", torch.randn(3))  # unused: islands must agree on it anyway
         self.inner, self.lr = inner, lr
         self.two_optimizers = two_optimizers
         self.automatic_optimization = not two_optimizers
@@ -153,7 +154,8 @@ def main() -> None:
         digest = s.global_state_digest()
         if s.global_rank == 0:
             torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
-                        "inner_steps": s.inner_steps, "initial_state_broadcast": s.initial_state_broadcast},
+                        "inner_steps": s.inner_steps, "initial_state_broadcast": s.initial_state_broadcast,
+                        "buffers": {n: b.detach().cpu().clone() for n, b in s.lightning_module.named_buffers()}},
                        out / f"island{s.island_index}_round{s.round}.pt")
 
     strategy.round_callbacks.append(save_round)
