@@ -636,20 +636,14 @@ def _both_paths(codec: C.Codec, x: torch.Tensor) -> None:
     assert torch.equal(cross_d.view(torch.int32), fused_d.view(torch.int32))
 
 
+TOPK_SPECS = ["topk:0.01", "topk:0.05+int4", "topk:0.3+int2/16", "topk:0.5+bf16", "topk:0.9+fp8"]
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
-@pytest.mark.parametrize("spec", DENSE_SPECS)
+@pytest.mark.parametrize("spec", DENSE_SPECS + TOPK_SPECS)
 @SETTINGS
 @given(x=vectors(max_len=9000))
 def test_fused_kernels_match_torch_reference_bitwise(spec, x):
-    assert native.available()
-    _both_paths(make_codec(spec), x)
-
-
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
-@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.05+int4", "topk:0.3+int2/16", "topk:0.5+bf16", "topk:0.9+fp8"])
-@SETTINGS
-@given(x=vectors(max_len=9000))
-def test_fused_topk_matches_torch_reference_bitwise(spec, x):
     assert native.available()
     _both_paths(make_codec(spec), x)
 
