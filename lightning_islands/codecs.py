@@ -76,6 +76,7 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
@@ -737,24 +738,21 @@ class _BlockCodec(Codec):
 
     def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
         """Encode with the fused CPU kernel if there is one; False to use the torch path."""
-        lib = _kernels(v)
-        if lib is None:
-            return False
-        failed = native.run_parallel(v.numel(), self._native_unit(),
-                                     lambda s, e: self._encode_range(lib, v, scales, values, s, e))
-        if any(failed):
-            raise MemoryError(f"fused {self.name} encode could not allocate its scratch buffer")
-        return True
+        return self._run_native(v, "encode", lambda lib, s, e: self._encode_range(lib, v, scales, values, s, e))
 
     def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
         """Decode with the fused CPU kernel if there is one; False to use the torch path."""
-        lib = _kernels(out)
+        return self._run_native(out, "decode", lambda lib, s, e: self._decode_range(lib, values, scales, out, s, e))
+
+    def _run_native(self, vector: Tensor, what: str, call: Callable[[Any, int, int], int]) -> bool:
+        """Run ``call(lib, start, stop)`` over unit-aligned ranges of the fp32 ``vector`` on the
+        kernel threads; False (nothing run) if there are no fused kernels for it."""
+        lib = _kernels(vector)
         if lib is None:
             return False
-        failed = native.run_parallel(out.numel(), self._native_unit(),
-                                     lambda s, e: self._decode_range(lib, values, scales, out, s, e))
+        failed = native.run_parallel(vector.numel(), self._native_unit(), lambda s, e: call(lib, s, e))
         if any(failed):
-            raise MemoryError(f"fused {self.name} decode could not allocate its scratch buffer")
+            raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
         return True
 
     # one kernel call on the unit-aligned value range [s, e); returns the kernel's status (0 = ok)
@@ -1040,7 +1038,7 @@ def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
     runs = _TOPK_SAMPLE // _TOPK_SAMPLE_RUN
     starts = torch.arange(runs, dtype=torch.int64) * (n // runs)
     where = (starts.unsqueeze(1) + torch.arange(_TOPK_SAMPLE_RUN, dtype=torch.int64)).view(-1)
-    sample = x.index_select(0, where).abs().view(torch.int32)
+    sample = _magnitude_bits(x.index_select(0, where))
     m = sample.numel()
     mean = m * k / n  # expected sample entries at or above the threshold
     margin = 4.0 * math.sqrt(mean) + 8

@@ -35,8 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel", "run_ranges",
-           "split",
-           "thread_pool"]
+           "split", "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
