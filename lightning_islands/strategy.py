@@ -338,10 +338,7 @@ class IslandStrategy(FSDP2Strategy):
                                  for i, p in enumerate(self._params)]
             elif self.island_index == 0:
                 self._agree(lambda: self.link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
-                buffers = self._buffers_blob()
-                if buffers:  # every island has the same module, so the same buffers (or none)
-                    self._agree(lambda: self.link.broadcast_bytes(  # type: ignore[union-attr]
-                        torch.frombuffer(bytearray(buffers), dtype=torch.uint8), src=0))
+                self._adopt_island0_buffers()
             else:
                 flat = self._agree(lambda: self.link.broadcast_bytes(None, src=0).view(torch.float32))  # type: ignore
                 flat = self._island_broadcast_tensor(flat, self.layout.numel)
@@ -350,9 +347,7 @@ class IslandStrategy(FSDP2Strategy):
                     local_view(p).copy_(shard)
                 # Anchors from the fp32 bytes received, not from parameters that may hold fewer bits.
                 self._anchors = [self._outer_tensor(shard) for shard in shards]
-                if any(True for _ in self.lightning_module.named_buffers()):  # type: ignore[union-attr]
-                    data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
-                    self._load_buffers_blob(data)
+                self._adopt_island0_buffers()
         if not self._anchors:
             self._anchors = [self._outer_tensor(local_view(p)) for p in self._params]
 
@@ -364,22 +359,22 @@ class IslandStrategy(FSDP2Strategy):
             h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         return h.hexdigest()
 
-    def _buffers_blob(self) -> bytes:
-        """The module's buffers serialized (empty if it has none); the same bytes for equal buffers."""
+    def _adopt_island0_buffers(self) -> None:
+        """Island 0 sends its buffers, the others load them (every island has the same module)."""
         module = self.lightning_module
         assert module is not None
         buffers = dict(module.named_buffers())
         if not buffers:
-            return b""
-        blob = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
-        return blob.getvalue()
-
-    def _load_buffers_blob(self, data: bytes) -> None:
-        module = self.lightning_module
-        assert module is not None
+            return
+        if self.island_index == 0:
+            blob = io.BytesIO()
+            torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+            payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+            self._agree(lambda: self.link.broadcast_bytes(payload, src=0))  # type: ignore[union-attr]
+            return
+        data = self._agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
         received = torch.load(io.BytesIO(data), weights_only=True)
-        for name, buf in module.named_buffers():
+        for name, buf in buffers.items():
             if name in received:
                 buf.copy_(received[name].to(buf.device))
 
