@@ -93,6 +93,9 @@ class IslandStrategy(FSDP2Strategy):
 
     Args:
         sync_every: inner steps per round (H).
+        sync_warmup: H of the first rounds, one entry per round, before ``sync_every`` applies
+            (e.g. ``[10, 20, 40]``: sync often while the islands' models still diverge quickly, then
+            rarely). An island with a fixed ``steps_per_round`` scales it by ``H_round / sync_every``.
         outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
         codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
             ``int2``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
@@ -122,6 +125,7 @@ class IslandStrategy(FSDP2Strategy):
     def __init__(
         self,
         sync_every: int = 50,
+        sync_warmup: Sequence[int] | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
@@ -152,6 +156,9 @@ class IslandStrategy(FSDP2Strategy):
         )
         if sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
+        self.sync_warmup = [int(h) for h in sync_warmup or []]
+        if any(h < 1 for h in self.sync_warmup):
+            raise ValueError(f"every entry of sync_warmup must be >= 1, got {self.sync_warmup}")
         if weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {weighting!r}")
         if balance not in ("none", "time"):
@@ -159,7 +166,8 @@ class IslandStrategy(FSDP2Strategy):
         if max_rounds is not None and max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
         self.sync_every = sync_every
-        self.steps_per_round = steps_per_round or sync_every
+        self._fixed_steps = steps_per_round
+        self.steps_per_round = self._planned_steps(0)
         # outer_lr=1, outer_momentum=0 is plain averaging; Nesterov needs momentum, so it is off then.
         self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum,
                                         nesterov=nesterov and outer_momentum > 0)
@@ -182,7 +190,6 @@ class IslandStrategy(FSDP2Strategy):
         self.expert_weighting = expert_weighting
         self.balance = balance
         self.max_rounds = max_rounds
-        self.max_steps_per_round = 8 * sync_every
         self.timeout = timedelta(seconds=timeout_s)
         self._round_started = time.perf_counter()
         self._round_val_seconds = 0.0
@@ -229,6 +236,7 @@ class IslandStrategy(FSDP2Strategy):
             "first_tensors": self.layout.describe()[:3],
             "num_islands": self.num_islands,
             "sync_every": self.sync_every,
+            "sync_warmup": self.sync_warmup,
             "outer": self.outer_opt.settings(),
             "codec": self.codec.spec(),
             "weighting": self.weighting,
@@ -501,17 +509,32 @@ class IslandStrategy(FSDP2Strategy):
         module.reset_island_token_counts()  # type: ignore[operator]
         return {n: row.cpu().tolist() for n, row in zip(names, stacked)}
 
+    def round_sync_every(self, round_index: int) -> int:
+        """H of round ``round_index`` (counting from 0): ``sync_warmup`` first, then ``sync_every``."""
+        if round_index < len(self.sync_warmup):
+            return self.sync_warmup[round_index]
+        return self.sync_every
+
+    def _planned_steps(self, round_index: int) -> int:
+        """This island's inner steps in round ``round_index`` without time balancing."""
+        h = self.round_sync_every(round_index)
+        if self._fixed_steps is None:
+            return h
+        return max(1, round(self._fixed_steps * h / self.sync_every))
+
     def _next_round_steps(self, headers: Sequence[dict[str, Any]]) -> int:
         """The next round's inner steps for this island.
 
-        ``balance="none"``: unchanged. ``"time"``: the budget is H steps of the slowest island, and
-        each island runs the steps that fit it.
+        ``balance="none"``: the next round's H (or this island's fixed steps, scaled by it).
+        ``"time"``: the budget is H steps of the slowest island, and each island runs the steps that
+        fit it (at most 8 H).
         """
+        h = self.round_sync_every(self.round + 1)
         if self.balance != "time":
-            return self.steps_per_round
-        times = [max(float(h["step_seconds"]), 1e-9) for h in headers]
-        budget = self.sync_every * max(times)
-        return max(1, min(self.max_steps_per_round, round(budget / times[self.island_index])))
+            return self._planned_steps(self.round + 1)
+        times = [max(float(hdr["step_seconds"]), 1e-9) for hdr in headers]
+        budget = h * max(times)
+        return max(1, min(8 * h, round(budget / times[self.island_index])))
 
     def _exchange(self, delta: Tensor, header: dict[str, Any]) -> tuple[Tensor, dict[str, float], dict[str, Any]]:
         """Leader only: quantize once, exchange, merge in island order; plan the next round."""

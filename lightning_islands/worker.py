@@ -59,7 +59,8 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
     if name == "islands":
         isl = cfg.islands
         return IslandStrategy(
-            sync_every=isl.sync_every, outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
+            sync_every=isl.sync_every, sync_warmup=isl.get("sync_warmup"),
+            outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
             nesterov=isl.nesterov, codec=isl.codec, block_size=isl.block_size,
             error_feedback=isl.error_feedback, lanes=isl.lanes, weighting=isl.weighting,
             outer_device=isl.outer_device, timeout_s=isl.timeout_s,

@@ -18,20 +18,22 @@ from islands_regression import Regression, batch_for  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nesterov, inner_lr=0.05):
+def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nesterov, inner_lr=0.05, warmup=()):
     """Single-process DiLoCo written from the paper: inner SGD per island (ranks average gradients),
-    pseudo-gradients weighted by tokens, outer SGD with (Nesterov) momentum. Returns {round: params}."""
+    pseudo-gradients weighted by tokens, outer SGD with (Nesterov) momentum; round r runs
+    ``warmup[r]`` steps while the warm-up lasts, then H. Returns {round: params}."""
     torch.manual_seed(0)
     model = Regression(hidden=8)
     glob = {n: p.detach().clone().double() for n, p in model.named_parameters()}
     buf = None
     out = {}
-    for r in range(steps // H):
+    r, start = 0, 0
+    while start + (h := warmup[r] if r < len(warmup) else H) <= steps:
         deltas, weights = [], []
         for i, (world, bs) in enumerate(zip(islands, batch_sizes)):
             local = {n: t.clone().requires_grad_(True) for n, t in glob.items()}
-            for s in range(H):
-                step = r * H + s
+            for s in range(h):
+                step = start + s
                 grads = {n: torch.zeros_like(t) for n, t in local.items()}
                 for k in range(world):
                     x, y = batch_for(i, k, step, bs)
@@ -45,7 +47,7 @@ def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nestero
                     for n in local:
                         local[n] -= inner_lr * grads[n]
             deltas.append({n: glob[n] - local[n].detach() for n in glob})
-            weights.append(world * bs * H)
+            weights.append(world * bs * h)
         total = sum(weights)
         merged = {n: sum(w / total * d[n] for w, d in zip(weights, deltas)) for n in glob}
         if momentum:
@@ -56,6 +58,7 @@ def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nestero
             step_dir = merged
         glob = {n: glob[n] - outer_lr * step_dir[n] for n in glob}
         out[r + 1] = {n: t.float() for n, t in glob.items()}
+        r, start = r + 1, start + h
     return out
 
 
@@ -94,6 +97,20 @@ def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
     # every process destroyed its process groups before the interpreter finalized (see fsdp.destroy_world_at_exit)
     exits = {p.name: p.read_text() for p in tmp_path.glob("exit_island*_rank*")}
     assert exits == {"exit_island0_rank0": "False", "exit_island0_rank1": "False", "exit_island1_rank0": "False"}
+
+
+def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(tmp_path):
+    # rounds of 1, 2, then H=3 steps: rounds end at steps 1, 3, 6, 9
+    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 9, "--H", 3, "--sync-warmup", "1,2",
+                    "--batch-sizes", "4,8"], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 4)
+    assert [per_island[1][r]["inner_steps"] for r in (1, 2, 3, 4)] == [1, 3, 6, 9]
+    assert [per_island[0][r]["metrics"]["islands/steps_per_round"] for r in (1, 2, 3)] == [2, 3, 3]
+    ref = reference_diloco([2, 1], [4, 8], steps=9, H=3, outer_lr=0.7, momentum=0.9, nesterov=True, warmup=[1, 2])
+    assert sorted(ref) == [1, 2, 3, 4]
+    for r, params in ref.items():
+        for name, t in params.items():
+            torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
 
 
 def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):

@@ -98,6 +98,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--H", type=int, default=4)
+    p.add_argument("--sync-warmup", default="", help="H of the first rounds (comma list)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--nesterov", type=int, default=1)
@@ -142,7 +143,8 @@ def main() -> None:
     outer_lr = args.outer_lr
     if args.outer_lrs:
         outer_lr = [float(v) for v in args.outer_lrs.split(",")][island]
-    strategy = IslandStrategy(sync_every=args.H, outer_lr=outer_lr, outer_momentum=args.momentum,
+    warmup = [int(h) for h in args.sync_warmup.split(",") if h]
+    strategy = IslandStrategy(sync_every=args.H, sync_warmup=warmup, outer_lr=outer_lr, outer_momentum=args.momentum,
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               balance=args.balance, max_rounds=args.max_rounds or None,
