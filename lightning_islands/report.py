@@ -48,6 +48,7 @@ class RunRecord:
     strategy: str
     label: str  # compact human description of the settings
     sync_every: int | None = None
+    sync_warmup: list[int] | None = None  # H of the first rounds, if any
     codec: str | None = None
     error_feedback: bool | None = None
     outer_lr: float | None = None
@@ -109,7 +110,10 @@ def describe(record: RunRecord) -> str:
         codec += " no-EF"
     elif record.error_feedback is True:
         codec += " EF"
-    return (f"islands {record.members} H={record.sync_every} {codec} "
+    h = f"{record.sync_every}"
+    if record.sync_warmup:
+        h = f"{','.join(map(str, record.sync_warmup))}->{h}"
+    return (f"islands {record.members} H={h} {codec} "
             f"lr={record.outer_lr:g} m={record.outer_momentum:g}")
 
 
@@ -144,6 +148,8 @@ def load_run(summary_path: str | Path, root: str | Path | None = None, label: st
     )
     if strategy == "islands":
         rec.sync_every = OmegaConf.select(job, "islands.sync_every", default=None)
+        warmup = OmegaConf.select(job, "islands.sync_warmup", default=None)
+        rec.sync_warmup = [int(h) for h in warmup] if warmup else None
         rec.codec = OmegaConf.select(job, "islands.codec", default=None)
         rec.error_feedback = OmegaConf.select(job, "islands.error_feedback", default=None)
         rec.outer_lr = OmegaConf.select(job, "islands.outer_lr", default=None)

@@ -72,6 +72,16 @@ def test_recipe_choices_reach_the_job():
         assert sum(m.devices * m.batch_size for m in members) == 32  # same tokens per step in every job
 
 
+def test_sync_warmup_reaches_the_job_and_the_report_label(tmp_path):
+    cfg = _compose(["islands.sync_warmup=[10,20]"])
+    assert list(cfg.islands.sync_warmup) == [10, 20] and _compose([]).islands.sync_warmup is None
+    OmegaConf.save(cfg, tmp_path / "job.yaml")
+    (tmp_path / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
+    record = report.load_run(tmp_path / "summary.json")
+    assert record.sync_warmup == [10, 20]
+    assert f"H=10,20->{cfg.islands.sync_every} " in record.label
+
+
 def test_recipes_readme_lists_every_recipe():
     readme = (RECIPES / "README.md").read_text()
     for name in recipe_names():
