@@ -116,7 +116,10 @@ class IslandStrategy(FSDP2Strategy):
             each runs the inner steps that fit, so a fast island does not wait idle.
         max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
             where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
-        timeout_s: how long to wait for other islands at rendezvous and every round.
+        timeout_s: how long to wait for an island that shows no progress (no step or validation
+            batch finished), at rendezvous and every round; a slow island that keeps stepping is
+            waited for (up to the island process group's own timeout, Lightning's 30 minutes by
+            default, for the ranks other than the leader).
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
 
@@ -215,6 +218,7 @@ class IslandStrategy(FSDP2Strategy):
         self.last_round_metrics: dict[str, float] = {}
         self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
         self._last_status = 0.0
+        self._beats = 0
         self._stopping = False  # the islands agreed to stop: no further rounds start
         self._resuming = False
         self._timed_steps = 0  # steps closed since _round_started (step time excludes restarts)
@@ -600,6 +604,7 @@ class IslandStrategy(FSDP2Strategy):
         if now - self._last_status < 0.5:
             return
         self._last_status = now
+        self._beats += 1
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         loss = trainer.callback_metrics.get("train/loss")
         status = {"step": trainer.global_step, "round": self.round,
@@ -607,6 +612,12 @@ class IslandStrategy(FSDP2Strategy):
                   "bytes": self.totals["bytes_sent"] + self.totals["bytes_received"]}
         with suppress(Exception):
             self.link.store.set(f"status/{self.island_index}", json.dumps(status))
+            self.link.heartbeat(self._beats)  # islands waiting for this one keep waiting while it beats
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._publish_status()  # a long validation is progress too
+        return super().validation_step(*args, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,7 +91,9 @@ class IslandLink:
         num_islands: how many islands take part.
         run_id: namespace for this run's keys in the store (several runs may share a coordinator).
         lanes: parallel TCP streams per island pair; payloads are split across them.
-        timeout: how long a collective may wait for the slowest island before failing.
+        timeout: how long a waiting island tolerates silence from a missing one: an island that
+            keeps sending heartbeats (:meth:`heartbeat`, once per step) is slow, not lost, and is
+            waited for; one that is silent this long fails the wait.
     """
 
     def __init__(
@@ -146,6 +149,17 @@ class IslandLink:
         """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
         self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
 
+    def heartbeat(self, progress: object) -> None:
+        """Tell waiting islands that this one is alive; ``progress`` must change as it advances."""
+        self.publish(f"alive/{self.island}", progress)
+
+    def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
+        out: dict[int, bytes | None] = {}
+        for i in islands:
+            key = f"{self.run_id}/alive/{i}"
+            out[i] = self.store.get(key) if self.store.check([key]) else None
+        return out
+
     def _check_aborts(self) -> None:
         for i in range(self.num_islands):
             key = f"{self.run_id}/abort/{i}"
@@ -156,19 +170,31 @@ class IslandLink:
         """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order.
 
         Raises :class:`IslandAborted` as soon as another island reports a failure, and names the
-        missing islands when ``timeout`` passes.
+        missing islands when none of them has sent a heartbeat for ``timeout``: a missing island
+        that keeps stepping is slow, and is waited for.
         """
         self.publish(f"{key}/{self.island}", obj)
         keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        limit = self.timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        beats: dict[int, bytes | None] | None = None
+        next_beat_check = time.monotonic() + 1.0
         while not self.store.check(keys):
             self._check_aborts()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_beat_check or now > deadline:
+                next_beat_check = now + 1.0
                 missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-                raise IslandAborted(
-                    f"islands {missing} did not reach {key!r} within {self.timeout.total_seconds():.0f} s "
-                    "(slow, crashed or never started); raise timeout_s if rounds are legitimately this long"
-                )
+                latest = self._heartbeats(missing)
+                if beats is not None and any(latest[i] != beats.get(i) for i in missing):
+                    deadline = now + limit  # a missing island made progress: slow, not lost
+                beats = latest
+                if now > deadline:
+                    raise IslandAborted(
+                        f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
+                        "(crashed, hung or never started); raise timeout_s if an island can legitimately "
+                        "go this long without finishing a step"
+                    )
             time.sleep(0.01)
         return [json.loads(self.store.get(k)) for k in keys]
 

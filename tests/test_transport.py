@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -34,6 +35,34 @@ def test_waiting_island_learns_of_a_failed_island_and_of_missing_ones():
     b.abort("island 1: RuntimeError: out of memory")
     with pytest.raises(IslandAborted, match="island 1 failed: island 1: RuntimeError: out of memory"):
         a.gather_objects("round1", {"x": 1})
+
+
+def test_a_slow_island_that_keeps_beating_is_waited_for_past_the_timeout():
+    coord = Coordinator()
+    a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1.5))
+    b = IslandLink(coord.address, 1, 2, run_id="r", timeout=timedelta(seconds=1.5))
+    done = threading.Event()
+
+    def slow_island() -> None:  # 4 s of steps, a heartbeat every 0.25 s, then it arrives
+        for step in range(16):
+            b.heartbeat(step)
+            time.sleep(0.25)
+        b.gather_objects("round0", {"island": 1})
+        done.set()
+
+    t = threading.Thread(target=slow_island)
+    t.start()
+    started = time.monotonic()
+    assert a.gather_objects("round0", {"island": 0}) == [{"island": 0}, {"island": 1}]
+    assert time.monotonic() - started > 3.0, "the wait must have outlived the 1.5 s timeout"
+    t.join(timeout=30)
+    assert done.is_set()
+    # an island that stops beating is given up after the timeout, with the cause
+    b.heartbeat(99)
+    started = time.monotonic()
+    with pytest.raises(IslandAborted, match=r"islands \[1\] did not reach 'round1' and showed no progress for 1.5 s"):
+        a.gather_objects("round1", {"island": 0})
+    assert time.monotonic() - started < 10
 
 
 def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes():
