@@ -21,7 +21,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
-SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance"]
+SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule"]
 
 
 def recipe_names() -> list[str]:
@@ -70,6 +70,19 @@ def test_recipe_choices_reach_the_job():
     for choice in ("even", "island0_small", "island1_small", "island1_tiny"):
         members = _compose(["experiment=sweep_imbalance", f"imbalance={choice}"]).islands.members
         assert sum(m.devices * m.batch_size for m in members) == 32  # same tokens per step in every job
+
+
+def test_sync_schedules_spend_the_same_rounds_in_the_default_job():
+    def round_lengths(cfg) -> list[int]:
+        warmup, out = list(cfg.islands.sync_warmup or []), []
+        while sum(out) < cfg.trainer.max_steps:
+            out.append(warmup[len(out)] if len(out) < len(warmup) else cfg.islands.sync_every)
+        return out
+
+    schedules = {c: round_lengths(_compose(["experiment=sweep_sync_schedule", f"sync_schedule={c}"]))
+                 for c in ("uniform", "warmup", "reverse")}
+    assert schedules == {"uniform": [50] * 6, "warmup": [10, 20, 40, 80, 75, 75],
+                         "reverse": [75, 75, 80, 40, 20, 10]}
 
 
 def test_sync_warmup_reaches_the_job_and_the_report_label(tmp_path):
