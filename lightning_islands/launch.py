@@ -106,6 +106,20 @@ def _status_line(island: int, status: Mapping | None, rc: int | None) -> str:
             f"exchanged {status.get('bytes', 0) / 1e6:8.2f} MB")
 
 
+def cpu_threads_per_process(total_processes: int) -> int:
+    """Intra-op CPU threads for each of ``total_processes`` processes sharing this machine (>= 1).
+
+    Islands launched together on one machine must split its cores: with more threads than cores,
+    OpenMP threads spin at barriers while their partners wait to be scheduled, and a process can run
+    10x slower than it would with one thread.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, total_processes))
+
+
 def run_islands(
     islands: Sequence[int],
     command: Sequence[str],
@@ -120,7 +134,9 @@ def run_islands(
     """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
 
     Returns one :class:`IslandResult` per island. When one island fails, the others are terminated
-    (they would otherwise wait for it until their timeout).
+    (they would otherwise wait for it until their timeout). Unless the environment sets
+    ``OMP_NUM_THREADS``, every process gets an equal share of this machine's cores
+    (:func:`cpu_threads_per_process`).
     """
     out = out or sys.stdout
     live = out.isatty() if live is None else live
@@ -131,9 +147,11 @@ def run_islands(
         logs_path.mkdir(parents=True, exist_ok=True)
     procs, threads, tails, files = [], [], [], []
     lock = threading.Lock()
+    threads_each = cpu_threads_per_process(sum(islands))
     for i, nproc in enumerate(islands):
         child_env = dict(os.environ)
         child_env.update(env or {})
+        child_env.setdefault("OMP_NUM_THREADS", str(threads_each))
         child_env.update({ENV_ISLAND: str(i), ENV_NUM_ISLANDS: str(len(islands)),
                           ENV_COORDINATOR: coordinator.address, ENV_RUN_ID: run_id,
                           "PYTHONUNBUFFERED": "1"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -178,6 +179,23 @@ def test_mismatched_islands_fail_fast_with_a_clear_message(tmp_path, args, needl
     assert "islands disagree before the first step" in text
     assert f"island 1 has {needle}=" in text
     assert not list(tmp_path.glob("island*_round*.pt")), "no outer step may run after a mismatch"
+
+
+def test_islands_on_one_machine_share_its_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, torch\nprint('threads', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n")
+    buf = io.StringIO()
+    results = run_islands([2, 1], [sys.executable, str(probe)], log_dir=tmp_path, live=False, out=buf)
+    assert all(r.returncode == 0 for r in results), buf.getvalue()
+    expected = max(1, len(os.sched_getaffinity(0)) // 3)
+    lines = [line.split("threads ")[1] for line in buf.getvalue().splitlines() if "threads " in line]
+    assert lines == [f"{expected} {expected}"] * 3, buf.getvalue()
+    # an explicit setting wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    buf = io.StringIO()
+    run_islands([1], [sys.executable, str(probe)], log_dir=tmp_path / "explicit", live=False, out=buf)
+    assert "threads 1 1" in buf.getvalue()
 
 
 def test_run_command_names_the_failing_island(tmp_path):
