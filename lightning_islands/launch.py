@@ -192,7 +192,7 @@ def run_islands(
                                 stopped.add(j)
                                 other.terminate()
             if live and len(islands) > 1:
-                lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands)))]
+                lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands), run_id))]
                 if shown:
                     out.write(f"\x1b[{shown}F")
                 out.write("".join(f"\x1b[2K{line}\n" for line in lines))

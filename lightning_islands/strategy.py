@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -60,6 +61,17 @@ def _env_int(name: str) -> int | None:
         return int(value)
     except ValueError as err:
         raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
+
+
+def _sync_warmup(value: Any) -> list[int]:
+    """``sync_warmup`` as a list of positive ints, or a ValueError naming the expected form."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in value):
+        raise ValueError(f"sync_warmup must be a list of H values (ints >= 1), one per early round, e.g. "
+                         f"[10, 20, 40] (Hydra: islands.sync_warmup=[10,20,40]); got {value!r}")
+    return [int(h) for h in value]
 
 
 def batch_weight(module: pl.LightningModule, batch: Any) -> int:
@@ -117,9 +129,11 @@ class IslandStrategy(FSDP2Strategy):
         max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
             where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
         timeout_s: how long to wait for an island that shows no progress (no step or validation
-            batch finished), at rendezvous and every round; a slow island that keeps stepping is
-            waited for (up to the island process group's own timeout, Lightning's 30 minutes by
-            default, for the ranks other than the leader).
+            batch started), at rendezvous and every round; a slow island that keeps stepping is
+            waited for, up to ``max_wait_s``.
+        max_wait_s: the longest a round may wait for islands that are still stepping. The island's
+            own process group (its ranks other than the leader wait in it meanwhile) gets a
+            timeout of at least ``max_wait_s + timeout_s``.
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
 
@@ -147,21 +161,24 @@ class IslandStrategy(FSDP2Strategy):
         balance: str = "none",
         max_rounds: int | None = None,
         timeout_s: float = 600.0,
+        max_wait_s: float = 3600.0,
         unit_classes: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         process_group_backend: str | None = None,
     ) -> None:
+        if timeout_s <= 0 or max_wait_s <= 0:
+            raise ValueError(f"timeout_s and max_wait_s must be > 0, got {timeout_s} and {max_wait_s}")
         super().__init__(
             unit_classes=unit_classes,
             reshard_after_forward=reshard_after_forward,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
+            # the leader may wait up to max_wait_s for other islands while the other ranks wait for it
+            timeout=max(default_pg_timeout, timedelta(seconds=max_wait_s + timeout_s)),
         )
         if sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
-        self.sync_warmup = [int(h) for h in sync_warmup or []]
-        if any(h < 1 for h in self.sync_warmup):
-            raise ValueError(f"every entry of sync_warmup must be >= 1, got {self.sync_warmup}")
+        self.sync_warmup = _sync_warmup(sync_warmup)
         if weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {weighting!r}")
         if balance not in ("none", "time"):
@@ -194,6 +211,7 @@ class IslandStrategy(FSDP2Strategy):
         self.balance = balance
         self.max_rounds = max_rounds
         self.timeout = timedelta(seconds=timeout_s)
+        self.max_wait = timedelta(seconds=max_wait_s)
         self._round_started = time.perf_counter()
         self._round_val_seconds = 0.0
         self._val_started: float | None = None
@@ -319,7 +337,8 @@ class IslandStrategy(FSDP2Strategy):
         assert self.coordinator is not None and self.layout is not None
         try:
             self.link = IslandLink(self.coordinator, self.island_index, self.num_islands,
-                                   run_id=self.run_id, lanes=self.lanes, timeout=self.timeout)
+                                   run_id=self.run_id, lanes=self.lanes, timeout=self.timeout,
+                                   max_wait=self.max_wait)
         except Exception as err:
             raise RuntimeError(f"could not meet the other islands: {err}") from err
         error = self.compare_fingerprints(self.link.gather_objects("fingerprint", self.fingerprint()))
@@ -607,12 +626,12 @@ class IslandStrategy(FSDP2Strategy):
         self._beats += 1
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         loss = trainer.callback_metrics.get("train/loss")
-        status = {"step": trainer.global_step, "round": self.round,
+        # "beat" changes every time: islands waiting for this one keep waiting while it does
+        status = {"step": trainer.global_step, "round": self.round, "beat": self._beats,
                   "loss": float(loss) if loss is not None else None,
                   "bytes": self.totals["bytes_sent"] + self.totals["bytes_received"]}
         with suppress(Exception):
-            self.link.store.set(f"status/{self.island_index}", json.dumps(status))
-            self.link.heartbeat(self._beats)  # islands waiting for this one keep waiting while it beats
+            self.link.heartbeat(status)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

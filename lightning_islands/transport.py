@@ -52,11 +52,11 @@ class Coordinator:
         """``host:port`` to hand to islands."""
         return f"{self.host}:{self.port}"
 
-    def status(self, num_islands: int) -> list[dict | None]:
-        """The latest status each island published (``None`` where none yet)."""
+    def status(self, num_islands: int, run_id: str) -> list[dict | None]:
+        """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
         out: list[dict | None] = []
         for i in range(num_islands):
-            key = f"status/{i}"
+            key = f"{run_id}/status/{i}"
             if self.store.check([key]):
                 out.append(json.loads(self.store.get(key)))
             else:
@@ -94,6 +94,8 @@ class IslandLink:
         timeout: how long a waiting island tolerates silence from a missing one: an island that
             keeps sending heartbeats (:meth:`heartbeat`, once per step) is slow, not lost, and is
             waited for; one that is silent this long fails the wait.
+        max_wait: the longest one wait may last even while the missing islands keep beating
+            (``None``: no limit).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class IslandLink:
         run_id: str = "run",
         lanes: int = 2,
         timeout: timedelta = timedelta(minutes=10),
+        max_wait: timedelta | None = None,
     ) -> None:
         if not 0 <= island < num_islands:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -114,6 +117,7 @@ class IslandLink:
         self.num_islands = num_islands
         self.run_id = run_id
         self.timeout = timeout
+        self.max_wait = max_wait
         try:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
@@ -149,14 +153,15 @@ class IslandLink:
         """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
         self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
 
-    def heartbeat(self, progress: object) -> None:
-        """Tell waiting islands that this one is alive; ``progress`` must change as it advances."""
-        self.publish(f"alive/{self.island}", progress)
+    def heartbeat(self, status: object) -> None:
+        """Publish this island's status (shown by the launcher); it tells waiting islands that this
+        one is alive, so it must change as the island advances (e.g. carry a counter)."""
+        self.publish(f"status/{self.island}", status)
 
     def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
         out: dict[int, bytes | None] = {}
         for i in islands:
-            key = f"{self.run_id}/alive/{i}"
+            key = f"{self.run_id}/status/{i}"
             out[i] = self.store.get(key) if self.store.check([key]) else None
         return out
 
@@ -176,25 +181,38 @@ class IslandLink:
         self.publish(f"{key}/{self.island}", obj)
         keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
         limit = self.timeout.total_seconds()
-        deadline = time.monotonic() + limit
-        beats: dict[int, bytes | None] | None = None
-        next_beat_check = time.monotonic() + 1.0
+        started = time.monotonic()
+        deadline = started + limit
+        give_up = started + self.max_wait.total_seconds() if self.max_wait is not None else None
+        period = min(1.0, limit / 4)  # how often the missing islands' heartbeats are compared
+        beats: dict[int, bytes | None] = self._heartbeats(range(self.num_islands))
+        next_beat_check = started + period
         while not self.store.check(keys):
             self._check_aborts()
             now = time.monotonic()
-            if now >= next_beat_check or now > deadline:
-                next_beat_check = now + 1.0
-                missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
-                latest = self._heartbeats(missing)
-                if beats is not None and any(latest[i] != beats.get(i) for i in missing):
-                    deadline = now + limit  # a missing island made progress: slow, not lost
-                beats = latest
-                if now > deadline:
-                    raise IslandAborted(
-                        f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
-                        "(crashed, hung or never started); raise timeout_s if an island can legitimately "
-                        "go this long without finishing a step"
-                    )
+            if now < next_beat_check and now <= deadline:
+                time.sleep(0.01)
+                continue
+            next_beat_check = now + period
+            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            if not missing:
+                break
+            latest = self._heartbeats(missing)
+            if any(latest[i] != beats.get(i) for i in missing):
+                deadline = now + limit  # a missing island made progress: slow, not lost
+                beats.update(latest)
+            if now > deadline:
+                raise IslandAborted(
+                    f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
+                    "(crashed, hung or never started); raise timeout_s if an island can legitimately "
+                    "go this long without finishing a step"
+                )
+            if give_up is not None and now > give_up:
+                raise IslandAborted(
+                    f"islands {missing} are still training but did not reach {key!r} within "
+                    f"{now - started:.0f} s (max_wait_s); give them fewer steps per round (balance=time, "
+                    "steps_per_round) or raise max_wait_s"
+                )
             time.sleep(0.01)
         return [json.loads(self.store.get(k)) for k in keys]
 

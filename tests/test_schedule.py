@@ -21,12 +21,26 @@ def test_a_fixed_steps_per_round_island_scales_with_the_warmup():
     assert tiny._planned_steps(0) == 1, "never zero steps"
 
 
+def test_a_hydra_list_is_accepted():
+    from omegaconf import OmegaConf
+
+    s = IslandStrategy(sync_every=8, sync_warmup=OmegaConf.create([2, 4]), num_islands=1)
+    assert s.sync_warmup == [2, 4]
+
+
+def test_the_island_process_group_outlasts_the_longest_round_wait():
+    s = IslandStrategy(sync_every=8, num_islands=1, timeout_s=600, max_wait_s=7200)
+    assert s._timeout.total_seconds() >= 7800
+    with pytest.raises(ValueError, match="max_wait_s must be > 0"):
+        IslandStrategy(sync_every=8, num_islands=1, max_wait_s=0)
+
+
 def test_no_warmup_keeps_sync_every():
     s = IslandStrategy(sync_every=5, num_islands=1)
     assert s.steps_per_round == 5 and s.round_sync_every(0) == s.round_sync_every(100) == 5
 
 
-@pytest.mark.parametrize("warmup", [[0], [3, -1]])
+@pytest.mark.parametrize("warmup", [[0], [3, -1], 10, "10,20", [2.5], [True]])
 def test_bad_warmup_is_refused_with_the_cause(warmup):
-    with pytest.raises(ValueError, match="sync_warmup must be >= 1"):
+    with pytest.raises(ValueError, match=r"sync_warmup must be a list of H values .* e.g. \[10, 20, 40\]"):
         IslandStrategy(sync_every=5, sync_warmup=warmup, num_islands=1)

@@ -65,6 +65,34 @@ def test_a_slow_island_that_keeps_beating_is_waited_for_past_the_timeout():
     assert time.monotonic() - started < 10
 
 
+def test_a_round_waits_at_most_max_wait_even_for_a_beating_island():
+    coord = Coordinator()
+    a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1), max_wait=timedelta(seconds=2))
+    b = IslandLink(coord.address, 1, 2, run_id="r", timeout=timedelta(seconds=1))
+    stop = threading.Event()
+
+    def beating() -> None:
+        step = 0
+        while not stop.is_set():
+            b.heartbeat({"step": step})
+            step += 1
+            time.sleep(0.1)
+
+    t = threading.Thread(target=beating)
+    t.start()
+    try:
+        started = time.monotonic()
+        expected = r"islands \[1\] are still training but did not reach 'round0'.*max_wait_s"
+        with pytest.raises(IslandAborted, match=expected):
+            a.gather_objects("round0", {"island": 0})
+        assert 2.0 <= time.monotonic() - started < 10
+        # the launcher shows the heartbeat as the island's status, per run
+        assert coord.status(2, "r")[1]["step"] >= 0 and coord.status(2, "other") == [None, None]
+    finally:
+        stop.set()
+        t.join(timeout=10)
+
+
 def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes():
     coord = Coordinator()
     links = [IslandLink(coord.address, i, 3, run_id="lanes", lanes=3) for i in range(3)]
