@@ -240,6 +240,7 @@ class IslandStrategy(FSDP2Strategy):
         self._stopping = False  # the islands agreed to stop: no further rounds start
         self._resuming = False
         self._timed_steps = 0  # steps closed since _round_started (step time excludes restarts)
+        self._untimed_first_step = False  # set at the start of a fit: its first step is not timed
 
     # ------------------------------------------------------------------ identity and rendezvous
     @property
@@ -439,6 +440,14 @@ class IslandStrategy(FSDP2Strategy):
         self.inner_steps += 1
         self.round_steps += 1
         self._timed_steps += 1
+        if self._untimed_first_step:
+            # The first step of a fit also pays for starting the data loader (and any warm-up):
+            # time this round from its end, unless it is the round's only step.
+            self._untimed_first_step = False
+            if self.round_steps < self.steps_per_round:
+                self._round_started = time.perf_counter()
+                self._round_val_seconds = 0.0
+                self._timed_steps = 0
         if self.round_steps >= self.steps_per_round and not self._stopping:
             self.outer_step()
 
@@ -720,6 +729,7 @@ class IslandStrategy(FSDP2Strategy):
             return
         self._round_started = time.perf_counter()
         self._timed_steps = 0
+        self._untimed_first_step = True
         if self.num_islands == 1:
             return
         digest = self.global_state_digest()

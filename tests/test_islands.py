@@ -234,6 +234,17 @@ def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):
     assert m_fast["islands/round_tokens"] > m_slow["islands/round_tokens"]
 
 
+def test_time_balance_does_not_count_the_first_step_of_a_fit(tmp_path):
+    # equal islands, but island 0's first batch takes 1.5 s longer (a slow data loader start): the
+    # round-1 plan must still give both islands about H steps (it gave island 1 8x H before)
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 400, "--H", 4, "--delays", "0.1,0.1",
+                    "--first-step-delay", "1.5,0", "--balance", "time", "--max-rounds", 2, "--batch-sizes", "8,8"],
+           tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 2)
+    second = [per_island[i][2]["inner_steps"] - per_island[i][1]["inner_steps"] for i in (0, 1)]
+    assert all(2 <= n <= 7 for n in second), f"round 2 steps per island: {second}"
+
+
 @pytest.mark.parametrize("args, rounds", [
     # manual optimization, two optimizers with LR schedulers: Lightning counts both optimizers' steps
     # in global_step, so max_steps=8 is 4 batches; a round is H batches that stepped

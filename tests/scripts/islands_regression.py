@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--fail-island", type=int, default=-1)
     p.add_argument("--val-every", type=int, default=0)
     p.add_argument("--delays", default="0", help="seconds to sleep after each batch, per island (comma list)")
+    p.add_argument("--first-step-delay", default="0", help="extra seconds after the first batch, per island")
     p.add_argument("--balance", default="none")
     p.add_argument("--max-rounds", type=int, default=0)
     p.add_argument("--two-optimizers", type=int, default=0)
@@ -164,10 +165,12 @@ def main() -> None:
     callbacks = []
     delays = [float(d) for d in args.delays.split(",")]
     delay = delays[min(island, len(delays) - 1)]
-    if delay:
+    first_delays = [float(d) for d in args.first_step_delay.split(",")]
+    first_delay = first_delays[min(island, len(first_delays) - 1)]
+    if delay or first_delay:
         class Delay(pl.Callback):
-            def on_train_batch_end(self, *a) -> None:
-                time.sleep(delay)
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                time.sleep(delay + (first_delay if batch_idx == 0 else 0.0))
 
         callbacks.append(Delay())
     if island == args.early_stop_island:  # stopping_threshold: "good enough" at once -> trainer.should_stop
