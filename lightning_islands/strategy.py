@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -730,18 +731,37 @@ class IslandStrategy(FSDP2Strategy):
         self._round_started = time.perf_counter()
         self._timed_steps = 0
         self._untimed_first_step = True
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
         if self.num_islands == 1:
+            self._continue_after_agreed_end(more)
             return
         digest = self.global_state_digest()
 
-        def compare() -> None:
-            found = self.link.gather_objects("start", {"digest": digest, "round": self.round})  # type: ignore
+        def compare() -> bool:
+            found = self.link.gather_objects(  # type: ignore[union-attr]
+                "start", {"digest": digest, "round": self.round, "more": more})
             if len({d["digest"] for d in found}) != 1:
                 raise RuntimeError(
                     f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
                     "resume every island from its checkpoint of the same step, or none")
+            return all(d["more"] for d in found)
 
-        self._agree(compare)
+        self._continue_after_agreed_end(self._agree(compare))
+
+    def _continue_after_agreed_end(self, every_island_has_steps: bool) -> None:
+        """Resuming from a checkpoint taken after the islands agreed to stop (``final.ckpt``): if every
+        island has steps left (a raised ``max_steps``), the rounds go on; otherwise stop at once, as
+        the steps would never be merged."""
+        if not self._stopping:
+            return
+        if every_island_has_steps:
+            self._stopping = False
+            rank_zero_info(f"islands: continuing after round {self.round}, where the previous run ended")
+        else:
+            rank_zero_info(f"islands: this checkpoint is the agreed end of a run (round {self.round}) and not "
+                           "every island has steps left; stopping. Raise trainer.max_steps to train further.")
+            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ checkpoints
     def _outer_dtensors(self, tensors: Sequence[Tensor]) -> dict[str, Tensor]:

@@ -168,6 +168,27 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
         assert a[r]["digest"] == b[r]["digest"]
 
 
+def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
+    full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
+    common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
+    launch([1, 1], ["islands_regression.py", "--out", full, "--steps", 8, *common], tmp_path / "l1")
+    launch([1, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common],
+           tmp_path / "l2")
+    # the final checkpoint is taken after the islands agreed to stop; a raised max_steps trains on
+    launch([1, 1], ["islands_regression.py", "--out", more, "--steps", 8, *common,
+                    "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l3")
+    a, b, b1 = load_rounds(full, 0), load_rounds(more, 0), load_rounds(more, 1)
+    assert sorted(b) == sorted(b1) == [3, 4], "the resumed run must merge its steps in rounds 3 and 4"
+    for r in (3, 4):
+        assert a[r]["digest"] == b[r]["digest"] == b1[r]["digest"]
+        for name, t in a[r]["params"].items():
+            assert torch.equal(t, b[r]["params"][name]), f"round {r}: {name} differs from the uninterrupted run"
+    # resuming the finished run without more steps trains nothing and stops cleanly
+    _, text = launch([1, 1], ["islands_regression.py", "--out", tmp_path / "same", "--steps", 4, *common,
+                              "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l4")
+    assert not list((tmp_path / "same").glob("island*_round*.pt"))
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--hidden", "8,9"], "parameters"),
     (["--outer-lrs", "0.7,0.5"], "outer"),

@@ -123,6 +123,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--same-seed", type=int, default=0, help="every island builds its model from seed 0")
     p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--final-ckpt", type=int, default=0, help="save final_island{i}.ckpt after fit")
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
     args = p.parse_args()
@@ -195,6 +196,8 @@ def main() -> None:
         return
     ckpt = args.resume.format(island=island) if args.resume else None
     trainer.fit(model, ckpt_path=ckpt)
+    if args.final_ckpt:  # like the app's final.ckpt: after the last outer step
+        trainer.save_checkpoint(str(out / f"final_island{island}.ckpt"))
     if trainer.global_rank == 0:
         (out / f"island{island}_done").write_text(str(strategy.round))
 
