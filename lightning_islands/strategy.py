@@ -446,9 +446,7 @@ class IslandStrategy(FSDP2Strategy):
             # time this round from its end, unless it is the round's only step.
             self._untimed_first_step = False
             if self.round_steps < self.steps_per_round:
-                self._round_started = time.perf_counter()
-                self._round_val_seconds = 0.0
-                self._timed_steps = 0
+                self._restart_round_clock()
         if self.round_steps >= self.steps_per_round and not self._stopping:
             self.outer_step()
 
@@ -521,10 +519,14 @@ class IslandStrategy(FSDP2Strategy):
         self._log(metrics)
         for callback in self.round_callbacks:
             callback(self)
+        self._restart_round_clock()
+        return metrics
+
+    def _restart_round_clock(self) -> None:
+        """Time the round (step time for ``balance="time"``) from now: no steps, no validation yet."""
         self._round_started = time.perf_counter()
         self._round_val_seconds = 0.0
         self._timed_steps = 0
-        return metrics
 
     def _expert_counts(self) -> dict[str, list[float]] | None:
         """This island's tokens per expert in the round, per expert parameter (island collective)."""
@@ -562,9 +564,9 @@ class IslandStrategy(FSDP2Strategy):
         ``"time"``: the budget is H steps of the slowest island, and each island runs the steps that
         fit it (at most 8 H).
         """
-        h = self.round_sync_every(self.round + 1)
         if self.balance != "time":
             return self._planned_steps(self.round + 1)
+        h = self.round_sync_every(self.round + 1)
         times = [max(float(hdr["step_seconds"]), 1e-9) for hdr in headers]
         budget = h * max(times)
         return max(1, min(8 * h, round(budget / times[self.island_index])))

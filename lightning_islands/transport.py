@@ -35,6 +35,15 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _status_key(run_id: str, island: int) -> str:
+    """Where an island's status (its heartbeat, also shown by the launcher) lives in the store."""
+    return f"{run_id}/status/{island}"
+
+
+def _get_if_set(store: dist.Store, key: str) -> bytes | None:
+    return store.get(key) if store.check([key]) else None
+
+
 class Coordinator:
     """A standalone c10d TCPStore server that holds membership and rounds for every island.
 
@@ -54,14 +63,8 @@ class Coordinator:
 
     def status(self, num_islands: int, run_id: str) -> list[dict | None]:
         """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
-        out: list[dict | None] = []
-        for i in range(num_islands):
-            key = f"{run_id}/status/{i}"
-            if self.store.check([key]):
-                out.append(json.loads(self.store.get(key)))
-            else:
-                out.append(None)
-        return out
+        raw = [_get_if_set(self.store, _status_key(run_id, i)) for i in range(num_islands)]
+        return [json.loads(r) if r is not None else None for r in raw]
 
 
 @dataclass
@@ -156,14 +159,10 @@ class IslandLink:
     def heartbeat(self, status: object) -> None:
         """Publish this island's status (shown by the launcher); it tells waiting islands that this
         one is alive, so it must change as the island advances (e.g. carry a counter)."""
-        self.publish(f"status/{self.island}", status)
+        self.store.set(_status_key(self.run_id, self.island), json.dumps(status))
 
     def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
-        out: dict[int, bytes | None] = {}
-        for i in islands:
-            key = f"{self.run_id}/status/{i}"
-            out[i] = self.store.get(key) if self.store.check([key]) else None
-        return out
+        return {i: _get_if_set(self.store, _status_key(self.run_id, i)) for i in islands}
 
     def _check_aborts(self) -> None:
         for i in range(self.num_islands):
