@@ -331,8 +331,6 @@ class IslandStrategy(FSDP2Strategy):
         if self.num_islands > 1:
             self._agree(self._meet)
         self._adopt_island0_state()
-        self._round_started = time.perf_counter()
-        self._timed_steps = 0
 
     def _meet(self) -> None:
         """Leader: join the coordinator, compare fingerprints through the store, then open the lanes."""
@@ -730,8 +728,8 @@ class IslandStrategy(FSDP2Strategy):
         super().on_train_start()
         if not self._anchors:
             return
-        self._round_started = time.perf_counter()
-        self._timed_steps = 0
+        # Validation seconds counted so far (the sanity check) happened before this round started.
+        self._restart_round_clock()
         self._untimed_first_step = True
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
