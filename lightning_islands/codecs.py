@@ -71,6 +71,7 @@ instead of streaming through DRAM; on other devices the whole vector is one slab
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import os
@@ -226,6 +227,25 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     return crc
 
 
+def _crc_piece(t: Tensor) -> tuple[int, int]:
+    """``(crc32, nbytes)`` of the bytes of a contiguous CPU tensor (zlib conditioning, no prefix).
+
+    Called by the kernel threads on the piece they just wrote (or are about to read), while it is
+    still in cache: the payload checksum then costs no separate pass over memory.
+    """
+    data = t.view(torch.uint8).numpy()
+    crc32 = _zlib_fast.crc32 if _zlib_fast is not None else zlib.crc32
+    return crc32(data), data.shape[0]
+
+
+def _crc_join(pieces: list[tuple[int, int]]) -> int:
+    """CRC-32 of the concatenation of pieces given as ``(crc32, nbytes)``, in order."""
+    crc = 0
+    for piece_crc, nbytes in pieces:
+        crc = crc32_combine(crc, piece_crc, nbytes)
+    return crc
+
+
 # ----------------------------------------------------------------------------------------------
 # small helpers
 # ----------------------------------------------------------------------------------------------
@@ -304,10 +324,12 @@ class Codec:
     def _values_nbytes(self, m: int) -> int:
         raise NotImplementedError
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+    # The fused CPU paths also checksum the body while it is in cache and return its CRC-32 (no
+    # prefix, zlib conditioning); other paths return None and the caller checksums separately.
+    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         raise NotImplementedError
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         raise NotImplementedError
 
     # -- overridable for sparse codecs ----------------------------------------------------------
@@ -318,11 +340,16 @@ class Codec:
     def _body_nbytes(self, n: int) -> int:
         return self._values_nbytes(n)
 
-    def _encode_body(self, x: Tensor, body: Tensor) -> None:
-        self._encode_values(x, body)
+    def _encode_body(self, x: Tensor, body: Tensor) -> int | None:
+        return self._encode_values(x, body)
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> None:
-        self._decode_values(body, n, out)
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> int | None:
+        return self._decode_values(body, n, out)
+
+    def _checksums_while_decoding(self, body: Tensor) -> bool:
+        """Whether ``_decode_body`` returns the body's CRC-32 (the fused CPU kernels do; the checksum
+        is then verified after decoding instead of in a separate pass before it)."""
+        return _kernels(body) is not None
 
     # -- public API -----------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:
@@ -369,11 +396,15 @@ class Codec:
                     f"{x.device}, got {out.dtype} shape {tuple(out.shape)} on {out.device}"
                 )
             payload = out
-        self._encode_body(x, payload[HEADER_BYTES:])
+        body = payload[HEADER_BYTES:]
+        body_crc = self._encode_body(x, body)
         header = _HEADER.pack(
             MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
         )[:_CRC_OFFSET]
-        crc = _crc32(header, payload[HEADER_BYTES:])
+        if body_crc is None:
+            crc = _crc32(header, body)
+        else:
+            crc = crc32_combine(zlib.crc32(header), body_crc, body.numel())
         header += struct.pack("<I", crc)
         payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return payload
@@ -384,11 +415,17 @@ class Codec:
         ``out`` (optional): a contiguous float32 tensor of the original length on the payload's
         device to decode into, avoiding a fresh allocation (large fresh CPU allocations cost
         page faults that can exceed the decode itself). Raises ``ValueError`` on any mismatch
-        (wrong codec, truncation, corruption) with expected vs. got values.
+        (wrong codec, truncation, corruption) with expected vs. got values. Where the fused CPU
+        kernels checksum the body while decoding it, a corrupted payload is detected after ``out``
+        was written: its contents are then unspecified (the error is raised all the same).
         """
         if isinstance(payload, Tensor) and (not payload.is_contiguous() or payload.storage_offset() % 4):
             payload = payload.clone(memory_format=torch.contiguous_format)  # fp32 views need alignment
-        n, k = self._validate(payload)
+        n, k, raw = self._validate_header(payload)
+        body = payload[HEADER_BYTES:]
+        late = self._checksums_while_decoding(body)
+        if not late:  # check first: decoding a corrupted body could fail with a misleading error
+            self._verify_crc(raw, _crc32(raw[:_CRC_OFFSET], body))
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=payload.device)
         elif (
@@ -402,7 +439,11 @@ class Codec:
                 f"out must be a contiguous 1-D float32 tensor of {n} elements on {payload.device}, got "
                 f"{out.dtype} shape {tuple(out.shape)} on {out.device}"
             )
-        self._decode_body(payload[HEADER_BYTES:], n, k, out)
+        body_crc = self._decode_body(body, n, k, out)
+        if late:
+            if body_crc is None:  # pragma: no cover - a codec that claims to checksum must do so
+                raise RuntimeError(f"codec {self.name!r} did not checksum the body while decoding")
+            self._verify_crc(raw, crc32_combine(zlib.crc32(raw[:_CRC_OFFSET]), body_crc, body.numel()))
         return out
 
     def describe_header(self, payload: Tensor) -> dict[str, Any]:
@@ -418,7 +459,8 @@ class Codec:
             "crc32": crc,
         }
 
-    def _validate(self, payload: Tensor) -> tuple[int, int]:
+    def _validate_header(self, payload: Tensor) -> tuple[int, int, bytes]:
+        """Check everything but the checksum; ``(n, k, header bytes)``."""
         raw = _header_bytes(payload)
         magic, version, codec_id, kind, block, n, k, crc = _HEADER.unpack(raw)
         if magic != MAGIC:
@@ -447,13 +489,17 @@ class Codec:
             raise ValueError(
                 f"payload {what}: {got_len} bytes, expected {expected_len} for codec {self.name!r} and n={n}"
             )
-        actual = _crc32(raw[:_CRC_OFFSET], payload[HEADER_BYTES:])
+        return n, k, raw
+
+    @staticmethod
+    def _verify_crc(raw: bytes, actual: int) -> None:
+        """Raise if ``actual`` (the CRC-32 of header bytes [0, 28) + body) is not the header's."""
+        (crc,) = struct.unpack_from("<I", raw, _CRC_OFFSET)
         if actual != crc:
             raise ValueError(
                 f"payload checksum mismatch: header says crc32=0x{crc:08x}, header+body hash to "
                 f"0x{actual:08x}; the payload was corrupted in transit"
             )
-        return n, k
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -498,20 +544,35 @@ class Float32Codec(Codec):
     def _values_nbytes(self, m: int) -> int:
         return 4 * m
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
+        dst = body.view(torch.float32)
         lib = _kernels(v)
         if lib is None:
             _raise_if_nonfinite_sum(v)
-            body.view(torch.float32).copy_(v)
-            return
-        dst = body.view(torch.float32)
-        bad = native.run_parallel(v.numel(), 16, lambda s, e: lib.liq_f32_copy_checked(
-            native.ptr(v, s), e - s, native.ptr(dst, s)))
-        if any(bad):
-            raise _nonfinite_error(v)  # type: ignore[misc]  # a bad flag means a non-finite value
+            dst.copy_(v)
+            return None
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
-        out.copy_(body.view(torch.float32))
+        def work(s: int, e: int) -> tuple[int, tuple[int, int]]:
+            bad = lib.liq_f32_copy_checked(native.ptr(v, s), e - s, native.ptr(dst, s))
+            return bad, _crc_piece(dst[s:e])
+
+        results = native.run_parallel(v.numel(), 16, work)
+        if any(bad for bad, _ in results):
+            raise _nonfinite_error(v)  # type: ignore[misc]  # a bad flag means a non-finite value
+        return _crc_join([piece for _, piece in results])
+
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
+        src = body.view(torch.float32)
+        if _kernels(body) is None:
+            out.copy_(src)
+            return None
+
+        def work(s: int, e: int) -> tuple[int, int]:
+            piece = _crc_piece(src[s:e])  # the piece is in cache for the copy that follows
+            ctypes.memmove(native.ptr(out, s), native.ptr(src, s), 4 * (e - s))  # releases the GIL
+            return piece
+
+        return _crc_join(native.run_parallel(m, 16, work))
 
 
 class BFloat16Codec(Codec):
@@ -527,15 +588,18 @@ class BFloat16Codec(Codec):
     def _values_nbytes(self, m: int) -> int:
         return 2 * m
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         y = body.view(torch.bfloat16)
         lib = _kernels(v)
         if lib is not None:
-            bad = native.run_parallel(v.numel(), 16, lambda s, e: lib.liq_bf16_encode(
-                native.ptr(v, s), e - s, native.ptr(y, s)))
-            if any(bad):
+            def work(s: int, e: int) -> tuple[int, tuple[int, int]]:
+                bad = lib.liq_bf16_encode(native.ptr(v, s), e - s, native.ptr(y, s))
+                return bad, _crc_piece(y[s:e])
+
+            results = native.run_parallel(v.numel(), 16, work)
+            if any(bad for bad, _ in results):
                 raise _nonfinite_error(v)  # type: ignore[misc]
-            return
+            return _crc_join([piece for _, piece in results])
         y.copy_(v)
         # One pass over the half-size output catches both NaN/Inf input and overflow to Inf.
         # (A plain bf16 sum accumulates in fp32 internally and is ~50x faster than sum(dtype=fp32);
@@ -545,14 +609,21 @@ class BFloat16Codec(Codec):
             if err is not None:
                 raise err
             y.copy_(v.clamp(-_BF16_MAX, _BF16_MAX))
+        return None
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         y = body.view(torch.bfloat16)
-        lib = _kernels(out)
+        lib = _kernels(body)
         if lib is None:
             out.copy_(y)
-            return
-        native.run_parallel(m, 16, lambda s, e: lib.liq_bf16_decode(native.ptr(y, s), e - s, native.ptr(out, s)))
+            return None
+
+        def work(s: int, e: int) -> tuple[int, int]:
+            piece = _crc_piece(y[s:e])  # the piece is in cache for the decode that follows
+            lib.liq_bf16_decode(native.ptr(y, s), e - s, native.ptr(out, s))
+            return piece
+
+        return _crc_join(native.run_parallel(m, 16, work))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -706,16 +777,18 @@ class _BlockCodec(Codec):
         if out.numel() > full * bsz:
             out[full * bsz :].mul_(scale[full])
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         m = v.numel()
         bsz = self.block_size
         nblocks = _ceil_div(m, bsz)
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
-        if not self._native_encode(v, scales, values):
+        crc = self._native_encode(v, scales, values)
+        if crc is None:
             self._torch_encode(v, scales, values)
-        if nblocks:
-            self._check_scales(v, scales)
+        if nblocks and self._check_scales(v, scales):
+            crc = None  # scales were nudged after they were checksummed
+        return crc
 
     def _torch_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> None:
         m = v.numel()
@@ -736,24 +809,41 @@ class _BlockCodec(Codec):
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
         return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
-        """Encode with the fused CPU kernel if there is one; False to use the torch path."""
-        return self._run_native(v, "encode", lambda lib, s, e: self._encode_range(lib, v, scales, values, s, e))
+    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> int | None:
+        """Encode with the fused CPU kernel if there is one and return the body's CRC-32; None
+        (nothing done) to use the torch path."""
+        return self._run_native(v, scales, values, "encode",
+                                lambda lib, s, e: self._encode_range(lib, v, scales, values, s, e))
 
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
-        """Decode with the fused CPU kernel if there is one; False to use the torch path."""
-        return self._run_native(out, "decode", lambda lib, s, e: self._decode_range(lib, values, scales, out, s, e))
+    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> int | None:
+        """Decode with the fused CPU kernel if there is one and return the body's CRC-32; None
+        (nothing done) to use the torch path."""
+        return self._run_native(out, scales, values, "decode",
+                                lambda lib, s, e: self._decode_range(lib, values, scales, out, s, e))
 
-    def _run_native(self, vector: Tensor, what: str, call: Callable[[Any, int, int], int]) -> bool:
+    def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
+                    call: Callable[[Any, int, int], int]) -> int | None:
         """Run ``call(lib, start, stop)`` over unit-aligned ranges of the fp32 ``vector`` on the
-        kernel threads; False (nothing run) if there are no fused kernels for it."""
+        kernel threads, each thread also checksumming its pieces of ``scales`` and ``values`` while
+        they are in cache (after encoding them, before decoding them). Returns the CRC-32 of
+        ``scales + values`` (the body), or None (nothing run) if there are no fused kernels."""
         lib = _kernels(vector)
         if lib is None:
-            return False
-        failed = native.run_parallel(vector.numel(), self._native_unit(), lambda s, e: call(lib, s, e))
-        if any(failed):
+            return None
+        bsz, pack, decoding = self.block_size, self.pack, what == "decode"
+
+        def work(s: int, e: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
+            ours = (scales[s // bsz : _ceil_div(e, bsz)], values[s // pack : _ceil_div(e, pack)])
+            crcs = [_crc_piece(t) for t in ours] if decoding else []
+            status = call(lib, s, e)
+            if not decoding:
+                crcs = [_crc_piece(t) for t in ours]
+            return status, crcs[0], crcs[1]
+
+        results = native.run_parallel(vector.numel(), self._native_unit(), work)
+        if any(status for status, _, _ in results):
             raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
-        return True
+        return _crc_join([r[1] for r in results] + [r[2] for r in results])
 
     # one kernel call on the unit-aligned value range [s, e); returns the kernel's status (0 = ok)
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
@@ -762,7 +852,9 @@ class _BlockCodec(Codec):
     def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
         raise NotImplementedError
 
-    def _check_scales(self, v: Tensor, scales: Tensor) -> None:
+    def _check_scales(self, v: Tensor, scales: Tensor) -> bool:
+        """Raise if a scale is non-finite; nudge scales whose decode could overflow. True if any
+        scale was changed."""
         smax = float(scales.amax())
         if not math.isfinite(smax):
             err = _nonfinite_error(v)
@@ -774,14 +866,17 @@ class _BlockCodec(Codec):
             if bool(risky.any()):
                 nudged = torch.nextafter(scales, torch.zeros_like(scales))
                 scales.copy_(torch.where(risky, nudged, scales))
+                return True
+        return False
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         bsz = self.block_size
         nblocks = _ceil_div(m, bsz)
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
-        if self._native_decode(values, scales, out[:m]):
-            return
+        crc = self._native_decode(values, scales, out[:m])
+        if crc is not None:
+            return crc
         slab = self._slab_elems(body.device, m)
         work = _Work(body.device, min(slab, m))
         for s in range(0, m, slab):
@@ -793,11 +888,7 @@ class _BlockCodec(Codec):
                 out[s:e],
                 work,
             )
-
-
-# The 256 float8_e4m3fn codes as fp32 (exact), for the fused decode. Built at import: the kernel
-# threads read it concurrently, and a lazily built table could be replaced (and freed) under them.
-_FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        return None
 
 
 class Float8Codec(_BlockCodec):
@@ -817,8 +908,7 @@ class Float8Codec(_BlockCodec):
 
     def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int) -> int:
         bsz = self.block_size
-        return lib.liq_fp8_decode(native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz,
-                                  native.ptr(_FP8_TABLE), native.ptr(out, s))
+        return lib.liq_fp8_decode(native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(out, s))
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
         t = self._scaled(x, scale, work)
@@ -1142,6 +1232,9 @@ class TopKCodec(Codec):
         if k:
             self.inner._encode_values(values, body[:inner_bytes])
         _ef_encode(idx, n, body[inner_bytes:])
+
+    def _checksums_while_decoding(self, body: Tensor) -> bool:
+        return False  # the body is index-decoded first: verify it before trusting its indices
 
     def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> None:
         inner_bytes = self.inner._values_nbytes(k)

@@ -46,7 +46,7 @@ _SIGNATURES = {
     "liq_int_encode": [_P, _I64, _I64, _I32, _P, _P],
     "liq_int_decode": [_P, _P, _I64, _I64, _I32, _P],
     "liq_fp8_encode": [_P, _I64, _I64, _P, _P],
-    "liq_fp8_decode": [_P, _P, _I64, _I64, _P, _P],
+    "liq_fp8_decode": [_P, _P, _I64, _I64, _P],
     "liq_bf16_encode": [_P, _I64, _P],
     "liq_bf16_decode": [_P, _I64, _P],
     "liq_f32_copy_checked": [_P, _I64, _P],

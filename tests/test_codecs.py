@@ -667,6 +667,42 @@ def test_fused_kernels_match_torch_on_edge_values(spec):
         _both_paths(codec, x)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
+    """Outputs of >= 4 MiB per kernel call take the streaming-store loops (AVX2 machines): same bytes."""
+    g = torch.Generator().manual_seed(11)
+    n = (3 << 20) + 4099  # 12 MiB of fp32: >= 4 MiB per thread; a partial block and packing group
+    x = torch.randn(n, generator=g)
+    x[:200] = torch.tensor([3.3895e38, 3.3896e38, 3.39e38, -3.3897e38, 1.0] * 40)  # bf16 rounding edges
+    x[200:8392] = torch.arange(-4096, 4096, dtype=torch.float32) / 8  # exact ties
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for spec in ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/8", "int8/12"]:
+            codec = make_codec(spec)
+            _both_paths(codec, x)
+            payload = codec.encode(x)
+            unaligned = torch.empty(n + 1)[1:]  # 4 bytes off a 32-byte boundary: the portable loops
+            assert torch.equal(codec.decode(payload, out=unaligned), codec.decode(payload))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "int8", "int4", "int2/64"])
+def test_large_payload_corruption_is_detected_while_decoding(spec):
+    """The fused kernels checksum the body as they decode it: a flipped bit anywhere still fails."""
+    codec = make_codec(spec)
+    n = (1 << 20) + 77
+    payload = codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(2)))
+    for pos in (C.HEADER_BYTES + 5, payload.numel() // 2, payload.numel() - 1):
+        bad = payload.clone()
+        bad[pos] ^= 0x04
+        with pytest.raises(ValueError, match="checksum mismatch"):
+            codec.decode(bad)
+    assert torch.equal(codec.decode(payload), codec.decode(payload.clone()))
+
+
 @pytest.mark.parametrize("env, message", [({"CC": "false"}, "fused codec kernels unavailable"),
                                           ({"CC": "no-such-compiler-li"}, "no C compiler"),
                                           ({"LI_NATIVE": "0"}, "")])

@@ -14,19 +14,32 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+/* Hot loops get one clone per x86 level, picked at load time. x86-64-v4 (AVX-512 F/BW/DQ/VL)
+ * rather than plain avx512f: without BW/VL the byte packing and the fp8 rounding do not use the
+ * 512-bit registers well (measured 2x slower int4 packing on an AMD EPYC). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define LIQ_HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #define LIQ_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define LIQ_HOT
 #endif
 
 #define LIQ_PACK_GROUP 2048
-#define LIQ_SLAB_TARGET 32768 /* elements per sub-slab: 128 KiB of fp32, L2-resident */
+#define LIQ_SLAB_TARGET 2048 /* elements per sub-slab: 8 KiB of fp32, L1-resident */
 #define LIQ_ABS_MASK 0x7FFFFFFFu
 #define LIQ_INF_BITS 0x7F800000u
 
 static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* round_half_even(t) for |t| < 2**22, as the low bits of a float's bit pattern: t + 1.5 * 2**23
+ * lies in [2**23, 2**24), where the float spacing is exactly 1, so the addition rounds t to the
+ * nearest integer (ties to even, as rintf) and the result's bits are 0x4B400000 + q. The low 8 bits
+ * of that are q modulo 256 (0x4B400000 is a multiple of 256): the two's complement byte of q. This is
+ * one addition instead of a rounding and a conversion, and it needs no narrowing from 32-bit lanes. */
+#define LIQ_ROUND_MAGIC 12582912.0f
+static inline uint32_t round_bits(float t) { return f2u(t + LIQ_ROUND_MAGIC); }
 
 static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
 
@@ -66,7 +79,7 @@ LIQ_HOT static void block_round(const float *restrict x, int64_t count, int64_t 
     for (int64_t b = 0; b < nb; b++) {
         int64_t s = b * block, len = count - s < block ? count - s : block;
         float r = inv[b];
-        for (int64_t j = 0; j < len; j++) q[s + j] = (int8_t)(int32_t)rintf(x[s + j] * r);
+        for (int64_t j = 0; j < len; j++) q[s + j] = (int8_t)(uint8_t)round_bits(x[s + j] * r); /* |.| <= 127 */
     }
 }
 
@@ -147,7 +160,8 @@ LIQ_HOT static void unpack_planar(const uint8_t *restrict in, int64_t count, int
 }
 
 /* Fast path for a full packing group whose planes are whole blocks (block divides 2048/pack):
- * round and pack in one pass, no int8 temporary. inv/scales point at the group's first block. */
+ * round and pack in one pass, no int8 temporary. inv/scales point at the group's first block.
+ * |x * inv| <= qmax <= 7 here, well inside round_bits' range. */
 LIQ_HOT static void round_pack_group(const float *restrict x, const float *restrict inv, int64_t block, int bits,
                                      uint8_t *restrict out) {
     if (bits == 4) {
@@ -157,8 +171,8 @@ LIQ_HOT static void round_pack_group(const float *restrict x, const float *restr
             const float *restrict x0 = x + bb * block, *restrict x1 = x + per + bb * block;
             uint8_t *restrict o = out + bb * block;
             for (int64_t j = 0; j < block; j++) {
-                int32_t q0 = (int32_t)rintf(x0[j] * r0), q1 = (int32_t)rintf(x1[j] * r1);
-                o[j] = (uint8_t)((q0 + 8) | ((q1 + 8) << 4));
+                uint32_t q0 = round_bits(x0[j] * r0) + 8u, q1 = round_bits(x1[j] * r1) + 8u;
+                o[j] = (uint8_t)((q0 & 0x0Fu) | (q1 << 4));
             }
         }
     } else {
@@ -168,9 +182,9 @@ LIQ_HOT static void round_pack_group(const float *restrict x, const float *restr
             const float *restrict x0 = x + bb * block;
             uint8_t *restrict o = out + bb * block;
             for (int64_t j = 0; j < block; j++) {
-                int32_t q0 = (int32_t)rintf(x0[j] * r0), q1 = (int32_t)rintf(x0[j + per] * r1);
-                int32_t q2 = (int32_t)rintf(x0[j + 2 * per] * r2), q3 = (int32_t)rintf(x0[j + 3 * per] * r3);
-                o[j] = (uint8_t)((q0 + 1) | ((q1 + 1) << 2) | ((q2 + 1) << 4) | ((q3 + 1) << 6));
+                uint32_t q0 = round_bits(x0[j] * r0) + 1u, q1 = round_bits(x0[j + per] * r1) + 1u;
+                uint32_t q2 = round_bits(x0[j + 2 * per] * r2) + 1u, q3 = round_bits(x0[j + 3 * per] * r3) + 1u;
+                o[j] = (uint8_t)((q0 & 3u) | ((q1 & 3u) << 2) | ((q2 & 3u) << 4) | (q3 << 6));
             }
         }
     }
@@ -204,6 +218,191 @@ LIQ_HOT static void unpack_scale_group(const uint8_t *restrict in, const float *
         }
     }
 }
+
+/* The portable loops of liq_bf16_encode / liq_bf16_decode / liq_f32_copy_checked (the encodes
+ * return the largest |x| bit pattern seen). */
+LIQ_HOT static uint32_t bf16_round(const float *restrict x, int64_t count, uint16_t *restrict out) {
+    const uint32_t *xb = (const uint32_t *)x;
+    uint32_t worst = 0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t u = xb[j];
+        uint32_t a = u & LIQ_ABS_MASK;
+        worst = a > worst ? a : worst;
+        a = a > 0x7F7F0000u ? 0x7F7F0000u : a; /* finite beyond the bf16 range (or ties to Inf): clamp */
+        uint32_t r = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
+        r = r > 0x7F7Fu ? 0x7F7Fu : r;
+        out[j] = (uint16_t)(r | ((u >> 16) & 0x8000u));
+    }
+    return worst;
+}
+
+LIQ_HOT static void bf16_widen(const uint16_t *restrict in, int64_t count, uint32_t *restrict out) {
+    for (int64_t j = 0; j < count; j++) out[j] = (uint32_t)in[j] << 16;
+}
+
+LIQ_HOT static uint32_t f32_copy_max(const float *restrict x, int64_t count, float *restrict out) {
+    const uint32_t *xb = (const uint32_t *)x;
+    uint32_t *ob = (uint32_t *)out;
+    uint32_t worst = 0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t u = xb[j];
+        uint32_t a = u & LIQ_ABS_MASK;
+        worst = a > worst ? a : worst;
+        ob[j] = u;
+    }
+    return worst;
+}
+
+/*
+ * Streaming (non-temporal) stores for large outputs: x86-64 with AVX2.
+ *
+ * A decoded vector much larger than the caches is not read back soon; writing it with streaming
+ * stores skips the read-for-ownership of every destination line. On the 2-core AMD EPYC VM of
+ * docs/BENCHMARKS.md this made a cold 64 MiB int4 decode ~20% faster and a one-thread one ~40%.
+ * The streaming loops do the same IEEE operations as the portable ones (exact int-to-float
+ * conversions, one rounded multiply), so the bytes are identical; the tests compare every path
+ * with the torch reference. They run only for outputs of at least LIQ_STREAM_MIN_BYTES at a
+ * 32-byte aligned address on a CPU with AVX2, and end with a store fence.
+ */
+#define LIQ_STREAM_MIN_BYTES ((int64_t)4 << 20)
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define LIQ_AVX2 __attribute__((target("avx2")))
+
+static int stream_ok(const void *out, int64_t nbytes) {
+    return nbytes >= LIQ_STREAM_MIN_BYTES && ((uintptr_t)out & 31u) == 0 && __builtin_cpu_supports("avx2");
+}
+
+/* out[0:8] = (float)q * s, streamed */
+LIQ_AVX2 static inline void put8(float *out, __m256i q, __m256 s) {
+    _mm256_stream_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
+}
+
+/* unpack_scale_group with streaming stores (block a multiple of 8). */
+LIQ_AVX2 static void unpack_scale_group_stream(const uint8_t *in, const float *scales, int64_t block, int bits,
+                                               float *out) {
+    if (bits == 4) {
+        const int64_t per = LIQ_PACK_GROUP / 2, nbh = per / block;
+        const __m256i lo = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+        for (int64_t bb = 0; bb < nbh; bb++) {
+            const __m256 s0 = _mm256_set1_ps(scales[bb]), s1 = _mm256_set1_ps(scales[nbh + bb]);
+            const uint8_t *v = in + bb * block;
+            float *o0 = out + bb * block, *o1 = out + per + bb * block;
+            for (int64_t j = 0; j < block; j += 8) {
+                __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v + j)));
+                put8(o0 + j, _mm256_sub_epi32(_mm256_and_si256(w, lo), eight), s0);
+                put8(o1 + j, _mm256_sub_epi32(_mm256_srli_epi32(w, 4), eight), s1);
+            }
+        }
+    } else {
+        const int64_t per = LIQ_PACK_GROUP / 4, nbh = per / block;
+        const __m256i m = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
+        for (int64_t bb = 0; bb < nbh; bb++) {
+            const __m256 s0 = _mm256_set1_ps(scales[bb]), s1 = _mm256_set1_ps(scales[nbh + bb]);
+            const __m256 s2 = _mm256_set1_ps(scales[2 * nbh + bb]), s3 = _mm256_set1_ps(scales[3 * nbh + bb]);
+            const uint8_t *v = in + bb * block;
+            float *o = out + bb * block;
+            for (int64_t j = 0; j < block; j += 8) {
+                __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(v + j)));
+                put8(o + j, _mm256_sub_epi32(_mm256_and_si256(w, m), one), s0);
+                put8(o + j + per, _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 2), m), one), s1);
+                put8(o + j + 2 * per, _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(w, 4), m), one), s2);
+                put8(o + j + 3 * per, _mm256_sub_epi32(_mm256_srli_epi32(w, 6), one), s3);
+            }
+        }
+    }
+}
+
+/* block_rescale of int8 values with streaming stores (block a multiple of 8; the last block may
+ * be partial: its tail past a multiple of 8 is stored normally). */
+LIQ_AVX2 static void block_rescale_stream(const int8_t *q, int64_t count, int64_t block, const float *scales,
+                                          float *out) {
+    int64_t nb = (count + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = count - s < block ? count - s : block, j = 0;
+        const __m256 sc = _mm256_set1_ps(scales[b]);
+        for (; j + 8 <= len; j += 8)
+            put8(out + s + j, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + s + j))), sc);
+        for (; j < len; j++) out[s + j] = (float)q[s + j] * scales[b];
+    }
+}
+
+/* out = bf16 bits << 16, streamed. */
+LIQ_AVX2 static void bf16_widen_stream(const uint16_t *in, int64_t count, float *out) {
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(in + j)));
+        _mm256_stream_si256((__m256i *)(out + j), _mm256_slli_epi32(w, 16));
+    }
+    for (; j < count; j++) ((uint32_t *)out)[j] = (uint32_t)in[j] << 16;
+}
+
+/* Copy x to out (streamed) and return the largest |x| bit pattern. */
+LIQ_AVX2 static uint32_t f32_copy_max_stream(const float *x, int64_t count, float *out) {
+    const __m256i mask = _mm256_set1_epi32((int)LIQ_ABS_MASK);
+    __m256i worst = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(x + j));
+        worst = _mm256_max_epu32(worst, _mm256_and_si256(u, mask));
+        _mm256_stream_si256((__m256i *)(out + j), u);
+    }
+    uint32_t lanes[8], w = 0;
+    _mm256_storeu_si256((__m256i *)lanes, worst);
+    for (int i = 0; i < 8; i++) w = lanes[i] > w ? lanes[i] : w;
+    for (; j < count; j++) {
+        uint32_t u = f2u(x[j]), a = u & LIQ_ABS_MASK;
+        w = a > w ? a : w;
+        out[j] = x[j];
+    }
+    return w;
+}
+
+/* The bf16 rounding of liq_bf16_encode on 8 lanes: returns the 8 codes as 32-bit lanes and
+ * folds |x| bits into *worst. */
+LIQ_AVX2 static inline __m256i bf16_codes8(const float *x, __m256i *worst) {
+    const __m256i u = _mm256_loadu_si256((const __m256i *)x);
+    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32((int)LIQ_ABS_MASK));
+    *worst = _mm256_max_epu32(*worst, a);
+    a = _mm256_min_epu32(a, _mm256_set1_epi32(0x7F7F0000));
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    r = _mm256_min_epu32(r, _mm256_set1_epi32(0x7F7F));
+    __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
+    return _mm256_or_si256(r, sign);
+}
+
+/* liq_bf16_encode with streaming stores (out 32-byte aligned); returns the largest |x| bits. */
+LIQ_AVX2 static uint32_t bf16_round_stream(const float *x, int64_t count, uint16_t *out) {
+    __m256i worst = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 16 <= count; j += 16) {
+        __m256i lo = bf16_codes8(x + j, &worst), hi = bf16_codes8(x + j + 8, &worst);
+        /* packus interleaves 128-bit lanes: (lo0-3, hi0-3, lo4-7, hi4-7); restore the order */
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+        _mm256_stream_si256((__m256i *)(out + j), packed);
+    }
+    uint32_t lanes[8], w = 0;
+    _mm256_storeu_si256((__m256i *)lanes, worst);
+    for (int i = 0; i < 8; i++) w = lanes[i] > w ? lanes[i] : w;
+    if (j < count) {
+        uint32_t t = bf16_round(x + j, count - j, out + j);
+        w = t > w ? t : w;
+    }
+    return w;
+}
+
+static void stream_fence(void) { _mm_sfence(); }
+#else
+static int stream_ok(const void *out, int64_t nbytes) { (void)out; (void)nbytes; return 0; }
+#define unpack_scale_group_stream unpack_scale_group
+#define block_rescale_stream block_rescale
+static void bf16_widen_stream(const uint16_t *in, int64_t count, float *out) { (void)in; (void)count; (void)out; }
+static uint32_t f32_copy_max_stream(const float *x, int64_t count, float *out) { (void)x; (void)count; (void)out; return 0; }
+static uint32_t bf16_round_stream(const float *x, int64_t count, uint16_t *out) { (void)x; (void)count; (void)out; return 0; }
+static void stream_fence(void) {}
+#endif
 
 /*
  * Blockwise absmax int8/int4/int2 encode of x[0:count] (count from a block- and group-aligned
@@ -242,6 +441,7 @@ int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float
 }
 
 int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, int bits, float *out) {
+    int stream = block % 8 == 0 && stream_ok(out, count * (int64_t)sizeof(float));
     int pack = 8 / bits;
     int64_t slab = slab_elems(block, pack, count);
     int8_t *q = pack == 1 ? NULL : malloc((size_t)slab + 1);
@@ -249,11 +449,19 @@ int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, in
     for (int64_t s = 0; s < count; s += slab) {
         int64_t len = count - s < slab ? count - s : slab;
         if (pack == 1) {
-            block_rescale((const int8_t *)values + s, len, block, scales + s / block, out + s);
+            if (stream)
+                block_rescale_stream((const int8_t *)values + s, len, block, scales + s / block, out + s);
+            else
+                block_rescale((const int8_t *)values + s, len, block, scales + s / block, out + s);
         } else if ((LIQ_PACK_GROUP / pack) % block == 0) {
             int64_t full = len / LIQ_PACK_GROUP * LIQ_PACK_GROUP;
-            for (int64_t g = 0; g < full; g += LIQ_PACK_GROUP)
-                unpack_scale_group(values + (s + g) / pack, scales + (s + g) / block, block, bits, out + s + g);
+            for (int64_t g = 0; g < full; g += LIQ_PACK_GROUP) {
+                const uint8_t *in = values + (s + g) / pack;
+                if (stream)
+                    unpack_scale_group_stream(in, scales + (s + g) / block, block, bits, out + s + g);
+                else
+                    unpack_scale_group(in, scales + (s + g) / block, block, bits, out + s + g);
+            }
             if (full < len) {
                 unpack_planar(values + (s + full) / pack, len - full, bits, q);
                 block_rescale(q, len - full, block, scales + (s + full) / block, out + s + full);
@@ -264,6 +472,7 @@ int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, in
         }
     }
     free(q);
+    if (stream) stream_fence();
     return 0;
 }
 
@@ -274,8 +483,8 @@ static inline uint8_t to_e4m3(float t) {
     uint32_t a = u & LIQ_ABS_MASK;
     /* normal range (>= 2**-6): round the 23-bit mantissa to 3 bits, rebias the exponent 127 -> 7 */
     uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    /* subnormal range: multiples of 2**-9 (exact scaling, then round half to even) */
-    uint32_t sub = (uint32_t)(int32_t)rintf(u2f(a) * 512.0f);
+    /* subnormal range: multiples of 2**-9 (exact scaling, then round half to even; 0..8 fits 7 bits) */
+    uint32_t sub = round_bits(u2f(a) * 512.0f) & 0x7Fu;
     uint32_t is_normal = 0u - (uint32_t)(a >= 0x3C800000u); /* all ones or zero: a select without a branch */
     uint32_t code = (normal & is_normal) | (sub & ~is_normal);
     return (uint8_t)(((u >> 24) & 0x80u) | code);
@@ -304,50 +513,57 @@ int liq_fp8_encode(const float *x, int64_t count, int64_t block, float *scales, 
     return 0;
 }
 
-/* lut: the 256 float8_e4m3fn values as fp32 (exact). out = lut[v] * scale. */
+/* The float8_e4m3fn code c as fp32, exactly, without a table (a table lookup is a gather, which
+ * vectorizes poorly): a normal code (exponent field != 0) rebiases its exponent (7 -> 127) by
+ * integer addition; a subnormal one is its mantissa times 2**-9 (an exact conversion and scaling,
+ * never an fp32 denormal, so flush-to-zero modes cannot touch it). The NaN codes (never produced
+ * by the encoder, and rejected with their payload by the checksum) decode as 480. */
+static inline float from_e4m3(uint32_t c) {
+    uint32_t em = c & 0x7Fu;
+    uint32_t normal = (em << 20) + (120u << 23);
+    uint32_t sub = f2u((float)(int32_t)em * 0x1p-9f);
+    uint32_t is_normal = 0u - (uint32_t)(em >= 8u);
+    return u2f(((normal & is_normal) | (sub & ~is_normal)) | ((c & 0x80u) << 24));
+}
+
+/* out = e4m3(v) * scale: the one rounding of the decode. */
 LIQ_HOT int liq_fp8_decode(const uint8_t *restrict values, const float *restrict scales, int64_t count,
-                           int64_t block, const float *restrict lut, float *restrict out) {
+                           int64_t block, float *restrict out) {
     int64_t nb = (count + block - 1) / block;
     for (int64_t b = 0; b < nb; b++) {
         int64_t s = b * block, len = count - s < block ? count - s : block;
         float sc = scales[b];
-        for (int64_t j = 0; j < len; j++) out[s + j] = lut[values[s + j]] * sc;
+        for (int64_t j = 0; j < len; j++) out[s + j] = from_e4m3(values[s + j]) * sc;
     }
     return 0;
 }
 
 /* bf16 = round_half_even(clamp(x, +-max bf16)); returns 1 if x holds NaN/Inf (output undefined). */
-LIQ_HOT int liq_bf16_encode(const float *restrict x, int64_t count, uint16_t *restrict out) {
-    const uint32_t *xb = (const uint32_t *)x;
-    uint32_t worst = 0;
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t u = xb[j];
-        uint32_t a = u & LIQ_ABS_MASK;
-        worst = a > worst ? a : worst;
-        a = a > 0x7F7F0000u ? 0x7F7F0000u : a; /* finite beyond the bf16 range (or ties to Inf): clamp */
-        uint32_t r = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
-        r = r > 0x7F7Fu ? 0x7F7Fu : r;
-        out[j] = (uint16_t)(r | ((u >> 16) & 0x8000u));
-    }
+int liq_bf16_encode(const float *x, int64_t count, uint16_t *out) {
+    uint32_t worst = stream_ok(out, count * (int64_t)sizeof(uint16_t)) ? bf16_round_stream(x, count, out)
+                                                                       : bf16_round(x, count, out);
+    stream_fence();
     return worst >= LIQ_INF_BITS;
 }
 
-LIQ_HOT int liq_bf16_decode(const uint16_t *restrict in, int64_t count, float *restrict out) {
-    uint32_t *ob = (uint32_t *)out;
-    for (int64_t j = 0; j < count; j++) ob[j] = (uint32_t)in[j] << 16;
+int liq_bf16_decode(const uint16_t *in, int64_t count, float *out) {
+    if (stream_ok(out, count * (int64_t)sizeof(float))) {
+        bf16_widen_stream(in, count, out);
+        stream_fence();
+    } else {
+        bf16_widen(in, count, (uint32_t *)out);
+    }
     return 0;
 }
 
 /* Copy with a finiteness check; returns 1 if x holds NaN/Inf. */
-LIQ_HOT int liq_f32_copy_checked(const float *restrict x, int64_t count, float *restrict out) {
-    const uint32_t *xb = (const uint32_t *)x;
-    uint32_t *ob = (uint32_t *)out;
-    uint32_t worst = 0;
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t u = xb[j];
-        uint32_t a = u & LIQ_ABS_MASK;
-        worst = a > worst ? a : worst;
-        ob[j] = u;
+int liq_f32_copy_checked(const float *x, int64_t count, float *out) {
+    uint32_t worst;
+    if (stream_ok(out, count * (int64_t)sizeof(float))) {
+        worst = f32_copy_max_stream(x, count, out);
+        stream_fence();
+    } else {
+        worst = f32_copy_max(x, count, out);
     }
     return worst >= LIQ_INF_BITS;
 }
