@@ -246,6 +246,42 @@ def _crc_join(pieces: list[tuple[int, int]]) -> int:
     return crc
 
 
+_CRC_CHUNK_ELEMS = 1 << 21  # elements per kernel call between checksum updates (8 MiB of fp32)
+
+
+def _run_checksummed(count: int, unit: int, call: Callable[[int, int], int],
+                     parts: Callable[[int, int], tuple[Tensor, ...]], before: bool) -> tuple[list[int], int]:
+    """Run a fused kernel over ``[0, count)`` on the kernel threads and checksum its output (or input).
+
+    Each thread takes a unit-aligned range and walks it in chunks of about ``_CRC_CHUNK_ELEMS``:
+    ``call(start, stop)`` runs the kernel, and the body pieces ``parts(start, stop)`` (say the
+    chunk's scales and its values) are checksummed right after it (``before=False``, encoding: the
+    output is still in cache) or right before it (``before=True``, decoding: the input is then in
+    cache for the kernel). Returns the kernel statuses and the CRC-32 of the body, i.e. of part 0
+    over all chunks in order, then part 1, and so on. (One checksum per 32 MiB range instead was
+    measured 40% slower for fp32: its output has left the caches.)
+    """
+    step = max(unit, _CRC_CHUNK_ELEMS // unit * unit)
+
+    def work(start: int, stop: int) -> tuple[list[int], list[list[tuple[int, int]]]]:
+        statuses: list[int] = []
+        pieces: list[list[tuple[int, int]]] = []
+        for s in range(start, stop, step):
+            e = min(s + step, stop)
+            if before:
+                pieces.append([_crc_piece(t) for t in parts(s, e)])
+            statuses.append(call(s, e))
+            if not before:
+                pieces.append([_crc_piece(t) for t in parts(s, e)])
+        return statuses, pieces
+
+    results = native.run_parallel(count, unit, work)
+    chunks = [chunk for _, ranges in results for chunk in ranges]
+    nparts = len(chunks[0]) if chunks else 0
+    crc = _crc_join([chunk[i] for i in range(nparts) for chunk in chunks])
+    return [status for statuses, _ in results for status in statuses], crc
+
+
 # ----------------------------------------------------------------------------------------------
 # small helpers
 # ----------------------------------------------------------------------------------------------
@@ -552,14 +588,12 @@ class Float32Codec(Codec):
             dst.copy_(v)
             return None
 
-        def work(s: int, e: int) -> tuple[int, tuple[int, int]]:
-            bad = lib.liq_f32_copy_checked(native.ptr(v, s), e - s, native.ptr(dst, s))
-            return bad, _crc_piece(dst[s:e])
-
-        results = native.run_parallel(v.numel(), 16, work)
-        if any(bad for bad, _ in results):
+        bad, crc = _run_checksummed(
+            v.numel(), 16, lambda s, e: lib.liq_f32_copy_checked(native.ptr(v, s), e - s, native.ptr(dst, s)),
+            lambda s, e: (dst[s:e],), before=False)
+        if any(bad):
             raise _nonfinite_error(v)  # type: ignore[misc]  # a bad flag means a non-finite value
-        return _crc_join([piece for _, piece in results])
+        return crc
 
     def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         src = body.view(torch.float32)
@@ -567,12 +601,11 @@ class Float32Codec(Codec):
             out.copy_(src)
             return None
 
-        def work(s: int, e: int) -> tuple[int, int]:
-            piece = _crc_piece(src[s:e])  # the piece is in cache for the copy that follows
+        def copy(s: int, e: int) -> int:
             ctypes.memmove(native.ptr(out, s), native.ptr(src, s), 4 * (e - s))  # releases the GIL
-            return piece
+            return 0
 
-        return _crc_join(native.run_parallel(m, 16, work))
+        return _run_checksummed(m, 16, copy, lambda s, e: (src[s:e],), before=True)[1]
 
 
 class BFloat16Codec(Codec):
@@ -592,14 +625,12 @@ class BFloat16Codec(Codec):
         y = body.view(torch.bfloat16)
         lib = _kernels(v)
         if lib is not None:
-            def work(s: int, e: int) -> tuple[int, tuple[int, int]]:
-                bad = lib.liq_bf16_encode(native.ptr(v, s), e - s, native.ptr(y, s))
-                return bad, _crc_piece(y[s:e])
-
-            results = native.run_parallel(v.numel(), 16, work)
-            if any(bad for bad, _ in results):
+            bad, crc = _run_checksummed(
+                v.numel(), 16, lambda s, e: lib.liq_bf16_encode(native.ptr(v, s), e - s, native.ptr(y, s)),
+                lambda s, e: (y[s:e],), before=False)
+            if any(bad):
                 raise _nonfinite_error(v)  # type: ignore[misc]
-            return _crc_join([piece for _, piece in results])
+            return crc
         y.copy_(v)
         # One pass over the half-size output catches both NaN/Inf input and overflow to Inf.
         # (A plain bf16 sum accumulates in fp32 internally and is ~50x faster than sum(dtype=fp32);
@@ -618,12 +649,8 @@ class BFloat16Codec(Codec):
             out.copy_(y)
             return None
 
-        def work(s: int, e: int) -> tuple[int, int]:
-            piece = _crc_piece(y[s:e])  # the piece is in cache for the decode that follows
-            lib.liq_bf16_decode(native.ptr(y, s), e - s, native.ptr(out, s))
-            return piece
-
-        return _crc_join(native.run_parallel(m, 16, work))
+        return _run_checksummed(m, 16, lambda s, e: lib.liq_bf16_decode(native.ptr(y, s), e - s, native.ptr(out, s)),
+                                lambda s, e: (y[s:e],), before=True)[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -824,26 +851,20 @@ class _BlockCodec(Codec):
     def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
                     call: Callable[[Any, int, int], int]) -> int | None:
         """Run ``call(lib, start, stop)`` over unit-aligned ranges of the fp32 ``vector`` on the
-        kernel threads, each thread also checksumming its pieces of ``scales`` and ``values`` while
-        they are in cache (after encoding them, before decoding them). Returns the CRC-32 of
-        ``scales + values`` (the body), or None (nothing run) if there are no fused kernels."""
+        kernel threads, checksumming the matching pieces of ``scales`` and ``values`` while they are
+        in cache (:func:`_run_checksummed`). Returns the CRC-32 of ``scales + values`` (the body),
+        or None (nothing run) if there are no fused kernels."""
         lib = _kernels(vector)
         if lib is None:
             return None
-        bsz, pack, decoding = self.block_size, self.pack, what == "decode"
-
-        def work(s: int, e: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
-            ours = (scales[s // bsz : _ceil_div(e, bsz)], values[s // pack : _ceil_div(e, pack)])
-            crcs = [_crc_piece(t) for t in ours] if decoding else []
-            status = call(lib, s, e)
-            if not decoding:
-                crcs = [_crc_piece(t) for t in ours]
-            return status, crcs[0], crcs[1]
-
-        results = native.run_parallel(vector.numel(), self._native_unit(), work)
-        if any(status for status, _, _ in results):
+        bsz, pack = self.block_size, self.pack
+        failed, crc = _run_checksummed(
+            vector.numel(), self._native_unit(), lambda s, e: call(lib, s, e),
+            lambda s, e: (scales[s // bsz : _ceil_div(e, bsz)], values[s // pack : _ceil_div(e, pack)]),
+            before=what == "decode")
+        if any(failed):
             raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
-        return _crc_join([r[1] for r in results] + [r[2] for r in results])
+        return crc
 
     # one kernel call on the unit-aligned value range [s, e); returns the kernel's status (0 = ok)
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
