@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -239,6 +239,7 @@ class IslandStrategy(FSDP2Strategy):
         self._last_status = 0.0
         self._beats = 0
         self._stopping = False  # the islands agreed to stop: no further rounds start
+        self._start_agreed = False  # this fit took part in the islands' start agreement
         self._resuming = False
         self._timed_steps = 0  # steps closed since _round_started (step time excludes restarts)
         self._untimed_first_step = False  # set at the start of a fit: its first step is not timed
@@ -313,6 +314,7 @@ class IslandStrategy(FSDP2Strategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._start_agreed = False
             self._resuming = trainer.ckpt_path is not None
             self._rendezvous()
 
@@ -733,35 +735,64 @@ class IslandStrategy(FSDP2Strategy):
         self._untimed_first_step = True
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
+        self._continue_after_agreed_end(self._agree_on_start(more))
+
+    def _agree_on_start(self, more: bool) -> list[int]:
+        """The islands' start agreement (an island collective): every island's global state must be
+        the same; returns the islands that have no training steps left (``more=False``)."""
+        self._start_agreed = True
         if self.num_islands == 1:
-            self._continue_after_agreed_end(more)
-            return
+            return [] if more else [self.island_index]
         digest = self.global_state_digest()
 
-        def compare() -> bool:
+        def compare() -> list[int]:
             found = self.link.gather_objects(  # type: ignore[union-attr]
                 "start", {"digest": digest, "round": self.round, "more": more})
             if len({d["digest"] for d in found}) != 1:
                 raise RuntimeError(
                     f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
                     "resume every island from its checkpoint of the same step, or none")
-            return all(d["more"] for d in found)
+            return [i for i, d in enumerate(found) if not d["more"]]
 
-        self._continue_after_agreed_end(self._agree(compare))
+        return self._agree(compare)
 
-    def _continue_after_agreed_end(self, every_island_has_steps: bool) -> None:
-        """Resuming from a checkpoint taken after the islands agreed to stop (``final.ckpt``): if every
-        island has steps left (a raised ``max_steps``), the rounds go on; otherwise stop at once, as
-        the steps would never be merged."""
-        if not self._stopping:
+    def _continue_after_agreed_end(self, done: list[int]) -> None:
+        """Act on the start agreement. ``done``: the islands without steps left.
+
+        Every island has steps: a run resumed from the checkpoint taken after the islands agreed to
+        stop (``final.ckpt``) with a raised ``max_steps`` goes on with its rounds. Some island has
+        none: no round could complete (that island never joins one), so stop at once.
+        """
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if not done:
+            if self._stopping:
+                self._stopping = False
+                rank_zero_info(f"islands: continuing after round {self.round}, where the previous run ended")
             return
-        if every_island_has_steps:
-            self._stopping = False
-            rank_zero_info(f"islands: continuing after round {self.round}, where the previous run ended")
-        else:
+        if self._stopping:
             rank_zero_info(f"islands: this checkpoint is the agreed end of a run (round {self.round}) and not "
                            "every island has steps left; stopping. Raise trainer.max_steps to train further.")
-            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
+        else:
+            rank_zero_warn(f"islands: island(s) {done} have no steps left (trainer.max_steps reached), so no round "
+                           f"can complete; not every island has steps left, stopping at round {self.round}. Give "
+                           "every island a max_steps above the step it resumes from.")
+            self._stopping = True  # the end of training must not start a round the others never join
+        trainer.should_stop = True
+
+    def _join_start_if_skipped(self) -> None:
+        """A fit with no steps left skips ``on_train_start`` (Lightning does not start its loop). Take
+        part in the start agreement anyway, saying so, so that the other islands stop at once instead
+        of waiting ``timeout_s`` for this island at their first round."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if (trainer is None or self._start_agreed or not self._anchors or self.num_islands == 1
+                or trainer.state.fn != TrainerFn.FITTING or trainer.state.status != TrainerStatus.RUNNING):
+            return
+        try:
+            self._agree_on_start(more=False)
+        except Exception as err:  # noqa: BLE001 - this island is done either way; a lost partner is not its failure
+            rank_zero_warn(f"islands: could not tell the other islands that island {self.island_index} has no "
+                           f"steps left: {err}")
 
     # ------------------------------------------------------------------ checkpoints
     def _outer_dtensors(self, tensors: Sequence[Tensor]) -> dict[str, Tensor]:
@@ -878,6 +909,7 @@ class IslandStrategy(FSDP2Strategy):
     @override
     def teardown(self) -> None:
         if self.link is not None:
+            self._join_start_if_skipped()
             self.link.close()
             self.link = None
         super().teardown()

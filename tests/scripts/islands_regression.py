@@ -96,7 +96,7 @@ class Regression(pl.LightningModule):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", default="12", help="max_steps (comma list: per island)")
     p.add_argument("--H", type=int, default=4)
     p.add_argument("--sync-warmup", default="", help="H of the first rounds (comma list)")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -181,7 +181,8 @@ def main() -> None:
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_every),
+                         max_steps=[int(v) for v in args.steps.split(",")][min(island, args.steps.count(","))],
+                         logger=False, enable_checkpointing=bool(args.ckpt_every),
                          callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
