@@ -7,8 +7,9 @@ see the same machine state), this measures:
   (``out=``), i.e. the steady state of an outer loop that keeps its buffers;
 * ``alloc``: the same with fresh outputs (on CPU, page-faulting fresh multi-MiB allocations can cost
   more than the codec itself);
-* ``kern``: quantize+pack / unpack+dequantize alone, without the header and the CRC32 that
-  ``encode``/``decode`` add (``crc ms`` is one CRC32 of the payload, paid once per direction);
+* ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header; on the fused
+  CPU path this includes the CRC-32 the kernel threads take of each piece while it is in cache
+  (``crc ms`` is one separate CRC-32 of the whole payload: what the torch path pays per direction);
 * ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
   a machine without a C compiler (or a GPU tensor's code path) runs, side by side with the fused
   CPU kernels of ``lightning_islands/native.py`` that the other columns use when available.

@@ -56,6 +56,7 @@ _SIGNATURES = {
     "liq_ef_encode": [_P, _I64, _I32, _P, _I64, _P, _I64],
     "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
     "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
+    "liq_streaming": [],
 }
 _RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 count, the rest a status
 

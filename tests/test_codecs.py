@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import shutil
 import struct
 import subprocess
 import sys
 import zlib
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -671,6 +673,8 @@ def test_fused_kernels_match_torch_on_edge_values(spec):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
     """Outputs of >= 4 MiB per kernel call take the streaming-store loops (AVX2 machines): same bytes."""
+    if sys.platform == "linux" and platform.machine() == "x86_64" and "avx2" in Path("/proc/cpuinfo").read_text():
+        assert native.library().liq_streaming() == 1, "this machine should exercise the streaming loops"
     g = torch.Generator().manual_seed(11)
     n = (3 << 20) + 4099  # 12 MiB of fp32: >= 4 MiB per thread; a partial block and packing group
     x = torch.randn(n, generator=g)
@@ -693,7 +697,7 @@ def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
 def test_large_payload_corruption_is_detected_while_decoding(spec):
     """The fused kernels checksum the body as they decode it: a flipped bit anywhere still fails."""
     codec = make_codec(spec)
-    n = (1 << 20) + 77
+    n = (5 << 20) + 77  # several checksummed chunks per thread
     payload = codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(2)))
     for pos in (C.HEADER_BYTES + 5, payload.numel() // 2, payload.numel() - 1):
         bad = payload.clone()

@@ -254,7 +254,8 @@ LIQ_HOT static uint32_t f32_copy_max(const float *restrict x, int64_t count, flo
 }
 
 /*
- * Streaming (non-temporal) stores for large outputs: x86-64 with AVX2.
+ * Streaming (non-temporal) stores for large outputs: x86-64 Linux with AVX2 (the CPU check needs
+ * the compiler runtime's __cpu_model, which Apple's toolchain does not provide).
  *
  * A decoded vector much larger than the caches is not read back soon; writing it with streaming
  * stores skips the read-for-ownership of every destination line. On the 2-core AMD EPYC VM of
@@ -266,7 +267,7 @@ LIQ_HOT static uint32_t f32_copy_max(const float *restrict x, int64_t count, flo
  */
 #define LIQ_STREAM_MIN_BYTES ((int64_t)4 << 20)
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 #include <immintrin.h>
 #define LIQ_AVX2 __attribute__((target("avx2")))
 
@@ -403,6 +404,9 @@ static uint32_t f32_copy_max_stream(const float *x, int64_t count, float *out) {
 static uint32_t bf16_round_stream(const float *x, int64_t count, uint16_t *out) { (void)x; (void)count; (void)out; return 0; }
 static void stream_fence(void) {}
 #endif
+
+/* 1 if this build on this CPU takes the streaming-store loops for large outputs (for the tests). */
+int liq_streaming(void) { return stream_ok((const void *)0, LIQ_STREAM_MIN_BYTES); }
 
 /*
  * Blockwise absmax int8/int4/int2 encode of x[0:count] (count from a block- and group-aligned
