@@ -222,7 +222,11 @@ def test_mismatched_islands_fail_fast_with_a_clear_message(tmp_path, args, needl
 def test_islands_on_one_machine_share_its_cores(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     probe = tmp_path / "probe.py"
-    probe.write_text("import os, torch\nprint('threads', os.environ['OMP_NUM_THREADS'], torch.get_num_threads())\n")
+    # one os.write per process: the two ranks of island 0 share a pipe, and an unbuffered print
+    # (PYTHONUNBUFFERED=1) writes its pieces separately, so two ranks' lines could interleave
+    probe.write_text("import os, torch\n"
+                     "line = f\"threads {os.environ['OMP_NUM_THREADS']} {torch.get_num_threads()}\\n\"\n"
+                     "os.write(1, line.encode())\n")
     buf = io.StringIO()
     results = run_islands([2, 1], [sys.executable, str(probe)], log_dir=tmp_path, live=False, out=buf)
     assert all(r.returncode == 0 for r in results), buf.getvalue()
