@@ -91,6 +91,7 @@ try:  # same CRC-32 as zlib, ~10x faster (PCLMUL); optional
     from zlib_ng import zlib_ng as _zlib_fast
 except ImportError:  # pragma: no cover - depends on the environment
     _zlib_fast = None
+_CRC32 = _zlib_fast.crc32 if _zlib_fast is not None else zlib.crc32  # zlib's CRC-32 (a running value, bytes)
 
 __all__ = [
     "BASE_CODECS",
@@ -213,18 +214,23 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     if body.numel() == 0:
         return crc
     data = (body if body.device.type == "cpu" else body.cpu()).numpy()
-    crc32 = _zlib_fast.crc32 if _zlib_fast is not None else zlib.crc32
     size = data.shape[0]
     pool = native.thread_pool() if size >= _CRC_PARALLEL_MIN_BYTES and _CRC_WORKERS >= 2 else None
     if pool is None:
-        return crc32(data, crc)
+        return _CRC32(data, crc)
     piece = max(_CRC_PIECE_MIN_BYTES, -(-size // _CRC_WORKERS))
     bounds = [(s, min(s + piece, size)) for s in range(0, size, piece)]
-    futures = [pool.submit(crc32, data[s:e]) for s, e in bounds[1:]]
-    crc = crc32(data[bounds[0][0] : bounds[0][1]], crc)
-    for (s, e), fut in zip(bounds[1:], futures):
-        crc = crc32_combine(crc, fut.result(), e - s)
-    return crc
+    futures = [pool.submit(_CRC32, data[s:e]) for s, e in bounds[1:]]
+    first = _CRC32(data[bounds[0][0] : bounds[0][1]], crc)
+    return _crc_join([(first, 0)] + [(fut.result(), e - s) for (s, e), fut in zip(bounds[1:], futures)])
+
+
+def _payload_crc(prefix: bytes, body: Tensor, body_crc: int | None) -> int:
+    """CRC-32 of ``prefix + body``, from ``body_crc`` (the body's own CRC-32) where a fused kernel
+    already took it, else by reading the body."""
+    if body_crc is None:
+        return _crc32(prefix, body)
+    return crc32_combine(zlib.crc32(prefix), body_crc, body.numel())
 
 
 def _crc_piece(t: Tensor) -> tuple[int, int]:
@@ -234,12 +240,12 @@ def _crc_piece(t: Tensor) -> tuple[int, int]:
     still in cache: the payload checksum then costs no separate pass over memory.
     """
     data = t.view(torch.uint8).numpy()
-    crc32 = _zlib_fast.crc32 if _zlib_fast is not None else zlib.crc32
-    return crc32(data), data.shape[0]
+    return _CRC32(data), data.shape[0]
 
 
 def _crc_join(pieces: list[tuple[int, int]]) -> int:
-    """CRC-32 of the concatenation of pieces given as ``(crc32, nbytes)``, in order."""
+    """CRC-32 of the concatenation of pieces given as ``(crc32, nbytes)``, in order (the first
+    piece's length does not matter: it is combined onto the CRC of nothing)."""
     crc = 0
     for piece_crc, nbytes in pieces:
         crc = crc32_combine(crc, piece_crc, nbytes)
@@ -437,11 +443,7 @@ class Codec:
         header = _HEADER.pack(
             MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
         )[:_CRC_OFFSET]
-        if body_crc is None:
-            crc = _crc32(header, body)
-        else:
-            crc = crc32_combine(zlib.crc32(header), body_crc, body.numel())
-        header += struct.pack("<I", crc)
+        header += struct.pack("<I", _payload_crc(header, body, body_crc))
         payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return payload
 
@@ -461,7 +463,7 @@ class Codec:
         body = payload[HEADER_BYTES:]
         late = self._checksums_while_decoding(body)
         if not late:  # check first: decoding a corrupted body could fail with a misleading error
-            self._verify_crc(raw, _crc32(raw[:_CRC_OFFSET], body))
+            self._verify_crc(raw, _payload_crc(raw[:_CRC_OFFSET], body, None))
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=payload.device)
         elif (
@@ -479,7 +481,7 @@ class Codec:
         if late:
             if body_crc is None:  # pragma: no cover - a codec that claims to checksum must do so
                 raise RuntimeError(f"codec {self.name!r} did not checksum the body while decoding")
-            self._verify_crc(raw, crc32_combine(zlib.crc32(raw[:_CRC_OFFSET]), body_crc, body.numel()))
+            self._verify_crc(raw, _payload_crc(raw[:_CRC_OFFSET], body, body_crc))
         return out
 
     def describe_header(self, payload: Tensor) -> dict[str, Any]:
@@ -1235,7 +1237,7 @@ class TopKCodec(Codec):
         _, low_bytes, high_bytes = _ef_layout(n, k)
         return self.inner._values_nbytes(k) + low_bytes + high_bytes
 
-    def _encode_body(self, x: Tensor, body: Tensor) -> None:
+    def _encode_body(self, x: Tensor, body: Tensor) -> int | None:
         n = x.numel()
         k = self._count(n)
         lib = _kernels(x)
@@ -1250,9 +1252,12 @@ class TopKCodec(Codec):
             idx = _topk_indices(_magnitude_bits(x), k)
             values = x.index_select(0, idx)
         inner_bytes = self.inner._values_nbytes(k)
-        if k:
-            self.inner._encode_values(values, body[:inner_bytes])
+        inner_crc = self.inner._encode_values(values, body[:inner_bytes]) if k else None
         _ef_encode(idx, n, body[inner_bytes:])
+        if inner_crc is None:
+            return None
+        ef_crc, ef_bytes = _crc_piece(body[inner_bytes:])  # the index part is small: the values took the pass
+        return crc32_combine(inner_crc, ef_crc, ef_bytes)
 
     def _checksums_while_decoding(self, body: Tensor) -> bool:
         return False  # the body is index-decoded first: verify it before trusting its indices
