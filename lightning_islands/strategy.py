@@ -735,7 +735,7 @@ class IslandStrategy(FSDP2Strategy):
         self._untimed_first_step = True
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
-        self._continue_after_agreed_end(self._agree_on_start(more))
+        self._act_on_start_agreement(self._agree_on_start(more))
 
     def _agree_on_start(self, more: bool) -> list[int]:
         """The islands' start agreement (an island collective): every island's global state must be
@@ -756,7 +756,7 @@ class IslandStrategy(FSDP2Strategy):
 
         return self._agree(compare)
 
-    def _continue_after_agreed_end(self, done: list[int]) -> None:
+    def _act_on_start_agreement(self, done: list[int]) -> None:
         """Act on the start agreement. ``done``: the islands without steps left.
 
         Every island has steps: a run resumed from the checkpoint taken after the islands agreed to

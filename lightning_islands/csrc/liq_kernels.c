@@ -275,6 +275,14 @@ static int stream_ok(const void *out, int64_t nbytes) {
     return nbytes >= LIQ_STREAM_MIN_BYTES && ((uintptr_t)out & 31u) == 0 && __builtin_cpu_supports("avx2");
 }
 
+/* The largest of 8 unsigned 32-bit lanes. */
+LIQ_AVX2 static inline uint32_t hmax8(__m256i v) {
+    uint32_t lanes[8], w = 0;
+    _mm256_storeu_si256((__m256i *)lanes, v);
+    for (int i = 0; i < 8; i++) w = lanes[i] > w ? lanes[i] : w;
+    return w;
+}
+
 /* out[0:8] = (float)q * s, streamed */
 LIQ_AVX2 static inline void put8(float *out, __m256i q, __m256 s) {
     _mm256_stream_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(q), s));
@@ -349,9 +357,7 @@ LIQ_AVX2 static uint32_t f32_copy_max_stream(const float *x, int64_t count, floa
         worst = _mm256_max_epu32(worst, _mm256_and_si256(u, mask));
         _mm256_stream_si256((__m256i *)(out + j), u);
     }
-    uint32_t lanes[8], w = 0;
-    _mm256_storeu_si256((__m256i *)lanes, worst);
-    for (int i = 0; i < 8; i++) w = lanes[i] > w ? lanes[i] : w;
+    uint32_t w = hmax8(worst);
     for (; j < count; j++) {
         uint32_t u = f2u(x[j]), a = u & LIQ_ABS_MASK;
         w = a > w ? a : w;
@@ -384,9 +390,7 @@ LIQ_AVX2 static uint32_t bf16_round_stream(const float *x, int64_t count, uint16
         __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
         _mm256_stream_si256((__m256i *)(out + j), packed);
     }
-    uint32_t lanes[8], w = 0;
-    _mm256_storeu_si256((__m256i *)lanes, worst);
-    for (int i = 0; i < 8; i++) w = lanes[i] > w ? lanes[i] : w;
+    uint32_t w = hmax8(worst);
     if (j < count) {
         uint32_t t = bf16_round(x + j, count - j, out + j);
         w = t > w ? t : w;
@@ -544,9 +548,13 @@ LIQ_HOT int liq_fp8_decode(const uint8_t *restrict values, const float *restrict
 
 /* bf16 = round_half_even(clamp(x, +-max bf16)); returns 1 if x holds NaN/Inf (output undefined). */
 int liq_bf16_encode(const float *x, int64_t count, uint16_t *out) {
-    uint32_t worst = stream_ok(out, count * (int64_t)sizeof(uint16_t)) ? bf16_round_stream(x, count, out)
-                                                                       : bf16_round(x, count, out);
-    stream_fence();
+    uint32_t worst;
+    if (stream_ok(out, count * (int64_t)sizeof(uint16_t))) {
+        worst = bf16_round_stream(x, count, out);
+        stream_fence();
+    } else {
+        worst = bf16_round(x, count, out);
+    }
     return worst >= LIQ_INF_BITS;
 }
 
