@@ -138,8 +138,13 @@ def main() -> None:
     atexit.register(lambda: (out / f"exit_island{island}_rank{rank}").write_text(str(dist.is_initialized())))
     # islands start from different seeds: island 0's parameters must win (unless --same-seed)
     torch.manual_seed(0 if args.same_seed else island)
-    hidden = [int(h) for h in args.hidden.split(",")]
-    model = Regression(hidden=hidden[min(island, len(hidden) - 1)], inner=args.inner,
+
+    def per_island(text: str, cast=int):
+        """This island's entry of a comma list (the last entry for islands beyond it)."""
+        values = text.split(",")
+        return cast(values[min(island, len(values) - 1)])
+
+    model = Regression(hidden=per_island(args.hidden), inner=args.inner,
                        two_optimizers=bool(args.two_optimizers))
     model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
     outer_lr = args.outer_lr
@@ -150,8 +155,7 @@ def main() -> None:
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               balance=args.balance, max_rounds=args.max_rounds or None,
-                              steps_per_round=[int(v) for v in args.steps_per_round.split(",")][
-                                  min(island, args.steps_per_round.count(","))] or None)
+                              steps_per_round=per_island(args.steps_per_round) or None)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
@@ -164,10 +168,8 @@ def main() -> None:
 
     strategy.round_callbacks.append(save_round)
     callbacks = []
-    delays = [float(d) for d in args.delays.split(",")]
-    delay = delays[min(island, len(delays) - 1)]
-    first_delays = [float(d) for d in args.first_step_delay.split(",")]
-    first_delay = first_delays[min(island, len(first_delays) - 1)]
+    delay = per_island(args.delays, float)
+    first_delay = per_island(args.first_step_delay, float)
     if delay or first_delay:
         class Delay(pl.Callback):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
@@ -181,14 +183,14 @@ def main() -> None:
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-                         max_steps=[int(v) for v in args.steps.split(",")][min(island, args.steps.count(","))],
+                         max_steps=per_island(args.steps),
                          logger=False, enable_checkpointing=bool(args.ckpt_every),
                          callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          val_check_interval=args.val_every or None, limit_val_batches=1 if args.val_every else 0,
                          num_sanity_val_steps=0, accumulate_grad_batches=args.accumulate,
                          gradient_clip_val=args.clip or None,
-                         precision=args.precisions.split(",")[min(island, args.precisions.count(","))])
+                         precision=per_island(args.precisions, str))
     if args.eval_ckpt:  # a fresh process validating a checkpoint must see the global weights
         trainer.validate(model, ckpt_path=args.eval_ckpt, verbose=False)
         full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
