@@ -67,6 +67,11 @@ pseudo-gradient must not be shipped to the other islands).
 CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python
 loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
 instead of streaming through DRAM; on other devices the whole vector is one slab.
+
+Fast paths, same bytes: on CPU the C kernels of :mod:`lightning_islands.native`; on CUDA the Triton
+kernels of :mod:`lightning_islands.triton_kernels` for the blockwise codecs, each checked against
+the torch path on a probe vector before its first use on a device (:meth:`_BlockCodec._triton`).
+``native.disabled()`` turns both off in its thread; ``LI_TRITON=0`` turns the Triton ones off.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ import itertools
 import math
 import os
 import struct
+import warnings
 import zlib
 from collections.abc import Callable
 from decimal import Decimal, localcontext
@@ -85,7 +91,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import native
+from lightning_islands import codec_probe, native
 
 try:  # same CRC-32 as zlib, ~10x faster (PCLMUL); optional
     from zlib_ng import zlib_ng as _zlib_fast
@@ -295,7 +301,40 @@ def _run_checksummed(count: int, unit: int, call: Callable[[int, int], int],
 
 def _kernels(t: Tensor) -> Any:
     """The fused CPU kernels (a ctypes library) for a CPU tensor; None on other devices or without them."""
-    return native.library() if t.device.type == "cpu" else None
+    return native.library() if t.device.type == "cpu" and _triton_mode() != "interpret" else None
+
+
+def _triton_mode() -> str:
+    """``LI_TRITON``: "1" (default) Triton kernels for CUDA tensors, "0" never, "interpret" also for
+    CPU tensors under Triton's interpreter (needs ``TRITON_INTERPRET=1``; slow, for checking the
+    GPU kernels on a machine without one)."""
+    mode = os.environ.get("LI_TRITON", "1").strip().lower()
+    if mode in ("0", "false", "no", "off"):
+        return "0"
+    return "interpret" if mode == "interpret" else "1"
+
+
+_TRITON_WARNED: set[str] = set()
+
+
+def _triton_module(t: Tensor) -> Any:
+    """:mod:`lightning_islands.triton_kernels` if the blockwise codecs should run it on ``t``'s
+    device, else None (the fused CPU kernels or the torch path)."""
+    mode = _triton_mode()
+    if not native.enabled() or mode == "0" or t.device.type != ("cpu" if mode == "interpret" else "cuda"):
+        return None
+    try:
+        from lightning_islands import triton_kernels
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken triton install failing on import
+        if "import" not in _TRITON_WARNED:
+            _TRITON_WARNED.add("import")
+            warnings.warn(f"lightning_islands: triton is not importable ({e}); the codecs use the slower torch "
+                          "path on the GPU (pip install triton)", stacklevel=4)
+        return None
+    if mode == "interpret" and not triton_kernels.interpreted():
+        raise RuntimeError("LI_TRITON=interpret runs the codec kernels under Triton's interpreter, which needs "
+                           "TRITON_INTERPRET=1 in the environment before Python starts; set it, or unset LI_TRITON")
+    return triton_kernels
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -741,11 +780,16 @@ def _unpack_rows(packed: Tensor, qv: Tensor, pack: int) -> None:
         torch.bitwise_right_shift(packed, 6, out=qv[:, 3])
 
 
+_TRITON_TRUSTED: dict[tuple[str, str], bool] = {}  # (device, codec name) -> Triton kernels agree there
+_TRITON_MAX_BLOCK = 1 << 20  # larger blocks keep the torch path on GPUs (their probe would be too big)
+
+
 class _BlockCodec(Codec):
     """Shared machinery: per-block fp32 absmax scales, cache-blocked slabs, partial last block."""
 
     pack = 1  # values per byte
     qmax = 1.0
+    fp8 = False  # values are float8_e4m3fn codes (else two's complement / offset binary ints)
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int):
@@ -757,6 +801,9 @@ class _BlockCodec(Codec):
 
     def _values_nbytes(self, m: int) -> int:
         return 4 * _ceil_div(m, self.block_size) + _ceil_div(m, self.pack)
+
+    def _checksums_while_decoding(self, body: Tensor) -> bool:
+        return self._triton(body) is None and super()._checksums_while_decoding(body)
 
     def _slab_elems(self, device: torch.device, m: int) -> int:
         """Slab length: a multiple of the block size and (if packed) of the packing group."""
@@ -806,15 +853,72 @@ class _BlockCodec(Codec):
         if out.numel() > full * bsz:
             out[full * bsz :].mul_(scale[full])
 
+    def _triton(self, t: Tensor) -> Any:
+        """The Triton kernel module for ``t``'s device if it reproduces this codec's reference bytes
+        there (checked once per device, see :meth:`_triton_agrees`); else None."""
+        tk = _triton_module(t)
+        if tk is None or self.block_size > _TRITON_MAX_BLOCK:
+            return None
+        key = (str(t.device), self.name)
+        if key not in _TRITON_TRUSTED:
+            problem = self._triton_disagrees(tk, t.device)
+            if problem is not None:
+                self._distrust_triton(t.device, problem)
+            _TRITON_TRUSTED[key] = problem is None
+        return tk if _TRITON_TRUSTED[key] else None
+
+    def _distrust_triton(self, device: torch.device, problem: str) -> None:
+        _TRITON_TRUSTED[(str(device), self.name)] = False
+        warnings.warn(f"lightning_islands: the Triton kernels of codec {self.name!r} on {device} failed their "
+                      f"check ({problem}); this codec uses the slower torch path there (same bytes)", stacklevel=6)
+
+    def _triton_disagrees(self, tk: Any, device: torch.device) -> str | None:
+        """Encode and decode a probe (:mod:`lightning_islands.codec_probe`: exact and rounded ties,
+        subnormal and near-overflow blocks; whole, and cut to a partial block and packing group)
+        with the Triton kernels and with the torch path; None if every byte and every decoded bit
+        agree, else what differed. A compiler that rounds differently must not change the wire
+        format: it costs the fast path (with a warning), never the bit-identical merge."""
+        whole = codec_probe.probe(self.block_size, self.qmax, self.fp8).to(device)
+        try:
+            for x in (whole, whole[: whole.numel() - 5]):
+                problem = self._triton_differs_on(tk, x)
+                if problem is not None:
+                    return problem
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile here is a reason to fall back
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _triton_differs_on(self, tk: Any, x: Tensor) -> str | None:
+        n, bsz, device = x.numel(), self.block_size, x.device
+        size = self._values_nbytes(n)
+        ours, ref = (torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2))
+        split = 4 * _ceil_div(n, bsz)
+        tk.encode_blockwise(x, ours[:split].view(torch.float32), ours[split:], bsz, int(self.bits), self.fp8,
+                            self.qmax, PACK_GROUP)
+        with native.disabled():
+            self._torch_encode(x, ref[:split].view(torch.float32), ref[split:])
+            expected = torch.empty(n, device=device)
+            self._decode_values(ref, n, expected)
+        got = torch.empty(n, device=device)
+        tk.decode_blockwise(ref[split:], ref[:split].view(torch.float32), got, bsz, int(self.bits), self.fp8,
+                            PACK_GROUP)
+        if not torch.equal(ours, ref):
+            return f"encode of {n} values differs from the torch path"
+        if not torch.equal(got.view(torch.int32), expected.view(torch.int32)):
+            return f"decode of {n} values differs from the torch path"
+        return None
+
     def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         m = v.numel()
         bsz = self.block_size
         nblocks = _ceil_div(m, bsz)
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
-        crc = self._native_encode(v, scales, values)
-        if crc is None:
-            self._torch_encode(v, scales, values)
+        crc = None
+        if not self._triton_encode(v, scales, values):
+            crc = self._native_encode(v, scales, values)
+            if crc is None:
+                self._torch_encode(v, scales, values)
         if nblocks and self._check_scales(v, scales):
             crc = None  # scales were nudged after they were checksummed
         return crc
@@ -833,6 +937,30 @@ class _BlockCodec(Codec):
                 values[b0 : b0 + _ceil_div(e - s, self.pack)],
                 work,
             )
+
+    def _triton_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
+        """Encode with the Triton kernels if they are trusted on ``v``'s device; False if not run."""
+        tk = self._triton(v)
+        if tk is None:
+            return False
+        try:
+            tk.encode_blockwise(v, scales, values, self.block_size, int(self.bits), self.fp8, self.qmax, PACK_GROUP)
+        except Exception as e:  # noqa: BLE001 - e.g. a specialization that does not compile: fall back
+            self._distrust_triton(v.device, f"{type(e).__name__}: {e}")
+            return False
+        return True
+
+    def _triton_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
+        """Decode with the Triton kernels if they are trusted on the device; False if not run."""
+        tk = self._triton(out)
+        if tk is None:
+            return False
+        try:
+            tk.decode_blockwise(values, scales, out, self.block_size, int(self.bits), self.fp8, PACK_GROUP)
+        except Exception as e:  # noqa: BLE001
+            self._distrust_triton(out.device, f"{type(e).__name__}: {e}")
+            return False
+        return True
 
     def _native_unit(self) -> int:
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
@@ -897,6 +1025,8 @@ class _BlockCodec(Codec):
         nblocks = _ceil_div(m, bsz)
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
+        if self._triton_decode(values, scales, out[:m]):
+            return None
         crc = self._native_decode(values, scales, out[:m])
         if crc is not None:
             return crc
@@ -924,6 +1054,7 @@ class Float8Codec(_BlockCodec):
     codec_id = _CODEC_IDS["fp8"]
     qmax = _FP8_MAX
     bits = 8.0
+    fp8 = True
 
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int) -> int:
         bsz = self.block_size

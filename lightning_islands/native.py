@@ -34,8 +34,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["available", "disabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel", "run_ranges",
-           "split", "thread_pool"]
+__all__ = ["available", "disabled", "enabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel",
+           "run_ranges", "split", "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
@@ -102,7 +102,7 @@ def _compile(compiler: str) -> Path:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, compiling it on first use; None if unavailable (see module doc)."""
     global _lib, _tried
-    if getattr(_off, "depth", 0):
+    if not enabled():
         return None
     if _tried:  # set only once _lib holds the outcome, so a caller racing the first compile waits below
         return _lib
@@ -137,13 +137,19 @@ def _load() -> ctypes.CDLL | None:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, :func:`library` returns None in this thread: the codecs that this thread
-    runs use their torch reference path (other threads keep the kernels)."""
+    """Within the block, :func:`library` returns None and :func:`enabled` False in this thread: the
+    codecs that this thread runs use their torch reference path, on every device (other threads
+    keep the kernels)."""
     _off.depth = getattr(_off, "depth", 0) + 1
     try:
         yield
     finally:
         _off.depth -= 1
+
+
+def enabled() -> bool:
+    """False inside :func:`disabled` (in this thread): no fused kernels, CPU or GPU, are to be used."""
+    return not getattr(_off, "depth", 0)
 
 
 def available() -> bool:

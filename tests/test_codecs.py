@@ -804,10 +804,25 @@ def test_cuda_decode_matches_cpu_bitwise(spec):
     d_cuda = codec.decode(p_cpu.cuda())
     assert d_cuda.is_cuda and torch.equal(d_cuda.cpu(), d_cpu)
     p_cuda = codec.encode(x.cuda())
-    assert p_cuda.is_cuda and p_cuda.numel() == p_cpu.numel()
+    assert p_cuda.is_cuda and torch.equal(p_cuda.cpu(), p_cpu)  # one wire format on every device
     assert torch.equal(codec.decode(p_cuda.cpu()), codec.decode(p_cuda).cpu())
     if not spec.startswith("topk"):
         assert_within_bound(codec, x, codec.decode(p_cuda).cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "int4/96", "int2/4096", "fp8/36"])
+def test_cuda_runs_the_triton_kernels_and_they_pass_their_check(spec):
+    pytest.importorskip("triton", reason="the CUDA build of torch brings triton")
+    codec = make_codec(spec)
+    x = make_vector(1_000_003, 7, 0.0, "mixed_magnitudes").cuda()
+    payload = codec.encode(x)
+    decoded = codec.decode(payload)
+    assert C._TRITON_TRUSTED[(str(x.device), codec.name)], "the Triton kernels fell back to the torch path"
+    with native.disabled():
+        assert torch.equal(payload, codec.encode(x))
+        reference = codec.decode(payload.cpu())
+    assert torch.equal(decoded.cpu().view(torch.int32), reference.view(torch.int32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""Fused Triton kernels for the blockwise codecs (fp8, int8, int4, int2) on CUDA.
+
+The torch reference path of a blockwise codec makes about ten passes over memory (absmax, scale,
+reciprocal, multiply, round, cast, pack); these kernels make three: one reads the vector and
+writes the block scales, one reads it again and writes the packed values, and decoding reads the
+packed values and writes the vector once. They produce the same bytes as the reference path and
+the CPU kernels, because every operation is one of the codec's exact or correctly rounded IEEE
+fp32 steps (see the docstring of :mod:`lightning_islands.codecs`):
+
+- ``scale = div_rn(absmax, qmax)`` and ``inv = min(div_rn(1, scale), FLT_MAX)``: correctly rounded
+  divisions (Triton's ``/`` on fp32 is an approximate division);
+- ``t = x * inv``, then round half to even by adding and subtracting 1.5 * 2**23 (exact for
+  |t| < 2**22) with FMA contraction switched off (``enable_fp_fusion=False``): a fused
+  ``x * inv + 1.5 * 2**23`` would round the exact product instead of ``fl(x * inv)``;
+- fp8 codes are made from the fp32 bits by integer arithmetic (as in ``csrc/liq_kernels.c``), not
+  by a hardware conversion, which older GPUs lack and whose rounding mode Triton chooses;
+- decoding is ``value * scale``, the one rounding, after an exact int-to-float conversion.
+
+The same kernel source runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which
+is how the tests check the kernels against the reference bytes on a machine without a GPU. On a
+GPU, :mod:`lightning_islands.codecs` additionally compares them with the reference path once per
+device and codec before trusting them (a compiler that rounds differently must not change the wire
+format).
+
+Importing this module needs ``triton``; :mod:`lightning_islands.codecs` imports it only for CUDA
+tensors and falls back to the torch path without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "ptx", "scale_tiling"]
+
+# Globals used inside kernels must be constexpr (compiled Triton refuses other globals).
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + _ROUND) - _ROUND rounds half to even for |t| < 2**22
+_SCALE_TILE = 2048  # elements per program of the scales kernel
+
+
+def _block_scales(x_ptr, scale_ptr, inv_ptr, count, nblocks, qmax,  # noqa: ANN001, ANN202
+                  BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """Per block: scale = absmax / qmax (NaN if the block holds a NaN), inv = min(1 / scale, FLT_MAX)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, CHUNK)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    nans = tl.zeros([ROWS], dtype=tl.float32)  # NaN if the block holds one, else +0.0
+    for c0 in range(0, BLOCK, CHUNK):
+        col = c0 + cols
+        pos = rows[:, None] * BLOCK + col[None, :]
+        mask = (col[None, :] < BLOCK) & (pos < count)
+        x = tl.load(x_ptr + pos, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))  # a max may drop NaNs: they go to nans
+        nans += tl.sum(tl.where(x != x, x, 0.0), axis=1)
+    scale = tl.math.div_rn(amax, tl.full([ROWS], qmax, tl.float32)) + nans  # + 0.0 is exact (scale >= +0)
+    inv = tl.minimum(tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), _FLT_MAX)
+    ok = rows < nblocks
+    tl.store(scale_ptr + rows, scale, mask=ok)
+    tl.store(inv_ptr + rows, inv, mask=ok)
+
+
+def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
+                  BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """One packing group: quantize with the block multipliers and pack group-planar (codecs.py)."""
+    PACK: tl.constexpr = 8 // BITS
+    PER: tl.constexpr = GROUP // PACK
+    g = tl.program_id(0).to(tl.int64)
+    start = g * GROUP
+    size = tl.minimum(count - start, GROUP)
+    width = (size + PACK - 1) // PACK  # bytes of this group (the last one may be short)
+    i = tl.arange(0, PACK)[:, None]
+    j = tl.arange(0, PER)[None, :]
+    pos = start + i * width + j
+    valid = (j < width) & (pos < start + size)  # the rest is zero padding of the last group
+    x = tl.load(x_ptr + pos, mask=valid, other=0.0)
+    r = tl.load(inv_ptr + pos // BLOCK, mask=valid, other=0.0)
+    t = x * r
+    if FP8:
+        u = t.to(tl.uint32, bitcast=True)
+        a = u & 0x7FFFFFFF
+        normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # mantissa to 3 bits, exponent 127 -> 7
+        tiny = (a.to(tl.float32, bitcast=True) * 512.0 + _ROUND) - _ROUND  # multiples of 2**-9
+        code = tl.where(a >= 0x3C800000, normal, tiny.to(tl.uint32) & 0x7F) | ((u >> 24) & 0x80)
+    else:
+        q = ((t + _ROUND) - _ROUND).to(tl.int32)
+        if PACK == 1:
+            code = q & 0xFF
+        else:
+            code = (q + OFFSET) << (i * BITS)  # offset binary, bit field i
+    byte = tl.sum(code, axis=0)  # disjoint bit fields: the sum is their OR
+    jj = tl.arange(0, PER)
+    tl.store(out_ptr + g * PER + jj, byte.to(tl.uint8), mask=jj < width)
+
+
+def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
+                  BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """One packing group: unpack, convert exactly to fp32, multiply by the block scale."""
+    PACK: tl.constexpr = 8 // BITS
+    PER: tl.constexpr = GROUP // PACK
+    g = tl.program_id(0).to(tl.int64)
+    start = g * GROUP
+    size = tl.minimum(count - start, GROUP)
+    width = (size + PACK - 1) // PACK
+    i = tl.arange(0, PACK)[:, None]
+    j = tl.arange(0, PER)[None, :]
+    pos = start + i * width + j
+    valid = (j < width) & (pos < start + size)
+    b = tl.load(val_ptr + g * PER + j, mask=j < width, other=0)
+    if FP8:
+        c = b.to(tl.uint32)
+        em = c & 0x7F
+        normal = (em << 20) + (120 << 23)  # exponent 7 -> 127
+        tiny = (em.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)  # mantissa * 2**-9, exact
+        v = (tl.where(em >= 8, normal, tiny) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    elif PACK == 1:
+        v = b.to(tl.int8, bitcast=True).to(tl.float32)
+    else:
+        code = (b.to(tl.int32) >> (i * BITS)) & ((1 << BITS) - 1)
+        v = (code - OFFSET).to(tl.float32)
+    s = tl.load(scale_ptr + pos // BLOCK, mask=valid, other=0.0)
+    tl.store(out_ptr + pos, v * s, mask=valid)
+
+
+_SOURCES = {"scales": _block_scales, "encode": _encode_group, "decode": _decode_group}
+_SIGNATURES = {  # argument types, for compiling ahead of time (see :func:`ptx`)
+    "scales": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "count": "i64", "nblocks": "i64",
+               "qmax": "fp32"},
+    "encode": {"x_ptr": "*fp32", "inv_ptr": "*fp32", "out_ptr": "*u8", "count": "i64"},
+    "decode": {"val_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "count": "i64"},
+}
+
+
+@functools.cache
+def kernels() -> SimpleNamespace:
+    """The kernels as Triton functions: compiled for CUDA tensors, or, when ``TRITON_INTERPRET=1`` was
+    set before triton was imported, run by Triton's interpreter on CPU tensors (slow; for checking
+    the kernel source without a GPU)."""
+    return SimpleNamespace(**{name: triton.jit(fn) for name, fn in _SOURCES.items()})
+
+
+def interpreted() -> bool:
+    """Whether triton runs kernels in its interpreter (``TRITON_INTERPRET=1``) in this process."""
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_OPTIONS = {"enable_fp_fusion": False}  # no FMA contraction: every rounding as written
+
+
+def scale_tiling(block: int) -> tuple[int, int]:
+    """``(ROWS, CHUNK)`` of the scales kernel for a block size: blocks per program, and elements of a
+    block read per step (a power of two, at most 2048)."""
+    chunk = min(1 << (block - 1).bit_length(), _SCALE_TILE)
+    return max(1, _SCALE_TILE // chunk), chunk
+
+
+def offset(bits: int) -> int:
+    """The offset-binary bias of packed codes (``codecs.py``): 8 for int4, 1 for int2, else 0."""
+    return {4: 8, 2: 1}.get(bits, 0)
+
+
+def encode_blockwise(x: Tensor, scales: Tensor, values: Tensor, block: int, bits: int, fp8: bool,
+                     qmax: float, group: int) -> None:
+    """Write the block scales (fp32) and the packed values (uint8) of the flat fp32 ``x``.
+
+    ``bits`` is 8, 4 or 2 (8 for fp8); ``group`` is the planar packing group (``codecs.PACK_GROUP``).
+    A block holding a NaN gets a NaN scale (and an Inf an Inf scale), which the caller rejects.
+    """
+    count = x.numel()
+    if count == 0:
+        return
+    nblocks = -(-count // block)
+    inv = torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    rows, chunk = scale_tiling(block)
+    k = kernels()
+    with _on_device(x):
+        k.scales[(math.ceil(nblocks / rows),)](x, scales, inv, count, nblocks, float(qmax),
+                                               BLOCK=block, ROWS=rows, CHUNK=chunk, **_OPTIONS)
+        k.encode[(math.ceil(count / group),)](x, inv, values, count, BLOCK=block, BITS=bits, OFFSET=offset(bits),
+                                              FP8=fp8, GROUP=group, **_OPTIONS)
+
+
+def decode_blockwise(values: Tensor, scales: Tensor, out: Tensor, block: int, bits: int, fp8: bool,
+                     group: int) -> None:
+    """Inverse of :func:`encode_blockwise`: ``out[i] = value_i * scale[i // block]``."""
+    count = out.numel()
+    if count == 0:
+        return
+    with _on_device(out):
+        kernels().decode[(math.ceil(count / group),)](values, scales, out, count, BLOCK=block, BITS=bits,
+                                                      OFFSET=offset(bits), FP8=fp8, GROUP=group, **_OPTIONS)
+
+
+def _on_device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device and stream: make them ``t``'s."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def ptx(kernel: str, arch: int, **constexprs: int | bool) -> str:
+    """Compile one kernel for an NVIDIA GPU of compute capability ``arch`` (80 Ampere, 90 Hopper,
+    100 Blackwell) without needing one, with the launch options the codecs use; returns the PTX.
+    The tests read it to check that no rounding step was contracted or approximated."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
+    source = ASTSource(fn=kernels().__dict__[kernel], signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=_OPTIONS).asm["ptx"]

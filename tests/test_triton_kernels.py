@@ -1,0 +1,168 @@
+"""The GPU codec kernels (lightning_islands/triton_kernels.py), checked on the CPU.
+
+Triton's interpreter runs the same kernel source on CPU tensors when ``TRITON_INTERPRET=1`` is set
+before triton is imported, so every check here runs in a fresh Python process with
+``LI_TRITON=interpret``, which routes the blockwise codecs' CPU tensors to the Triton kernels. What
+the interpreter cannot show is how a GPU compiler rounds. Two checks stand in for it: the kernels are
+compiled here to PTX for three GPU generations and their arithmetic is read (no contraction, no
+approximation, no flushing), and on a GPU each codec compares the kernels with the torch path on a
+probe before first use (tests/test_codec_probe.py shows that the probe catches each rounding fault;
+the tests below show what happens when the comparison fails).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (it is on Linux x86_64, with the test extra)")
+
+# What the codecs say when a Triton kernel fails its check or triton is missing: an error here, so a
+# run that silently fell back to the torch path cannot pass as a run of the kernels.
+_NO_FALLBACK = ["-W", "error:lightning_islands. the Triton kernels", "-W", "error:lightning_islands. triton is not"]
+
+
+def _interpreted(args: list[str], timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "TRITON_INTERPRET": "1", "LI_TRITON": "interpret", "OMP_NUM_THREADS": "1", **env}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return _interpreted([*_NO_FALLBACK, "-c", code], **env)
+
+
+@pytest.mark.slow
+def test_codec_suite_passes_on_the_triton_kernels():
+    """The codec tests that pin bytes and bounds (fused path vs torch reference bit for bit,
+    hypothesis-generated vectors, ties, subnormals, extreme magnitudes, the pinned packed layout,
+    non-finite input, corruption) run against the Triton kernels."""
+    selection = ("fused_kernels_match or grid_values or packed_layout or every_single_bit or nonfinite or "
+                 "zeros_and_constant or extreme or decode_is_q_times or dense_roundtrip or deterministic")
+    proc = _interpreted(["-m", "pytest", "tests/test_codecs.py", "-q", "-p", "no:cacheprovider", "-x",
+                         "-W", "ignore::RuntimeWarning", *_NO_FALLBACK, "-k", selection])
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_the_blockwise_codecs_run_the_triton_kernels_and_trust_them():
+    code = """
+import torch
+from lightning_islands import codecs as C, native, triton_kernels
+calls = []
+real = triton_kernels.encode_blockwise
+triton_kernels.encode_blockwise = lambda *a: (calls.append(a[4]), real(*a))[1]
+x = torch.randn(70_001, generator=torch.Generator().manual_seed(1))
+for spec in ["int8", "int4/96", "int2/4096", "fp8/36"]:
+    codec = C.make_codec(spec)
+    payload = codec.encode(x)
+    with native.disabled():
+        assert torch.equal(payload, codec.encode(x)), spec
+        ref = codec.decode(payload)
+    assert torch.equal(codec.decode(payload).view(torch.int32), ref.view(torch.int32)), spec
+print("bits", calls)
+print("trusted", sorted(C._TRITON_TRUSTED.items()))
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # each codec: the two probes of its first-use check (whole, and cut short), then the real encode
+    assert "bits [8, 8, 8, 4, 4, 4, 2, 2, 2, 8, 8, 8]" in proc.stdout, proc.stdout
+    assert ("trusted [(('cpu', 'fp8/36'), True), (('cpu', 'int2/4096'), True), (('cpu', 'int4/96'), True), "
+            "(('cpu', 'int8/128'), True)]") in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["encode_bit", "decode_bit", "no_compile"])
+def test_a_kernel_that_disagrees_with_the_reference_is_not_used(fault):
+    """The first-use check compares a probe's bytes and decoded bits with the torch path; a kernel
+    that differs in one bit (or does not compile) is dropped with a warning, and the payload stays
+    the reference one. (Which faults the probe reveals: tests/test_codec_probe.py.)"""
+    code = f"""
+import warnings
+import torch
+from lightning_islands import codecs as C, native, triton_kernels
+fault = {fault!r}
+enc, dec = triton_kernels.encode_blockwise, triton_kernels.decode_blockwise
+def bad_encode(x, scales, values, *rest):
+    if fault == "no_compile":
+        raise RuntimeError("PassManager::run failed")
+    enc(x, scales, values, *rest)
+    if fault == "encode_bit":
+        values[x.numel() // 3 // 2] ^= 1
+def bad_decode(values, scales, out, *rest):
+    dec(values, scales, out, *rest)
+    if fault == "decode_bit":
+        out[-1] = torch.nextafter(out[-1], torch.tensor(1e30))
+triton_kernels.encode_blockwise, triton_kernels.decode_blockwise = bad_encode, bad_decode
+codec = C.make_codec("int4")
+x = torch.randn(9000, generator=torch.Generator().manual_seed(3))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    payload = codec.encode(x)
+    decoded = codec.decode(payload)
+with native.disabled():
+    assert torch.equal(payload, codec.encode(x))
+    assert torch.equal(decoded, codec.decode(payload))
+print("trusted", C._TRITON_TRUSTED)
+print("warned", [str(w.message) for w in caught])
+"""
+    proc = _interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trusted {('cpu', 'int4/128'): False}" in proc.stdout, proc.stdout
+    expected = {"encode_bit": "encode of", "decode_bit": "decode of", "no_compile": "PassManager"}[fault]
+    assert "the Triton kernels of codec 'int4/128' on cpu failed their check" in proc.stdout, proc.stdout
+    assert expected in proc.stdout and "uses the slower torch path" in proc.stdout, proc.stdout
+
+
+def test_interpret_mode_without_the_interpreter_is_a_clear_error():
+    code = "import torch; from lightning_islands.codecs import make_codec; make_codec('int4').encode(torch.ones(8))"
+    proc = _interpreted(["-c", code], TRITON_INTERPRET="0")
+    assert proc.returncode != 0
+    assert "LI_TRITON=interpret" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_li_triton_0_keeps_the_kernels_off():
+    code = ("import torch; from lightning_islands import codecs as C;"
+            "C.make_codec('int4').encode(torch.ones(8)); print('trusted', C._TRITON_TRUSTED)")
+    proc = _interpreted(["-c", code], LI_TRITON="0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "trusted {}" in proc.stdout, proc.stdout
+
+
+# (bits, fp8) of fp8, int8, int4 and int2
+_VARIANTS = [(8, True), (8, False), (4, False), (2, False)]
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
+    """Compiled for Ampere, Hopper and Blackwell without a GPU (Triton ships its own LLVM and
+    ptxas): the PTX must round exactly where the CPU reference does. No fused multiply-add (a
+    contracted ``x * inv + 1.5 * 2**23`` rounds differently), only correctly rounded ``.rn``
+    arithmetic and division (Triton's plain ``/`` would be ``div.full``), and nothing that flushes
+    subnormals (``.ftz``)."""
+    from lightning_islands import triton_kernels as tk
+    from lightning_islands.codecs import PACK_GROUP
+
+    programs = {}
+    for block in (128, 96, 4096):
+        rows, chunk = tk.scale_tiling(block)
+        programs[f"scales/{block}"] = tk.ptx("scales", arch, BLOCK=block, ROWS=rows, CHUNK=chunk)
+    for (bits, fp8), block in zip(_VARIANTS, (128, 96, 4096, 36)):
+        const = {"BLOCK": block, "BITS": bits, "OFFSET": tk.offset(bits), "FP8": fp8, "GROUP": PACK_GROUP}
+        programs[f"encode/{bits}/{fp8}/{block}"] = tk.ptx("encode", arch, **const)
+        programs[f"decode/{bits}/{fp8}/{block}"] = tk.ptx("decode", arch, **const)
+    for name, text in programs.items():
+        ops = [line.split()[0] for line in text.splitlines() if line.strip() and not line.strip().startswith("//")]
+        float_ops = {op for op in ops if ".f32" in op or ".f16" in op}
+        assert not [op for op in float_ops if "fma" in op or "ftz" in op or "approx" in op or "full" in op], (
+            name, sorted(float_ops))
+        arithmetic = {op for op in float_ops if op.split(".")[0] in ("add", "sub", "mul", "div")}
+        assert arithmetic and all(".rn." in op for op in arithmetic), (name, sorted(arithmetic))
+        if name.startswith("scales"):
+            assert "div.rn.f32" in float_ops, sorted(float_ops)
