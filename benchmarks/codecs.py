@@ -11,8 +11,10 @@ see the same machine state), this measures:
   CPU path this includes the CRC-32 the kernel threads take of each piece while it is in cache
   (``crc ms`` is one separate CRC-32 of the whole payload: what the torch path pays per direction);
 * ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
-  a machine without a C compiler (or a GPU tensor's code path) runs, side by side with the fused
-  CPU kernels of ``lightning_islands/native.py`` that the other columns use when available.
+  a machine without a C compiler (or a GPU without triton) runs, side by side with the fused kernels
+  that the other columns use when available: the C kernels of ``lightning_islands/native.py`` on
+  CPU, the Triton kernels of ``lightning_islands/triton_kernels.py`` for the blockwise codecs on CUDA
+  (on CUDA the header checksum is taken on the host, so compare ``kern/copy`` for the kernels).
 
 Throughputs are GB/s of fp32 input (4 * numel bytes / time); ``copy_`` GB/s is measured the same
 way (it reads and writes 4 * numel bytes). ``rt/copy`` = copy_ time / (encode + decode time),
@@ -51,6 +53,14 @@ def _timer(device: torch.device):
         return time.perf_counter() - t0
 
     return timed
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def _reference(fn) -> None:
@@ -140,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
         f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
-        f"fused_cpu_kernels={native.available()} crc32={'zlib-ng' if C._zlib_fast is not None else 'zlib'}"
+        f"fused_cpu_kernels={native.available()} crc32={'zlib-ng' if C._zlib_fast is not None else 'zlib'} "
+        f"triton={_triton_version()}"
     )
 
     results = []
@@ -164,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['crc_ms']:>7.2f}"
         )
 
+    if device.type == "cuda":
+        trusted = {name: ok for (dev, name), ok in C._TRITON_TRUSTED.items() if dev == str(x.device)}
+        print(f"Triton kernels that passed their first-use check on {x.device}: {trusted or 'none ran'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -178,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         "format_version": C.FORMAT_VERSION,
         "fused_cpu_kernels": native.available(),
         "crc32": "zlib-ng" if C._zlib_fast is not None else "zlib",
+        "triton": _triton_version(),
+        "triton_trusted": {f"{dev} {name}": ok for (dev, name), ok in C._TRITON_TRUSTED.items()},
         "timing": "median seconds over repeats; GB/s = 4*numel bytes / time; ratios: median over rounds "
                   "of the same round's copy_ time / round-trip time",
     }
