@@ -13,7 +13,7 @@ handful of values in millions. So every probe holds, each in blocks of its own:
 - *rounded ties*: inputs whose product ``x * inv`` is *not* a tie but rounds in fp32 to one. Rounding
   the product first (the reference) gives the tie and its even neighbour; a fused multiply-add or an
   ``inv`` off by one ulp sees the exact product and goes the other way about half the time;
-- subnormal, near-overflow, all-zero and negative-zero blocks;
+- subnormal blocks (their scales are subnormal too), near-overflow, all-zero and negative-zero blocks;
 - Gaussian blocks over magnitudes 2**-60 .. 2**60.
 
 :func:`probe` returns the whole vector, whose length is a multiple of 16 with 4-aligned block
@@ -86,7 +86,8 @@ def probe(block: int, qmax: float, fp8: bool) -> Tensor:
     ties = _tie_points(qmax, fp8)
     blocks = _chunks(qmax * _STEP, ties * _STEP, block)
     blocks += _rounded_ties(qmax, ties, block, gen)
-    blocks += _blocks([torch.tensor(_SUBNORMAL), torch.tensor(_NEAR_OVERFLOW), torch.zeros(1),
+    subnormals = (torch.rand(block, generator=gen) - 0.5) * 2.2e-38  # |x| < 2**-126: a subnormal scale
+    blocks += _blocks([torch.tensor(_SUBNORMAL), subnormals, torch.tensor(_NEAR_OVERFLOW), torch.zeros(1),
                        torch.full((block,), -0.0)], block)
     for _ in range(max(8 if block <= 4096 else 2, -(-_RANDOM_ELEMS // block))):
         magnitude = 2.0 ** torch.randint(-60, 61, (1,), generator=gen).item()
