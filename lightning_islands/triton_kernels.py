@@ -68,20 +68,29 @@ def _block_scales(x_ptr, scale_ptr, inv_ptr, count, nblocks, qmax,  # noqa: ANN0
     tl.store(inv_ptr + rows, inv, mask=ok)
 
 
+@triton.jit
+def _group_layout(count, BITS: tl.constexpr, GROUP: tl.constexpr):  # noqa: ANN001, ANN202
+    """This program's packing group as a [values per byte, bytes] tile: the group index, the bit
+    field index ``i`` of each row, the group's byte count (the last group may be short), each
+    entry's position in the vector, and which entries are real values (the rest is the last
+    group's zero padding)."""
+    PACK: tl.constexpr = 8 // BITS
+    g = tl.program_id(0).to(tl.int64)
+    start = g * GROUP
+    size = tl.minimum(count - start, GROUP)
+    width = (size + PACK - 1) // PACK
+    i = tl.arange(0, PACK)[:, None]
+    j = tl.arange(0, GROUP // PACK)[None, :]
+    pos = start + i * width + j
+    return g, i, width, pos, (j < width) & (pos < start + size)
+
+
 def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
                   BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
                   GROUP: tl.constexpr):
     """One packing group: quantize with the block multipliers and pack group-planar (codecs.py)."""
-    PACK: tl.constexpr = 8 // BITS
-    PER: tl.constexpr = GROUP // PACK
-    g = tl.program_id(0).to(tl.int64)
-    start = g * GROUP
-    size = tl.minimum(count - start, GROUP)
-    width = (size + PACK - 1) // PACK  # bytes of this group (the last one may be short)
-    i = tl.arange(0, PACK)[:, None]
-    j = tl.arange(0, PER)[None, :]
-    pos = start + i * width + j
-    valid = (j < width) & (pos < start + size)  # the rest is zero padding of the last group
+    PER: tl.constexpr = GROUP // (8 // BITS)
+    g, i, width, pos, valid = _group_layout(count, BITS, GROUP)
     x = tl.load(x_ptr + pos, mask=valid, other=0.0)
     r = tl.load(inv_ptr + pos // BLOCK, mask=valid, other=0.0)
     t = x * r
@@ -93,7 +102,7 @@ def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
         code = tl.where(a >= 0x3C800000, normal, tiny.to(tl.uint32) & 0x7F) | ((u >> 24) & 0x80)
     else:
         q = ((t + _ROUND) - _ROUND).to(tl.int32)
-        if PACK == 1:
+        if BITS == 8:
             code = q & 0xFF
         else:
             code = (q + OFFSET) << (i * BITS)  # offset binary, bit field i
@@ -106,16 +115,9 @@ def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
                   BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
                   GROUP: tl.constexpr):
     """One packing group: unpack, convert exactly to fp32, multiply by the block scale."""
-    PACK: tl.constexpr = 8 // BITS
-    PER: tl.constexpr = GROUP // PACK
-    g = tl.program_id(0).to(tl.int64)
-    start = g * GROUP
-    size = tl.minimum(count - start, GROUP)
-    width = (size + PACK - 1) // PACK
-    i = tl.arange(0, PACK)[:, None]
+    PER: tl.constexpr = GROUP // (8 // BITS)
+    g, i, width, pos, valid = _group_layout(count, BITS, GROUP)
     j = tl.arange(0, PER)[None, :]
-    pos = start + i * width + j
-    valid = (j < width) & (pos < start + size)
     b = tl.load(val_ptr + g * PER + j, mask=j < width, other=0)
     if FP8:
         c = b.to(tl.uint32)
@@ -123,7 +125,7 @@ def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
         normal = (em << 20) + (120 << 23)  # exponent 7 -> 127
         tiny = (em.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)  # mantissa * 2**-9, exact
         v = (tl.where(em >= 8, normal, tiny) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-    elif PACK == 1:
+    elif BITS == 8:
         v = b.to(tl.int8, bitcast=True).to(tl.float32)
     else:
         code = (b.to(tl.int32) >> (i * BITS)) & ((1 << BITS) - 1)
