@@ -166,3 +166,29 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
         assert arithmetic and all(".rn." in op for op in arithmetic), (name, sorted(arithmetic))
         if name.startswith("scales"):
             assert "div.rn.f32" in float_ops, sorted(float_ops)
+
+
+def test_every_launch_switches_fp_fusion_off(monkeypatch):
+    """The PTX test compiles with the options the launches use; this pins that the launches use them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_islands import triton_kernels as tk
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    fake = SimpleNamespace(**{name: Recorder(name) for name in ("scales", "encode", "decode")})
+    monkeypatch.setattr(tk, "kernels", lambda: fake)
+    x = torch.randn(5000)
+    tk.encode_blockwise(x, torch.empty(40), torch.empty(2500, dtype=torch.uint8), 128, 4, False, 7.0, 2048)
+    tk.decode_blockwise(torch.empty(2500, dtype=torch.uint8), torch.empty(40), x, 128, 4, False, 2048)
+    assert [name for name, _ in launches] == ["scales", "encode", "decode"]
+    assert all(kwargs.get("enable_fp_fusion") is False for _, kwargs in launches), launches
