@@ -77,6 +77,7 @@ the torch path on a probe vector before its first use on a device (:meth:`_Block
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import math
 import os
@@ -314,7 +315,16 @@ def _triton_mode() -> str:
     return "interpret" if mode == "interpret" else "1"
 
 
-_TRITON_WARNED: set[str] = set()
+@functools.cache
+def _import_triton_kernels() -> Any:
+    """:mod:`lightning_islands.triton_kernels`, or None (said once) if triton cannot be imported."""
+    try:
+        from lightning_islands import triton_kernels
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken triton install failing on import
+        warnings.warn(f"lightning_islands: triton is not importable ({e}); the codecs use the slower torch "
+                      "path on the GPU (pip install triton)", stacklevel=5)
+        return None
+    return triton_kernels
 
 
 def _triton_module(t: Tensor) -> Any:
@@ -323,13 +333,8 @@ def _triton_module(t: Tensor) -> Any:
     mode = _triton_mode()
     if not native.enabled() or mode == "0" or t.device.type != ("cpu" if mode == "interpret" else "cuda"):
         return None
-    try:
-        from lightning_islands import triton_kernels
-    except Exception as e:  # noqa: BLE001 - ImportError, or a broken triton install failing on import
-        if "import" not in _TRITON_WARNED:
-            _TRITON_WARNED.add("import")
-            warnings.warn(f"lightning_islands: triton is not importable ({e}); the codecs use the slower torch "
-                          "path on the GPU (pip install triton)", stacklevel=4)
+    triton_kernels = _import_triton_kernels()
+    if triton_kernels is None:
         return None
     if mode == "interpret" and not triton_kernels.interpreted():
         raise RuntimeError("LI_TRITON=interpret runs the codec kernels under Triton's interpreter, which needs "
@@ -855,17 +860,38 @@ class _BlockCodec(Codec):
 
     def _triton(self, t: Tensor) -> Any:
         """The Triton kernel module for ``t``'s device if it reproduces this codec's reference bytes
-        there (checked once per device, see :meth:`_triton_agrees`); else None."""
+        there (checked once per device, see :meth:`_triton_disagrees`); else None."""
         tk = _triton_module(t)
         if tk is None or self.block_size > _TRITON_MAX_BLOCK:
             return None
         key = (str(t.device), self.name)
         if key not in _TRITON_TRUSTED:
             problem = self._triton_disagrees(tk, t.device)
-            if problem is not None:
+            if problem is None:
+                _TRITON_TRUSTED[key] = True
+            else:
                 self._distrust_triton(t.device, problem)
-            _TRITON_TRUSTED[key] = problem is None
         return tk if _TRITON_TRUSTED[key] else None
+
+    def _tk_encode(self, tk: Any, x: Tensor, scales: Tensor, values: Tensor) -> None:
+        tk.encode_blockwise(x, scales, values, self.block_size, int(self.bits), self.fp8, self.qmax, PACK_GROUP)
+
+    def _tk_decode(self, tk: Any, values: Tensor, scales: Tensor, out: Tensor) -> None:
+        tk.decode_blockwise(values, scales, out, self.block_size, int(self.bits), self.fp8, PACK_GROUP)
+
+    def _run_triton(self, t: Tensor, call: Callable[[Any], None]) -> bool:
+        """``call(kernels)`` if the Triton kernels are trusted on ``t``'s device; False if not run. A
+        call that raises (say a specialization that does not compile) makes the codec distrust
+        them there, and the caller takes another path."""
+        tk = self._triton(t)
+        if tk is None:
+            return False
+        try:
+            call(tk)
+        except Exception as e:  # noqa: BLE001
+            self._distrust_triton(t.device, f"{type(e).__name__}: {e}")
+            return False
+        return True
 
     def _distrust_triton(self, device: torch.device, problem: str) -> None:
         _TRITON_TRUSTED[(str(device), self.name)] = False
@@ -893,15 +919,13 @@ class _BlockCodec(Codec):
         size = self._values_nbytes(n)
         ours, ref = (torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2))
         split = 4 * _ceil_div(n, bsz)
-        tk.encode_blockwise(x, ours[:split].view(torch.float32), ours[split:], bsz, int(self.bits), self.fp8,
-                            self.qmax, PACK_GROUP)
+        self._tk_encode(tk, x, ours[:split].view(torch.float32), ours[split:])
         with native.disabled():
             self._torch_encode(x, ref[:split].view(torch.float32), ref[split:])
             expected = torch.empty(n, device=device)
             self._decode_values(ref, n, expected)
         got = torch.empty(n, device=device)
-        tk.decode_blockwise(ref[split:], ref[:split].view(torch.float32), got, bsz, int(self.bits), self.fp8,
-                            PACK_GROUP)
+        self._tk_decode(tk, ref[split:], ref[:split].view(torch.float32), got)
         if not torch.equal(ours, ref):
             return f"encode of {n} values differs from the torch path"
         if not torch.equal(got.view(torch.int32), expected.view(torch.int32)):
@@ -915,7 +939,7 @@ class _BlockCodec(Codec):
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
         crc = None
-        if not self._triton_encode(v, scales, values):
+        if not self._run_triton(v, lambda tk: self._tk_encode(tk, v, scales, values)):
             crc = self._native_encode(v, scales, values)
             if crc is None:
                 self._torch_encode(v, scales, values)
@@ -937,30 +961,6 @@ class _BlockCodec(Codec):
                 values[b0 : b0 + _ceil_div(e - s, self.pack)],
                 work,
             )
-
-    def _triton_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> bool:
-        """Encode with the Triton kernels if they are trusted on ``v``'s device; False if not run."""
-        tk = self._triton(v)
-        if tk is None:
-            return False
-        try:
-            tk.encode_blockwise(v, scales, values, self.block_size, int(self.bits), self.fp8, self.qmax, PACK_GROUP)
-        except Exception as e:  # noqa: BLE001 - e.g. a specialization that does not compile: fall back
-            self._distrust_triton(v.device, f"{type(e).__name__}: {e}")
-            return False
-        return True
-
-    def _triton_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> bool:
-        """Decode with the Triton kernels if they are trusted on the device; False if not run."""
-        tk = self._triton(out)
-        if tk is None:
-            return False
-        try:
-            tk.decode_blockwise(values, scales, out, self.block_size, int(self.bits), self.fp8, PACK_GROUP)
-        except Exception as e:  # noqa: BLE001
-            self._distrust_triton(out.device, f"{type(e).__name__}: {e}")
-            return False
-        return True
 
     def _native_unit(self) -> int:
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
@@ -1025,7 +1025,7 @@ class _BlockCodec(Codec):
         nblocks = _ceil_div(m, bsz)
         scales = body[: 4 * nblocks].view(torch.float32)
         values = body[4 * nblocks :]
-        if self._triton_decode(values, scales, out[:m]):
+        if self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
             return None
         crc = self._native_decode(values, scales, out[:m])
         if crc is not None:

@@ -219,5 +219,5 @@ def ptx(kernel: str, arch: int, **constexprs: int | bool) -> str:
     from triton.compiler import ASTSource
 
     signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(fn=kernels().__dict__[kernel], signature=signature, constexprs=constexprs)
+    source = ASTSource(fn=getattr(kernels(), kernel), signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=_OPTIONS).asm["ptx"]
