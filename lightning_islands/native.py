@@ -37,19 +37,19 @@ from torch import Tensor
 __all__ = ["available", "disabled", "enabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel",
            "run_ranges", "split", "thread_pool"]
 
-_SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"
+_SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"  # includes the other files of csrc/
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
 T = TypeVar("T")
 A = TypeVar("A")
-_I64, _I32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
 _SIGNATURES = {
-    "liq_int_encode": [_P, _I64, _I64, _I32, _P, _P],
-    "liq_int_decode": [_P, _P, _I64, _I64, _I32, _P],
-    "liq_fp8_encode": [_P, _I64, _I64, _P, _P],
-    "liq_fp8_decode": [_P, _P, _I64, _I64, _P],
-    "liq_bf16_encode": [_P, _I64, _P],
-    "liq_bf16_decode": [_P, _I64, _P],
-    "liq_f32_copy_checked": [_P, _I64, _P],
+    "liq_int_encode": [_P, _I64, _I64, _I32, _P, _P, _P],
+    "liq_int_decode": [_P, _P, _I64, _I64, _I32, _P, _P],
+    "liq_fp8_encode": [_P, _I64, _I64, _P, _P, _P],
+    "liq_fp8_decode": [_P, _P, _I64, _I64, _P, _P],
+    "liq_bf16_encode": [_P, _I64, _P, _P],
+    "liq_bf16_decode": [_P, _I64, _P, _P],
+    "liq_f32_copy_checked": [_P, _I64, _P, _P],
     "liq_topk_hist": [_P, _I64, _P],
     "liq_topk_select": [_P, _I64, _I64, _I64, _I64, _P, _P],
     "liq_topk_band": [_P, _I64, _I64, _I64, _P, _I64, _P],
@@ -57,8 +57,9 @@ _SIGNATURES = {
     "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
     "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
     "liq_streaming": [],
+    "liq_crc32": [_U32, _P, _I64],
 }
-_RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 count, the rest a status
+_RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 count, liq_crc32 a CRC, the rest a status
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -76,7 +77,7 @@ def _cache_dir() -> Path:
 
 
 def _compile(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
     key = hashlib.sha256(
         source + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.system().encode()
         + compiler.encode()
@@ -131,7 +132,7 @@ def _load() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = _I64 if name in _RETURNS_COUNT else ctypes.c_int
+        fn.restype = _I64 if name in _RETURNS_COUNT else _U32 if name == "liq_crc32" else ctypes.c_int
     return lib
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import platform
@@ -945,3 +946,29 @@ def test_parallel_crc_equals_zlib():
     body = torch.randint(0, 256, ((9 << 20) + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     prefix = b"0123456789abcdefghijklmnopqr"
     assert C._crc32(prefix, body) == zlib.crc32(np.asarray(body.numpy()).tobytes(), zlib.crc32(prefix))
+
+
+def _kernel_crc32(data: bytes, start: int, offset: int) -> int:
+    """The C kernels' CRC-32 of ``data`` placed ``offset`` bytes into a buffer (any alignment)."""
+    buf = (ctypes.c_uint8 * (len(data) + offset + 1)).from_buffer_copy(bytes(offset) + data + b"\0")
+    return native.library().liq_crc32(start, ctypes.addressof(buf) + offset, len(data))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@SETTINGS
+@given(data=st.binary(max_size=5000), start=st.integers(0, 2**32 - 1), offset=st.integers(0, 63))
+def test_kernel_crc32_matches_zlib(data, start, offset):
+    assert _kernel_crc32(data, start, offset) == zlib.crc32(data, start)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_kernel_crc32_matches_zlib_on_every_path():
+    """Every length from 0 to 1100 (byte loop below 128, the 128-bit fold from 128, the 512-bit fold from
+    512 with 128-bit and byte tails), and long buffers, against zlib."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 1100, dtype=np.uint8).tobytes()
+    for n in range(len(data) + 1):
+        assert _kernel_crc32(data[:n], 0x5EED, n % 7) == zlib.crc32(data[:n], 0x5EED), n
+    big = rng.integers(0, 256, (1 << 20) + 333, dtype=np.uint8).tobytes()
+    assert _kernel_crc32(big, 0, 0) == zlib.crc32(big)
+    assert _kernel_crc32(big, 0xFFFFFFFF, 5) == zlib.crc32(big, 0xFFFFFFFF)

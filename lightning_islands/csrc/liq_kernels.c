@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "liq_crc.h"
+
 /* Hot loops get one clone per x86 level, picked at load time. x86-64-v4 (AVX-512 F/BW/DQ/VL)
  * rather than plain avx512f: without BW/VL the byte packing and the fp8 rounding do not use the
  * 512-bit registers well (measured 2x slower int4 packing on an AMD EPYC). */
@@ -366,36 +368,13 @@ LIQ_AVX2 static uint32_t f32_copy_max_stream(const float *x, int64_t count, floa
     return w;
 }
 
-/* The bf16 rounding of liq_bf16_encode on 8 lanes: returns the 8 codes as 32-bit lanes and
- * folds |x| bits into *worst. */
-LIQ_AVX2 static inline __m256i bf16_codes8(const float *x, __m256i *worst) {
-    const __m256i u = _mm256_loadu_si256((const __m256i *)x);
-    __m256i a = _mm256_and_si256(u, _mm256_set1_epi32((int)LIQ_ABS_MASK));
-    *worst = _mm256_max_epu32(*worst, a);
-    a = _mm256_min_epu32(a, _mm256_set1_epi32(0x7F7F0000));
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFF)), odd), 16);
-    r = _mm256_min_epu32(r, _mm256_set1_epi32(0x7F7F));
-    __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000));
-    return _mm256_or_si256(r, sign);
-}
-
-/* liq_bf16_encode with streaming stores (out 32-byte aligned); returns the largest |x| bits. */
-LIQ_AVX2 static uint32_t bf16_round_stream(const float *x, int64_t count, uint16_t *out) {
-    __m256i worst = _mm256_setzero_si256();
+/* out[0:nbytes] = src[0:nbytes], streamed (out 32-byte aligned). */
+LIQ_AVX2 static void stream_copy(const void *src, int64_t nbytes, void *out) {
+    const uint8_t *in = (const uint8_t *)src;
+    uint8_t *o = (uint8_t *)out;
     int64_t j = 0;
-    for (; j + 16 <= count; j += 16) {
-        __m256i lo = bf16_codes8(x + j, &worst), hi = bf16_codes8(x + j + 8, &worst);
-        /* packus interleaves 128-bit lanes: (lo0-3, hi0-3, lo4-7, hi4-7); restore the order */
-        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
-        _mm256_stream_si256((__m256i *)(out + j), packed);
-    }
-    uint32_t w = hmax8(worst);
-    if (j < count) {
-        uint32_t t = bf16_round(x + j, count - j, out + j);
-        w = t > w ? t : w;
-    }
-    return w;
+    for (; j + 32 <= nbytes; j += 32) _mm256_stream_si256((__m256i *)(o + j), _mm256_loadu_si256((const __m256i *)(in + j)));
+    memcpy(o + j, in + j, (size_t)(nbytes - j));
 }
 
 static void stream_fence(void) { _mm_sfence(); }
@@ -405,25 +384,34 @@ static int stream_ok(const void *out, int64_t nbytes) { (void)out; (void)nbytes;
 #define block_rescale_stream block_rescale
 static void bf16_widen_stream(const uint16_t *in, int64_t count, float *out) { (void)in; (void)count; (void)out; }
 static uint32_t f32_copy_max_stream(const float *x, int64_t count, float *out) { (void)x; (void)count; (void)out; return 0; }
-static uint32_t bf16_round_stream(const float *x, int64_t count, uint16_t *out) { (void)x; (void)count; (void)out; return 0; }
+static void stream_copy(const void *src, int64_t nbytes, void *out) { memcpy(out, src, (size_t)nbytes); }
 static void stream_fence(void) {}
 #endif
 
 /* 1 if this build on this CPU takes the streaming-store loops for large outputs (for the tests). */
 int liq_streaming(void) { return stream_ok((const void *)0, LIQ_STREAM_MIN_BYTES); }
 
+/* Bytes of `count` packed values (pack per byte, group-planar: a partial last group rounds up). */
+static int64_t packed_nbytes(int64_t count, int pack) {
+    int64_t full = count / LIQ_PACK_GROUP * LIQ_PACK_GROUP;
+    return full / pack + (count - full + pack - 1) / pack;
+}
+
 /*
  * Blockwise absmax int8/int4/int2 encode of x[0:count] (count from a block- and group-aligned
- * start). Writes ceil(count/block) fp32 scales and the packed values. Returns 0, or -1 if out of
- * memory.
+ * start). Writes ceil(count/block) fp32 scales and the packed values, and, if crc is not NULL,
+ * advances crc[0] over the scales' bytes and crc[1] over the values' (checksummed as they are
+ * written, from cache). Returns 0, or -1 if out of memory.
  */
-int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float *scales, uint8_t *values) {
+int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float *scales, uint8_t *values,
+                   uint32_t *crc) {
     float qmax = (float)((1 << (bits - 1)) - 1);
     int pack = 8 / bits;
     int64_t slab = slab_elems(block, pack, count);
     float *inv = malloc(sizeof(float) * (size_t)((slab + block - 1) / block + 1));
     int8_t *q = pack == 1 ? NULL : malloc((size_t)slab + 1);
     if (!inv || (pack != 1 && !q)) { free(inv); free(q); return -1; }
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
     for (int64_t s = 0; s < count; s += slab) {
         int64_t len = count - s < slab ? count - s : slab;
         float *sc = scales + s / block;
@@ -442,20 +430,31 @@ int liq_int_encode(const float *x, int64_t count, int64_t block, int bits, float
             block_round(x + s, len, block, inv, q);
             pack_planar(q, len, bits, values + s / pack);
         }
+        int last = s + len == count;
+        crc_behind(&cs, scales + (s + len + block - 1) / block, last);
+        crc_behind(&cv, values + packed_nbytes(s + len, pack), last);
     }
     free(inv);
     free(q);
     return 0;
 }
 
-int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, int bits, float *out) {
+/* The inverse of liq_int_encode; crc[0] and crc[1] (if not NULL) are advanced over the scales and
+ * the values just before the kernel reads them. */
+int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, int bits, float *out,
+                   uint32_t *crc) {
     int stream = block % 8 == 0 && stream_ok(out, count * (int64_t)sizeof(float));
     int pack = 8 / bits;
     int64_t slab = slab_elems(block, pack, count);
     int8_t *q = pack == 1 ? NULL : malloc((size_t)slab + 1);
     if (pack != 1 && !q) return -1;
+    const float *scales_end = scales + (count + block - 1) / block;
+    const uint8_t *values_end = values + packed_nbytes(count, pack);
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
     for (int64_t s = 0; s < count; s += slab) {
         int64_t len = count - s < slab ? count - s : slab;
+        crc_ahead(&cs, scales + (s + len + block - 1) / block, scales_end);
+        crc_ahead(&cv, values + packed_nbytes(s + len, pack), values_end);
         if (pack == 1) {
             if (stream)
                 block_rescale_stream((const int8_t *)values + s, len, block, scales + s / block, out + s);
@@ -508,14 +507,19 @@ LIQ_HOT static void block_fp8(const float *restrict x, int64_t count, int64_t bl
     }
 }
 
-int liq_fp8_encode(const float *x, int64_t count, int64_t block, float *scales, uint8_t *values) {
+/* Blockwise fp8 encode; crc as in liq_int_encode. */
+int liq_fp8_encode(const float *x, int64_t count, int64_t block, float *scales, uint8_t *values, uint32_t *crc) {
     int64_t slab = slab_elems(block, 1, count);
     float *inv = malloc(sizeof(float) * (size_t)((slab + block - 1) / block + 1));
     if (!inv) return -1;
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
     for (int64_t s = 0; s < count; s += slab) {
         int64_t len = count - s < slab ? count - s : slab;
         block_scales(x + s, len, block, 448.0f, scales + s / block, inv);
         block_fp8(x + s, len, block, inv, values + s);
+        int last = s + len == count;
+        crc_behind(&cs, scales + (s + len + block - 1) / block, last);
+        crc_behind(&cv, values + s + len, last);
     }
     free(inv);
     return 0;
@@ -535,48 +539,87 @@ static inline float from_e4m3(uint32_t c) {
 }
 
 /* out = e4m3(v) * scale: the one rounding of the decode. */
-LIQ_HOT int liq_fp8_decode(const uint8_t *restrict values, const float *restrict scales, int64_t count,
-                           int64_t block, float *restrict out) {
+LIQ_HOT static void fp8_rescale(const uint8_t *restrict values, const float *restrict scales, int64_t count,
+                                int64_t block, float *restrict out) {
     int64_t nb = (count + block - 1) / block;
     for (int64_t b = 0; b < nb; b++) {
         int64_t s = b * block, len = count - s < block ? count - s : block;
         float sc = scales[b];
         for (int64_t j = 0; j < len; j++) out[s + j] = from_e4m3(values[s + j]) * sc;
     }
+}
+
+/* The inverse of liq_fp8_encode; crc as in liq_int_decode. */
+int liq_fp8_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, float *out,
+                   uint32_t *crc) {
+    int64_t slab = slab_elems(block, 1, count);
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
+    for (int64_t s = 0; s < count; s += slab) {
+        int64_t len = count - s < slab ? count - s : slab;
+        crc_ahead(&cs, scales + (s + len + block - 1) / block, scales + (count + block - 1) / block);
+        crc_ahead(&cv, values + s + len, values + count);
+        fp8_rescale(values + s, scales + s / block, len, block, out + s);
+    }
     return 0;
 }
 
-/* bf16 = round_half_even(clamp(x, +-max bf16)); returns 1 if x holds NaN/Inf (output undefined). */
-int liq_bf16_encode(const float *x, int64_t count, uint16_t *out) {
-    uint32_t worst;
-    if (stream_ok(out, count * (int64_t)sizeof(uint16_t))) {
-        worst = bf16_round_stream(x, count, out);
-        stream_fence();
-    } else {
-        worst = bf16_round(x, count, out);
+/* Elements per sub-slab of the element-wise kernels (bf16, fp32): 16 KiB of fp32. */
+#define LIQ_FLAT_SLAB 4096
+
+/* bf16 = round_half_even(clamp(x, +-max bf16)); returns 1 if x holds NaN/Inf (output undefined).
+ * If crc is not NULL, crc[0] is advanced over the output bytes. A large output is written with
+ * streaming stores from an L1 staging buffer, which is checksummed first. */
+int liq_bf16_encode(const float *x, int64_t count, uint16_t *out, uint32_t *crc) {
+    uint32_t worst = 0;
+    int stream = stream_ok(out, count * (int64_t)sizeof(uint16_t));
+    uint16_t stage[LIQ_FLAT_SLAB] __attribute__((aligned(64)));
+    crc_cursor c = crc_start(crc, out);
+    for (int64_t s = 0; s < count; s += LIQ_FLAT_SLAB) {
+        int64_t len = count - s < LIQ_FLAT_SLAB ? count - s : LIQ_FLAT_SLAB;
+        uint32_t w;
+        if (stream) {
+            w = bf16_round(x + s, len, stage);
+            if (crc) *crc = crc32_update(*crc, stage, len * (int64_t)sizeof(uint16_t));
+            stream_copy(stage, len * (int64_t)sizeof(uint16_t), out + s);
+        } else {
+            w = bf16_round(x + s, len, out + s);
+            crc_behind(&c, out + s + len, s + len == count);
+        }
+        worst = w > worst ? w : worst;
     }
+    if (stream) stream_fence();
     return worst >= LIQ_INF_BITS;
 }
 
-int liq_bf16_decode(const uint16_t *in, int64_t count, float *out) {
-    if (stream_ok(out, count * (int64_t)sizeof(float))) {
-        bf16_widen_stream(in, count, out);
-        stream_fence();
-    } else {
-        bf16_widen(in, count, (uint32_t *)out);
+/* out = bf16 bits << 16; crc[0] (if not NULL) is advanced over the input bytes. */
+int liq_bf16_decode(const uint16_t *in, int64_t count, float *out, uint32_t *crc) {
+    int stream = stream_ok(out, count * (int64_t)sizeof(float));
+    crc_cursor c = crc_start(crc, in);
+    for (int64_t s = 0; s < count; s += LIQ_FLAT_SLAB) {
+        int64_t len = count - s < LIQ_FLAT_SLAB ? count - s : LIQ_FLAT_SLAB;
+        crc_ahead(&c, in + s + len, in + count);
+        if (stream)
+            bf16_widen_stream(in + s, len, out + s);
+        else
+            bf16_widen(in + s, len, (uint32_t *)(out + s));
     }
+    if (stream) stream_fence();
     return 0;
 }
 
-/* Copy with a finiteness check; returns 1 if x holds NaN/Inf. */
-int liq_f32_copy_checked(const float *x, int64_t count, float *out) {
-    uint32_t worst;
-    if (stream_ok(out, count * (int64_t)sizeof(float))) {
-        worst = f32_copy_max_stream(x, count, out);
-        stream_fence();
-    } else {
-        worst = f32_copy_max(x, count, out);
+/* Copy with a finiteness check; returns 1 if x holds NaN/Inf. crc[0] (if not NULL) is advanced
+ * over the copied bytes (taken from x right after reading it, so encode and decode both use it). */
+int liq_f32_copy_checked(const float *x, int64_t count, float *out, uint32_t *crc) {
+    uint32_t worst = 0;
+    int stream = stream_ok(out, count * (int64_t)sizeof(float));
+    crc_cursor c = crc_start(crc, x);
+    for (int64_t s = 0; s < count; s += LIQ_FLAT_SLAB) {
+        int64_t len = count - s < LIQ_FLAT_SLAB ? count - s : LIQ_FLAT_SLAB;
+        uint32_t w = stream ? f32_copy_max_stream(x + s, len, out + s) : f32_copy_max(x + s, len, out + s);
+        crc_behind(&c, x + s + len, s + len == count);
+        worst = w > worst ? w : worst;
     }
+    if (stream) stream_fence();
     return worst >= LIQ_INF_BITS;
 }
 
