@@ -16,6 +16,13 @@ see the same machine state), this measures:
   CPU, the Triton kernels of ``lightning_islands/triton_kernels.py`` for the blockwise codecs on CUDA
   (on CUDA the header checksum is taken on the host, so compare ``kern/copy`` for the kernels).
 
+Before every timed operation a read-only pass over a clean buffer of twice the last-level cache
+(``--scrub-mib``) writes back and evicts what the previous operation left in the caches, so each
+operation (``copy_`` included) starts from the same state: cold and clean. Without it, the
+operation that follows a big write pays for that write's dirty lines (on the CPU VM of
+docs/BENCHMARKS.md, an encode timed right after ``copy_`` took up to 2x longer than the same
+encode back to back). ``--scrub-mib 0`` switches it off.
+
 Throughputs are GB/s of fp32 input (4 * numel bytes / time); ``copy_`` GB/s is measured the same
 way (it reads and writes 4 * numel bytes). ``rt/copy`` = copy_ time / (encode + decode time),
 taken per round (the ops of one round run back to back, so both see the same machine state) and
@@ -53,6 +60,31 @@ def _timer(device: torch.device):
         return time.perf_counter() - t0
 
     return timed
+
+
+def _last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), or 32 MiB if it cannot be read."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * unit)
+        except ValueError:
+            continue
+    return max(sizes, default=32 << 20)
+
+
+def _scrubber(device: torch.device, mib: int):
+    """A function that streams through a clean ``mib`` MiB buffer on ``device`` (no-op if 0)."""
+    if mib <= 0:
+        return lambda: None
+    buf = torch.ones(mib << 18, device=device)  # mib MiB of fp32
+
+    def scrub() -> None:
+        buf.sum()
+
+    return scrub
 
 
 def _triton_version() -> str | None:
@@ -94,6 +126,7 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
+            args.scrub()
             t = timed(fn)
             if r >= args.warmup:
                 samples[name].append(t)
@@ -136,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as is)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/codecs.json")
+    parser.add_argument("--scrub-mib", type=int, default=None,
+                        help="MiB read before each timed op to leave the caches cold and clean (default: twice "
+                             "the CPU's last-level cache on CPU, 128 on CUDA; 0: off)")
     args = parser.parse_args(argv)
 
     if args.device == "auto":
@@ -146,10 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.numel, generator=gen).to(device)
     timed = _timer(device)
+    if args.scrub_mib is None:
+        args.scrub_mib = 2 * _last_level_cache_bytes() >> 20 if device.type == "cpu" else 128
+    args.scrub = _scrubber(device, args.scrub_mib)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
         f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
+        f"scrub={args.scrub_mib} MiB "
         f"fused_cpu_kernels={native.available()} crc32={'zlib-ng' if C._zlib_fast is not None else 'zlib'} "
         f"triton={_triton_version()}"
     )
@@ -188,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "numel": args.numel,
         "repeats": args.repeats,
         "warmup": args.warmup,
+        "scrub_mib": args.scrub_mib,
         "block_size": args.block_size,
         "format_version": C.FORMAT_VERSION,
         "fused_cpu_kernels": native.available(),

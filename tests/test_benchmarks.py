@@ -1,0 +1,32 @@
+"""`benchmarks/codecs.py` runs end to end on a small vector and writes the table it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_codec_benchmark_writes_every_column(tmp_path):
+    out = tmp_path / "codecs.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "codecs.py"), "--numel", "70000", "--repeats", "2", "--warmup", "0",
+         "--codecs", "fp32,int4,topk:0.05+int4", "--scrub-mib", "1", "--device", "cpu", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "scrub=1 MiB" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["scrub_mib"] == 1
+    assert [r["codec"] for r in data["results"]] == ["fp32", "int4/128", "topk:0.05+int4/128"]
+    for r in data["results"]:
+        assert r["rel_error_gaussian"] < 1.0
+        for key in ("roundtrip_over_copy", "kernel_roundtrip_over_copy", "torch_roundtrip_over_copy"):
+            assert r[key] > 0
+        assert set(r["median_ms"]) >= {"copy", "enc", "dec", "kern_enc", "kern_dec", "enc_ref", "dec_ref"}
+    assert data["results"][0]["rel_error_gaussian"] == 0.0  # fp32 is exact
