@@ -89,6 +89,7 @@ from decimal import Decimal, localcontext
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -143,7 +144,7 @@ _TOPK_SAMPLE_RUN = 128  # the fused top-k samples runs of this many consecutive 
 _TOPK_BUCKET_SHIFT = 20  # the fused top-k's histogram buckets are |x| bits >> 20 ...
 _TOPK_BUCKETS = 2048  # ... of which there are 2048
 _INF_BITS = 0x7F800000
-_TOPK_SLACK = 16  # liq_topk_band stores branch-free and needs this many spare candidate slots
+_TOPK_SLACK = 16  # liq_topk_pick stores whole 16-entry blocks and needs this many spare slots
 PACK_GROUP = 2048  # values per planar packing group of int4/int2 (part of the wire format)
 _FP32_MAX = torch.finfo(torch.float32).max
 _BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -265,14 +266,20 @@ def _run_checksummed(count: int, unit: int, call: Callable[[int, int, int], int]
     (``parts(start, stop)`` are the range's pieces of each part, say its scales and its values).
     The kernel advances each over its piece of that part while the bytes are in cache: right after
     writing them (encode) or right before reading them (decode). Returns the kernel statuses and
-    the CRC-32 of the body, i.e. of part 0 over all ranges in order, then part 1, and so on.
+    the CRC-32 of the body, i.e. of part 0 over all ranges in order, then part 1, and so on; or
+    None for the CRC where the kernels have no fast CRC-32 (:func:`native.kernel_checksums`): they
+    then get a null address and the caller checksums the body with zlib(-ng).
     """
     ranges = native.split(count, unit)
+    if not native.kernel_checksums():
+        return native.run_each(range(len(ranges)), lambda i: call(*ranges[i], 0)), None
     nparts = len(parts(0, 0))
     crcs = (ctypes.c_uint32 * max(1, len(ranges) * nparts))()
-    base = ctypes.addressof(crcs)
-    statuses = native.run_each(range(len(ranges)),
-                               lambda i: call(*ranges[i], base + 4 * nparts * i))
+
+    def run(i: int, crcs: ctypes.Array = crcs) -> int:  # holds crcs while a kernel may write to it
+        return call(*ranges[i], ctypes.addressof(crcs) + 4 * nparts * i)
+
+    statuses = native.run_each(range(len(ranges)), run)
     sizes = [[t.numel() * t.element_size() for t in parts(s, e)] for s, e in ranges]
     crc = _crc_join([(crcs[i * nparts + p], sizes[i][p]) for p in range(nparts) for i in range(len(ranges))])
     return statuses, crc
@@ -418,7 +425,7 @@ class Codec:
     def _checksums_while_decoding(self, body: Tensor) -> bool:
         """Whether ``_decode_body`` returns the body's CRC-32 (the fused CPU kernels do; the checksum
         is then verified after decoding instead of in a separate pass before it)."""
-        return _kernels(body) is not None
+        return _kernels(body) is not None and native.kernel_checksums()
 
     # -- public API -----------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:
@@ -923,8 +930,8 @@ class _BlockCodec(Codec):
         values = body[4 * nblocks :]
         crc = None
         if not self._run_triton(v, lambda tk: self._tk_encode(tk, v, scales, values)):
-            crc = self._native_encode(v, scales, values)
-            if crc is None:
+            ran, crc = self._native_encode(v, scales, values)
+            if not ran:
                 self._torch_encode(v, scales, values)
         if nblocks and self._check_scales(v, scales):
             crc = None  # scales were nudged after they were checksummed
@@ -949,34 +956,34 @@ class _BlockCodec(Codec):
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
         return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> int | None:
-        """Encode with the fused CPU kernel if there is one and return the body's CRC-32; None
-        (nothing done) to use the torch path."""
+    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> tuple[bool, int | None]:
+        """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
+        the kernels did not take it)``; ``(False, None)`` (nothing done) to use the torch path."""
         return self._run_native(v, scales, values, "encode",
                                 lambda lib, s, e, c: self._encode_range(lib, v, scales, values, s, e, c))
 
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> int | None:
-        """Decode with the fused CPU kernel if there is one and return the body's CRC-32; None
-        (nothing done) to use the torch path."""
+    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> tuple[bool, int | None]:
+        """Decode with the fused CPU kernel if there is one; returns as :meth:`_native_encode`."""
         return self._run_native(out, scales, values, "decode",
                                 lambda lib, s, e, c: self._decode_range(lib, values, scales, out, s, e, c))
 
     def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
-                    call: Callable[[Any, int, int, int], int]) -> int | None:
+                    call: Callable[[Any, int, int, int], int]) -> tuple[bool, int | None]:
         """Run ``call(lib, start, stop, crc)`` over unit-aligned ranges of the fp32 ``vector`` on the
         kernel threads, the kernel checksumming the matching pieces of ``scales`` and ``values``
-        while they are in cache (:func:`_run_checksummed`). Returns the CRC-32 of ``scales + values`` (the body),
-        or None (nothing run) if there are no fused kernels."""
+        while they are in cache (:func:`_run_checksummed`). Returns ``(True, the CRC-32 of scales +
+        values, i.e. the body, or None if the kernels did not take it)``, or ``(False, None)``
+        (nothing run) if there are no fused kernels."""
         lib = _kernels(vector)
         if lib is None:
-            return None
+            return False, None
         bsz, pack = self.block_size, self.pack
         failed, crc = _run_checksummed(
             vector.numel(), self._native_unit(), lambda s, e, c: call(lib, s, e, c),
             lambda s, e: (scales[s // bsz : _ceil_div(e, bsz)], values[s // pack : _ceil_div(e, pack)]))
         if any(failed):
             raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
-        return crc
+        return True, crc
 
     # one kernel call on the unit-aligned value range [s, e), advancing the two CRC-32s at address
     # crc (scales, values); returns the kernel's status (0 = ok)
@@ -1010,8 +1017,8 @@ class _BlockCodec(Codec):
         values = body[4 * nblocks :]
         if self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
             return None
-        crc = self._native_decode(values, scales, out[:m])
-        if crc is not None:
+        ran, crc = self._native_decode(values, scales, out[:m])
+        if ran:
             return crc
         slab = self._slab_elems(body.device, m)
         work = _Work(body.device, min(slab, m))
@@ -1228,16 +1235,19 @@ def _topk_indices(a: Tensor, k: int) -> Tensor:
 
 def _native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
-    :func:`_topk_indices`. Usually two passes over ``x``, split across the kernel threads: one
-    over a band of magnitudes guessed from a sample (count above it, collect inside it), then the
-    selection in index order. A poor guess costs a histogram pass that finds the band exactly."""
+    :func:`_topk_indices`. Usually one pass over ``x``, split across the kernel threads, that
+    picks every entry at or above a band of magnitudes guessed from a sample (with the band's
+    count, the threshold follows); a poor guess costs a histogram pass that finds the band
+    exactly, and a second pick."""
     n = x.numel()
     ranges = native.split(n, 1)
     guess = _sampled_band(x, k)
     if guess is not None:
         lo, hi, expected = guess
-        caps = [_ceil_div(expected * (e - s), n) + 256 + _TOPK_SLACK for s, e in ranges]
-        found = _band_select(lib, x, k, ranges, lo, hi, caps)
+        # a range may hold any share of the k largest and of the band (layers differ in scale): room for
+        # all of both (the pages of unused room are never touched)
+        caps = [min(e - s, k + expected + 256) + _TOPK_SLACK for s, e in ranges]
+        found = _band_pick(lib, x, k, ranges, lo, hi, caps)
         if found is not None:
             return found
     hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
@@ -1250,8 +1260,8 @@ def _native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     from_top = hist.sum(0).flip(0).cumsum(0)
     bucket = _TOPK_BUCKETS - 1 - int(torch.searchsorted(from_top, k))  # first bucket reaching k
     shift = _TOPK_BUCKET_SHIFT
-    caps = (hist[:, bucket] + _TOPK_SLACK).tolist()
-    found = _band_select(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps)
+    caps = (hist[:, bucket:].sum(1) + _TOPK_SLACK).tolist()  # exactly the entries >= the bucket, per range
+    found = _band_pick(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps)
     if found is None:  # pragma: no cover - the bucket holds the k-th largest by construction
         raise RuntimeError("fused top-k: the histogram bucket does not hold the threshold")
     return found
@@ -1279,43 +1289,39 @@ def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
     return lo, hi, _ceil_div(n * (inside + 16), m) * 3 // 2
 
 
-def _band_select(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
-                 caps: list[int]) -> tuple[Tensor, Tensor] | None:
+def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
+               caps: list[int]) -> tuple[Tensor, Tensor] | None:
     """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
-    and each range has at most ``caps[r] - _TOPK_SLACK`` entries in it; else None."""
+    and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None."""
     each = range(len(ranges))
     starts = [0, *itertools.accumulate(caps)]
-    cand = torch.empty(starts[-1], dtype=torch.int32)
+    idx_all = torch.empty(starts[-1], dtype=torch.int64)
+    val_all = torch.empty(starts[-1], dtype=torch.float32)
     above = torch.zeros(len(ranges), dtype=torch.int64)
-    got = native.run_each(each, lambda r: lib.liq_topk_band(
-        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], lo, hi, native.ptr(cand, starts[r]), caps[r],
-        native.ptr(above, r)))
+    got = native.run_each(each, lambda r: lib.liq_topk_pick(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], lo, hi,
+        native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), caps[r], native.ptr(above, r)))
     if any(g == -2 for g in got):
         _raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
     n_above = int(above.sum())
-    if any(g < 0 for g in got) or not n_above < k <= n_above + sum(got):
+    if any(g < 0 for g in got) or not n_above < k <= sum(got):
         return None
-    segments = [cand[starts[r] : starts[r] + got[r]] for r in each]
-    inside = torch.cat(segments)
-    rank = k - n_above  # the threshold is the rank-th largest candidate
-    threshold = int(torch.kthvalue(inside, inside.numel() - rank + 1).values)
-    greater = [int(above[r]) + int((seg > threshold).sum()) for r, seg in zip(each, segments)]
-    equal = [int((seg == threshold).sum()) for seg in segments]
-    need = k - sum(greater)
-    ties, offsets, off = [], [], 0
-    for g, eq in zip(greater, equal):
-        t = min(eq, max(0, need))
-        need -= t
-        ties.append(t)
-        offsets.append(off)
-        off += g + t
+    band = torch.empty(sum(got) - n_above + 1, dtype=torch.int32)  # their bits (+1: stored branch-free)
+    off = 0
+    for r in each:
+        off += lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi, native.ptr(band, off))
+    rank = k - n_above  # the threshold is the rank-th largest entry inside the band
+    inside = band[:off].numpy()
+    threshold = int(np.partition(inside, inside.size - rank)[inside.size - rank])
+    ties = torch.tensor([k - n_above - int(np.count_nonzero(inside > threshold))])  # ties go to the lowest indices
     idx = torch.empty(k, dtype=torch.int64)
     vals = torch.empty(k, dtype=torch.float32)
-    picked = native.run_each(each, lambda r: lib.liq_topk_select(
-        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], threshold, ties[r],
-        native.ptr(idx, offsets[r]), native.ptr(vals, offsets[r])))
-    if picked != [g + t for g, t in zip(greater, ties)]:  # pragma: no cover - would be a kernel bug
-        raise RuntimeError(f"fused top-k selected {picked} entries per range, expected {greater} + {ties}")
+    off = 0
+    for r in each:  # in index order
+        off += lib.liq_topk_keep(native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r], threshold,
+                                 native.ptr(ties), native.ptr(idx, off), native.ptr(vals, off))
+    if off != k:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k kept {off} entries, expected {k}")
     return idx, vals
 
 

@@ -34,8 +34,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["available", "disabled", "enabled", "library", "parallel_ranges", "ptr", "run_each", "run_parallel",
-           "run_ranges", "split", "thread_pool"]
+__all__ = ["available", "disabled", "enabled", "kernel_checksums", "library", "parallel_ranges", "ptr", "run_each",
+           "run_parallel", "run_ranges", "split", "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"  # includes the other files of csrc/
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
@@ -51,18 +51,22 @@ _SIGNATURES = {
     "liq_bf16_decode": [_P, _I64, _P, _P],
     "liq_f32_copy_checked": [_P, _I64, _P, _P],
     "liq_topk_hist": [_P, _I64, _P],
-    "liq_topk_select": [_P, _I64, _I64, _I64, _I64, _P, _P],
-    "liq_topk_band": [_P, _I64, _I64, _I64, _P, _I64, _P],
+    "liq_topk_pick": [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P],
+    "liq_topk_band_bits": [_P, _I64, _I64, _P],
+    "liq_topk_keep": [_P, _P, _I64, _I64, _P, _P, _P],
     "liq_ef_encode": [_P, _I64, _I32, _P, _I64, _P, _I64],
     "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
     "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
     "liq_streaming": [],
     "liq_crc32": [_U32, _P, _I64],
+    "liq_crc_fast": [],
 }
-_RETURNS_COUNT = {"liq_topk_select", "liq_topk_band"}  # these return an int64 count, liq_crc32 a CRC, the rest a status
+# these return an int64 count, liq_crc32 a CRC, the rest a status
+_RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_bits", "liq_topk_keep"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_fast_crc = False  # liq_crc_fast() of the loaded library
 _tried = False
 _off = threading.local()  # .depth: nesting of disabled() in this thread
 _pool: ThreadPoolExecutor | None = None
@@ -102,7 +106,7 @@ def _compile(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, compiling it on first use; None if unavailable (see module doc)."""
-    global _lib, _tried
+    global _lib, _tried, _fast_crc
     if not enabled():
         return None
     if _tried:  # set only once _lib holds the outcome, so a caller racing the first compile waits below
@@ -111,6 +115,7 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _lib = _load()
+        _fast_crc = _lib is not None and bool(_lib.liq_crc_fast())
         _tried = True
         return _lib
 
@@ -151,6 +156,14 @@ def disabled() -> Iterator[None]:
 def enabled() -> bool:
     """False inside :func:`disabled` (in this thread): no fused kernels, CPU or GPU, are to be used."""
     return not getattr(_off, "depth", 0)
+
+
+def kernel_checksums() -> bool:
+    """Whether the kernels take the payload checksum themselves (a carry-less-multiply CRC-32,
+    x86-64 Linux with PCLMULQDQ); elsewhere their CRC-32 is a byte loop, ~100x slower than zlib-ng,
+    and the codecs checksum separately. False inside :func:`disabled` or without kernels."""
+    lib = library()
+    return lib is not None and _fast_crc
 
 
 def available() -> bool:

@@ -972,3 +972,55 @@ def test_kernel_crc32_matches_zlib_on_every_path():
     big = rng.integers(0, 256, (1 << 20) + 333, dtype=np.uint8).tobytes()
     assert _kernel_crc32(big, 0, 0) == zlib.crc32(big)
     assert _kernel_crc32(big, 0xFFFFFFFF, 5) == zlib.crc32(big, 0xFFFFFFFF)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "fp8", "int8", "int4/64", "topk:0.05+int4"])
+def test_kernels_without_a_fast_crc_leave_the_checksum_to_zlib(monkeypatch, spec):
+    """Where the kernels' CRC-32 would be the byte loop (no PCLMULQDQ, not x86-64 Linux) they get no
+    CRC pointer and the payload is checksummed separately, before decoding: same bytes, same checks."""
+    assert native.kernel_checksums(), "this machine should have the folding CRC-32"
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(8))
+    codec = make_codec(spec)
+    fast_p = codec.encode(x)
+    monkeypatch.setattr(native, "_fast_crc", False)
+    assert not native.kernel_checksums() and not codec._checksums_while_decoding(fast_p)
+    assert torch.equal(codec.encode(x), fast_p)
+    assert torch.equal(codec.decode(fast_p), codec.decode(fast_p.clone()))
+    bad = fast_p.clone()
+    bad[-3] ^= 0x10
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        codec.decode(bad)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_fused_topk_needs_one_pass_when_the_large_entries_sit_in_one_range(monkeypatch):
+    """Concatenated layers differ in scale: the top entries and the sampled band can all fall in one
+    thread's range. The guess is still right, so no histogram pass should be needed, and the
+    selection is the reference's."""
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))
+    x[-(1 << 17):] *= 10  # the last eighth dominates
+    hist_calls = []
+    real_kernels = C._kernels
+
+    class Counting:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            if name == "liq_topk_hist":
+                hist_calls.append(name)
+            return getattr(self._lib, name)
+
+    monkeypatch.setattr(C, "_kernels", lambda t: None if real_kernels(t) is None else Counting(real_kernels(t)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        for spec in ("topk:0.01", "topk:0.001"):
+            codec = make_codec(spec)
+            payload = codec.encode(x)
+            with native.disabled():
+                assert torch.equal(payload, codec.encode(x))
+    finally:
+        torch.set_num_threads(before)
+    assert hist_calls == []

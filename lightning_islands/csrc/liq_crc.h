@@ -23,13 +23,16 @@
 #include <stdint.h>
 
 static uint32_t liq_crc_table[256];
+static int liq_crc_level; /* 0: bytes only, 1: PCLMULQDQ, 2: 512-bit VPCLMULQDQ; set at load time */
+static int crc_detect_level(void);
 
-__attribute__((constructor)) static void liq_crc_table_init(void) {
+__attribute__((constructor)) static void liq_crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
         for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
         liq_crc_table[i] = c;
     }
+    liq_crc_level = crc_detect_level();
 }
 
 /* The raw (unconditioned) CRC register r advanced over p[0:n], a byte at a time. */
@@ -38,7 +41,10 @@ static uint32_t crc_bytes(uint32_t r, const uint8_t *p, int64_t n) {
     return r;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+/* x86-64 Linux with GCC >= 8 or clang: the CPU check needs the compiler runtime's __cpu_model, which
+ * Apple's toolchain does not provide (elsewhere the byte loop runs and the Python side checksums
+ * with zlib-ng instead, see liq_crc_fast). */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
 #include <immintrin.h>
 #define LIQ_CLMUL __attribute__((target("pclmul,sse4.1")))
 
@@ -93,7 +99,7 @@ LIQ_VCLMUL static uint32_t crc_fold_wide(uint32_t r, const uint8_t *p, int64_t n
     const __m512i k4 = _mm512_broadcast_i32x4(_mm_set_epi64x((long long)LIQ_K_FOLD512_HI,
                                                              (long long)LIQ_K_FOLD512_LO));
     const __m128i k1 = _mm_set_epi64x((long long)LIQ_K_FOLD128_HI, (long long)LIQ_K_FOLD128_LO);
-    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_castsi128_si512(_mm_cvtsi32_si128((int)r)));
+    __m512i x0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)r)));
     __m512i x1 = _mm512_loadu_si512(p + 64), x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
     for (int64_t i = 256; i < n; i += 256) {
         x0 = crc_fold64(x0, k16, _mm512_loadu_si512(p + i));
@@ -111,17 +117,14 @@ LIQ_VCLMUL static uint32_t crc_fold_wide(uint32_t r, const uint8_t *p, int64_t n
     return crc_bytes(0, rest, 16);
 }
 
-/* 0: bytes only, 1: PCLMULQDQ, 2: 512-bit VPCLMULQDQ (racing first calls compute the same value) */
-static int crc_level(void) {
-    static int level = -1;
-    if (level < 0)
-        level = !(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1")) ? 0
-                : __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f")
-                        && __builtin_cpu_supports("avx512vl") ? 2 : 1;
-    return level;
+static int crc_detect_level(void) {
+    __builtin_cpu_init(); /* needed before __builtin_cpu_supports in a constructor */
+    if (!(__builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1"))) return 0;
+    return __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx512f")
+           && __builtin_cpu_supports("avx512vl") ? 2 : 1;
 }
 #else
-static int crc_level(void) { return 0; }
+static int crc_detect_level(void) { return 0; }
 static uint32_t crc_fold(uint32_t r, const uint8_t *p, int64_t n) { return crc_bytes(r, p, n); }
 static uint32_t crc_fold_wide(uint32_t r, const uint8_t *p, int64_t n) { return crc_bytes(r, p, n); }
 #endif
@@ -130,7 +133,7 @@ static uint32_t crc_fold_wide(uint32_t r, const uint8_t *p, int64_t n) { return 
 static uint32_t crc32_update(uint32_t crc, const void *data, int64_t n) {
     const uint8_t *p = (const uint8_t *)data;
     uint32_t r = ~crc;
-    int level = n >= 128 ? crc_level() : 0;
+    int level = n >= 128 ? liq_crc_level : 0;
     if (level == 2 && n >= 512) {
         int64_t m = n & ~(int64_t)255;
         r = crc_fold_wide(r, p, m);
@@ -148,6 +151,10 @@ static uint32_t crc32_update(uint32_t crc, const void *data, int64_t n) {
 
 /* zlib.crc32 for the Python side (tests, and payload pieces no kernel writes). */
 uint32_t liq_crc32(uint32_t crc, const void *data, int64_t n) { return crc32_update(crc, data, n); }
+
+/* 1 if the kernels' CRC-32 is a fold (tens of GB/s); 0 if it is the byte loop (~0.2 GB/s), and the
+ * Python side should pass no CRC pointer and checksum with zlib(-ng) instead. */
+int liq_crc_fast(void) { return liq_crc_level > 0; }
 
 /*
  * A running checksum of one contiguous region that a kernel walks front to back (the region's
