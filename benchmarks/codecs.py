@@ -46,7 +46,7 @@ import torch
 from lightning_islands import codecs as C
 from lightning_islands import native
 
-DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,topk:0.01,topk:0.01+int4"
+DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
 
 
 def _timer(device: torch.device):

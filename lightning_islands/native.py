@@ -47,6 +47,8 @@ _SIGNATURES = {
     "liq_int_decode": [_P, _P, _I64, _I64, _I32, _P, _P],
     "liq_fp8_encode": [_P, _I64, _I64, _P, _P, _P],
     "liq_fp8_decode": [_P, _P, _I64, _I64, _P, _P],
+    "liq_sign_encode": [_P, _I64, _I64, _P, _P, _P],
+    "liq_sign_decode": [_P, _P, _I64, _I64, _P, _P],
     "liq_bf16_encode": [_P, _I64, _P, _P],
     "liq_bf16_decode": [_P, _I64, _P, _P],
     "liq_f32_copy_checked": [_P, _I64, _P, _P],

@@ -111,7 +111,7 @@ class IslandStrategy(FSDP2Strategy):
             rarely). An island with a fixed ``steps_per_round`` scales it by ``H_round / sync_every``.
         outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
         codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
-            ``int2``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
+            ``int2``, ``sign``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
         error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
             bits and below.
         island, num_islands, coordinator, run_id: this island's identity; default from the

@@ -46,6 +46,8 @@ ALL_SPECS = [
     "int2/4",
     "int8/12",
     "fp8/32",
+    "sign",
+    "sign/36",
     "topk:0.01",
     "topk:0.05+int4",
     "topk:0.1+int2/16",
@@ -53,6 +55,7 @@ ALL_SPECS = [
     "topk:0.2+fp8",
     "topk:0.5+bf16",
     "topk:1+int4/32",
+    "topk:0.1+sign/16",
 ]
 QMAX = {"int8": 127.0, "int4": 7.0, "int2": 1.0}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -135,6 +138,21 @@ def block_absmax(v: torch.Tensor, bsz: int) -> torch.Tensor:
     return padded.view(max(nb, 0), bsz).amax(1).repeat_interleave(bsz)[:m] if nb else padded[:0]
 
 
+def sign_reference(x: torch.Tensor, bsz: int) -> torch.Tensor:
+    """The sign codec's rule, spelled differently: per element, the float64 mean of |x| over its
+    block (the last block: over its own length), rounded to fp32, with the sign bit of x."""
+    m = x.numel()
+    nb = -(-m // bsz)
+    padded = torch.zeros(nb * bsz, dtype=torch.float64)
+    padded[:m] = x.double().abs()
+    width = torch.full((nb,), float(bsz), dtype=torch.float64)
+    if nb and m % bsz:
+        width[-1] = m % bsz
+    mean = (padded.view(nb, bsz).sum(1) / width).float() if nb else torch.zeros(0)
+    magnitude = mean.repeat_interleave(bsz)[:m]
+    return torch.where(torch.signbit(x), -magnitude, magnitude)
+
+
 def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> None:
     """Element-wise error bound of a dense codec (x and d are the carried values)."""
     assert d.dtype == torch.float32 and d.shape == x.shape
@@ -142,6 +160,12 @@ def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> Non
     xd, dd = x.double(), d.double()
     err = (xd - dd).abs()
     family = codec.spec()["family"]
+    if family == "sign":  # +-mean|x| of the block: the reference to within its last fp32 bit
+        ref = sign_reference(x, codec.block_size)
+        assert torch.equal(torch.signbit(d), torch.signbit(x))
+        close = (dd - ref.double()).abs() <= ref.double().abs() * 2.0**-23
+        assert close.all(), f"{codec.name}: d={dd[~close][:3].tolist()} reference={ref[~close][:3].tolist()}"
+        return
     if family == "fp32":
         assert torch.equal(x, d)
         return
@@ -187,6 +211,41 @@ def test_dense_roundtrip_bounds(spec, x, path):
     # zeros stay exactly zero, signs never flip
     assert (d[x == 0] == 0).all()
     assert ((d * x) >= 0).all()
+
+
+@pytest.mark.parametrize("spec", ["sign", "sign/4", "sign/36", "sign/4096"])
+@SETTINGS
+@given(x=vectors())
+def test_sign_roundtrip_is_the_sign_times_the_block_mean(spec, x):
+    codec = make_codec(spec)
+    payload = codec.encode(x)
+    assert payload.numel() == codec.nbytes(x.numel())
+    d = codec.decode(payload)
+    assert_within_bound(codec, x, d)  # sign bits kept, magnitude = block mean |x|
+
+
+def test_sign_error_is_below_int2_at_half_the_value_bits():
+    x = make_vector(1 << 18, 4, 0.0, "gauss")
+    sign, int2 = make_codec("sign"), make_codec("int2")
+    err_sign = quantization_error(x, sign.decode(sign.encode(x)))
+    err_int2 = quantization_error(x, int2.decode(int2.encode(x)))
+    assert abs(err_sign - math.sqrt(1 - 2 / math.pi)) < 0.01  # the optimum of a 1-bit code on a Gaussian
+    assert err_int2 > 0.75 and err_sign < err_int2 - 0.15
+    assert compression_ratio(x.numel(), sign.nbytes(x.numel())) > 25.5
+
+
+def test_sign_scale_is_a_fixed_tree_sum():
+    # 2**24 + 1 + 1 + ... : a left-to-right fp32 sum would lose every 1; the float64 tree keeps them
+    x = torch.tensor([2.0**24] + [1.0] * 7)
+    d = make_codec("sign/8").decode(make_codec("sign/8").encode(x))
+    assert d[0].item() == torch.tensor((2.0**24 + 7) / 8, dtype=torch.float32).item() != 2.0**21
+    # summation order is part of the format: reversing a block must not change its scale
+    y = make_vector(4096, 9, 3.0, "mixed_magnitudes")
+    codec = make_codec("sign/64")
+    s1 = codec.encode(y)[C.HEADER_BYTES :][: 4 * 64].view(torch.float32)
+    s2 = codec.encode(y.view(64, 64).flip(1).reshape(-1))[C.HEADER_BYTES :][: 4 * 64].view(torch.float32)
+    ref = sign_reference(y, 64).abs()[::64]
+    assert torch.equal(s1, ref) and torch.equal(s2, ref)
 
 
 @pytest.mark.parametrize(
@@ -383,6 +442,13 @@ def test_packed_layout_is_pinned():
     assert body8[4:].view(torch.int8).tolist() == [127, -127, 1, 0]
     bodyf8 = make_codec("fp8/4").encode(torch.tensor([448.0, -448.0, 1.0, 0.0]))[C.HEADER_BYTES :]
     assert bodyf8[4:].view(torch.float8_e4m3fn).float().tolist() == [448.0, -448.0, 1.0, 0.0]
+    # sign/8: scales = block mean |x|; bit i of byte j = sign bit of value j + i*W/8 (W = 16: j + 2i)
+    xs = torch.tensor([1.0, -2.0, -0.0, 3.0, 0.0, 4.0, -1.0, 1.0, -8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.5])
+    bodys = make_codec("sign/8").encode(xs)[C.HEADER_BYTES :]
+    assert bodys[:8].view(torch.float32).tolist() == [12.0 / 8, 8.5 / 8]
+    negative = torch.signbit(xs).to(torch.int64)
+    assert bodys[8:].tolist() == [sum(int(negative[j + 2 * i]) << i for i in range(8)) for j in range(2)]
+    assert bodys[8:].tolist() == [0b00011010, 0b10000001]
 
 
 def test_fp8_decode_matches_builtin_cast_for_every_code():
@@ -434,6 +500,8 @@ def test_nbytes_formulas():
     assert make_codec("int4").nbytes(1001) == h + 4 * 8 + 501
     assert make_codec("int2").nbytes(n) == h + 4 * 8 + 250
     assert make_codec("int2/64").nbytes(1001) == h + 4 * 16 + 251
+    assert make_codec("sign").nbytes(n) == h + 4 * 8 + 125
+    assert make_codec("sign/64").nbytes(1001) == h + 4 * 16 + 126
     assert make_codec("int4").nbytes(0) == h
     # top-k: k = ceil(f n) values + Elias-Fano indices
     k = 10
@@ -556,7 +624,7 @@ def test_zeros_and_constant_blocks(spec, path):
         assert torch.allclose(d, c, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "fp32"])
+@pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "bf16", "fp32", "sign"])
 def test_extreme_magnitudes_stay_finite(spec, path):
     fmax = torch.finfo(torch.float32).max
     tiny = torch.finfo(torch.float32).tiny
@@ -602,7 +670,7 @@ def test_misaligned_and_strided_payloads_decode(spec):
 def test_thread_count_and_slab_size_do_not_change_results(monkeypatch, path):
     x = make_vector(200_000, 3, 2.0, "gauss")
     threads = torch.get_num_threads()
-    for spec in ["int4", "int2/64", "fp8", "int8", "topk:0.01+int4"]:
+    for spec in ["int4", "int2/64", "fp8", "int8", "sign/96", "topk:0.01+int4"]:
         codec = make_codec(spec)
         ref_p = codec.encode(x)
         ref_d = codec.decode(ref_p)
@@ -624,7 +692,7 @@ def test_thread_count_and_slab_size_do_not_change_results(monkeypatch, path):
 # ----------------------------------------------------------------------------------------------
 
 DENSE_SPECS = ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/4", "int8/12", "fp8/36",
-               "int4/4096", "int2/6000", "int8/2052"]
+               "int4/4096", "int2/6000", "int8/2052", "sign", "sign/4", "sign/36", "sign/4096", "sign/6000"]
 
 
 def _both_paths(codec: C.Codec, x: torch.Tensor) -> None:
@@ -639,7 +707,7 @@ def _both_paths(codec: C.Codec, x: torch.Tensor) -> None:
     assert torch.equal(cross_d.view(torch.int32), fused_d.view(torch.int32))
 
 
-TOPK_SPECS = ["topk:0.01", "topk:0.05+int4", "topk:0.3+int2/16", "topk:0.5+bf16", "topk:0.9+fp8"]
+TOPK_SPECS = ["topk:0.01", "topk:0.05+int4", "topk:0.3+int2/16", "topk:0.5+bf16", "topk:0.9+fp8", "topk:0.2+sign/8"]
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
@@ -684,7 +752,7 @@ def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for spec in ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/8", "int8/12"]:
+        for spec in ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/8", "int8/12", "sign", "sign/12"]:
             codec = make_codec(spec)
             _both_paths(codec, x)
             payload = codec.encode(x)
@@ -853,8 +921,9 @@ def _run_rounds(codec: C.Codec, rounds: int, ef: ErrorFeedback | None) -> tuple[
     return errors, one_round
 
 
-def test_error_feedback_keeps_running_sum_on_track():
-    codec = make_codec("int2")
+@pytest.mark.parametrize("spec", ["int2", "sign"])
+def test_error_feedback_keeps_running_sum_on_track(spec):
+    codec = make_codec(spec)
     with_ef, one_round = _run_rounds(codec, 150, ErrorFeedback())
     without_ef, _ = _run_rounds(codec, 150, None)
     # with feedback the accumulated error is just the current residual: about one round's error
@@ -892,7 +961,7 @@ def test_error_feedback_state_roundtrip_and_reset():
 
 
 def test_default_error_feedback():
-    for spec in ["int4", "int2", "int4/64", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
+    for spec in ["int4", "int2", "int4/64", "sign", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
         assert default_error_feedback(spec) is True, spec
     for spec in ["fp32", "bf16", "fp8", "int8", "int8/64"]:
         assert default_error_feedback(spec) is False, spec

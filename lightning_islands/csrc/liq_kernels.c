@@ -483,6 +483,128 @@ int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, in
     return 0;
 }
 
+/*
+ * sign codec: one bit per value (1 = negative, -0.0 included), scale = the block's mean |x|.
+ * The mean is the float64 sum over a fixed pairwise tree of `span` leaves (span a power of two
+ * >= block; leaves past the block's length are zero): t[i] += t[i + w] for w = span/2, ..., 1,
+ * then t[0] / len rounded to fp32, the same IEEE operations in the same order as the torch path.
+ */
+LIQ_HOT static void block_mean_abs(const float *restrict x, int64_t count, int64_t block, int64_t span,
+                                   double *restrict t, float *restrict scales) {
+    int64_t nb = (count + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = count - s < block ? count - s : block;
+        const float *xs = x + s;
+        double r;
+        if (len == span && span >= 16) { /* whole power-of-two block: the first level straight from x */
+            int64_t h = span / 2;
+            for (int64_t i = 0; i < h; i++) t[i] = fabs((double)xs[i]) + fabs((double)xs[i + h]);
+            for (int64_t w = h / 2; w >= 8; w /= 2) {
+                double *restrict lo = t, *restrict hi = t + w;
+                for (int64_t i = 0; i < w; i++) lo[i] += hi[i];
+            }
+            double a0 = t[0] + t[4], a1 = t[1] + t[5], a2 = t[2] + t[6], a3 = t[3] + t[7];
+            r = (a0 + a2) + (a1 + a3);
+        } else {
+            for (int64_t j = 0; j < len; j++) t[j] = fabs((double)xs[j]);
+            for (int64_t j = len; j < span; j++) t[j] = 0.0;
+            for (int64_t w = span / 2; w >= 1; w /= 2) {
+                double *restrict lo = t, *restrict hi = t + w;
+                for (int64_t i = 0; i < w; i++) lo[i] += hi[i];
+            }
+            r = t[0];
+        }
+        scales[b] = (float)(r / (double)len);
+    }
+}
+
+/* Sign bits of x[0:count] packed group-planar, 8 per byte (count may end in a partial group). */
+LIQ_HOT static void pack_signs(const float *restrict x, int64_t count, uint8_t *restrict out) {
+    const uint32_t *xb = (const uint32_t *)x;
+    for (int64_t g = 0; g < count; g += LIQ_PACK_GROUP) {
+        int64_t rem = count - g < LIQ_PACK_GROUP ? count - g : LIQ_PACK_GROUP;
+        int64_t per = (rem + 7) / 8;
+        const uint32_t *src = xb + g;
+        uint8_t *dst = out + g / 8;
+        if (per * 8 == rem) {
+            for (int64_t j = 0; j < per; j++) {
+                uint32_t byte = 0;
+                for (int i = 0; i < 8; i++) byte |= (src[j + i * per] >> 31) << i;
+                dst[j] = (uint8_t)byte;
+            }
+        } else {
+            for (int64_t j = 0; j < per; j++) {
+                uint32_t byte = 0;
+                for (int i = 0; i < 8; i++) {
+                    int64_t idx = j + i * per;
+                    byte |= (idx < rem ? src[idx] >> 31 : 0u) << i;
+                }
+                dst[j] = (uint8_t)byte;
+            }
+        }
+    }
+}
+
+/* out[0:count] = +-scale of each value's block (count from a block- and group-aligned start). */
+LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restrict scales, int64_t count, int64_t block,
+                                 float *restrict out) {
+    uint32_t *ob = (uint32_t *)out;
+    for (int64_t g = 0; g < count; g += LIQ_PACK_GROUP) {
+        int64_t rem = count - g < LIQ_PACK_GROUP ? count - g : LIQ_PACK_GROUP;
+        int64_t per = (rem + 7) / 8;
+        const uint8_t *src = in + g / 8;
+        for (int i = 0; i < 8; i++) {
+            int64_t e0 = g + i * per, e1 = e0 + per < g + rem ? e0 + per : g + rem;
+            for (int64_t e = e0; e < e1;) { /* runs within one block */
+                int64_t stop = (e / block + 1) * block;
+                stop = stop < e1 ? stop : e1;
+                uint32_t sb = f2u(scales[e / block]);
+                const uint8_t *bytes = src + (e - e0);
+                uint32_t *o = ob + e;
+                for (int64_t j = 0; j < stop - e; j++) o[j] = sb | ((uint32_t)(bytes[j] >> i) & 1u) << 31;
+                e = stop;
+            }
+        }
+    }
+}
+
+/* sign encode of x[0:count] (count from a block- and group-aligned start); crc as in
+ * liq_int_encode. Returns 0, or -1 if out of memory. */
+int liq_sign_encode(const float *x, int64_t count, int64_t block, float *scales, uint8_t *values, uint32_t *crc) {
+    int64_t span = 1;
+    while (span < block) span *= 2;
+    int64_t slab = slab_elems(block, 8, count);
+    double *t = malloc(sizeof(double) * (size_t)span);
+    if (!t) return -1;
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
+    for (int64_t s = 0; s < count; s += slab) {
+        int64_t len = count - s < slab ? count - s : slab;
+        block_mean_abs(x + s, len, block, span, t, scales + s / block);
+        pack_signs(x + s, len, values + s / 8);
+        int last = s + len == count;
+        crc_behind(&cs, scales + (s + len + block - 1) / block, last);
+        crc_behind(&cv, values + packed_nbytes(s + len, 8), last);
+    }
+    free(t);
+    return 0;
+}
+
+/* The inverse of liq_sign_encode; crc as in liq_int_decode. */
+int liq_sign_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, float *out,
+                    uint32_t *crc) {
+    int64_t slab = slab_elems(block, 8, count);
+    const float *scales_end = scales + (count + block - 1) / block;
+    const uint8_t *values_end = values + packed_nbytes(count, 8);
+    crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
+    for (int64_t s = 0; s < count; s += slab) {
+        int64_t len = count - s < slab ? count - s : slab;
+        crc_ahead(&cs, scales + (s + len + block - 1) / block, scales_end);
+        crc_ahead(&cv, values + packed_nbytes(s + len, 8), values_end);
+        unpack_signs(values + s / 8, scales + s / block, len, block, out + s);
+    }
+    return 0;
+}
+
 /* float -> float8_e4m3fn, round to nearest even, for |t| <= 448 (no NaN/overflow handling).
  * Branch-free so that it vectorizes: both candidate codes are computed and one is selected. */
 static inline uint8_t to_e4m3(float t) {
