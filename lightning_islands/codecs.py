@@ -837,7 +837,9 @@ class _BlockCodec(Codec):
         # max(amax, -amin) is >= 0 but may be -0.0 (max(+0, -0) is unspecified); abs_ makes it +0.0.
         # NaN propagates through all three (checked after the slab loop).
         absmax = torch.maximum(amax, amin.neg_(), out=amax).abs_()
-        torch.div(absmax, self.qmax, out=scale)
+        # Divide by a tensor on x's device, not by a Python number: CUDA turns division by a host
+        # scalar into a multiplication by its reciprocal (one bit off now and then), CPU does not.
+        torch.div(absmax, absmax.new_full((), self.qmax), out=scale)
         # 1/scale, clamped so that all-zero (and denormal-tiny) blocks give a finite multiplier
         inv = torch.reciprocal(scale).clamp_(max=_FP32_MAX)
         torch.mul(x, inv.unsqueeze(1), out=t)
@@ -1140,22 +1142,44 @@ def _mean_abs_rows(x: Tensor, scale: Tensor, span: int) -> None:
     Every step is an element-wise IEEE operation in a fixed order, so the result does not depend
     on the device or on how a library would order a reduction; float64 cannot overflow on a sum of
     fp32 magnitudes, and the mean (at most the largest |x|) rounds to a finite fp32. A NaN or Inf
-    in a row makes its scale NaN or Inf (refused after encoding, as for the other codecs).
+    in a row makes its scale NaN or Inf (refused after encoding, as for the other codecs). Levels
+    whose partner leaves are all zero add exact zeros, so a short row (a partial last block) runs
+    the same tree over the next power of two above its width.
     """
     rows, width = x.shape
+    span = min(span, 1 << (width - 1).bit_length())
     a = x.abs().to(torch.float64)
     if width < span:
         a = torch.cat([a, a.new_zeros(rows, span - width)], dim=1)
     while a.shape[1] > 1:
         half = a.shape[1] // 2
         a = a[:, :half] + a[:, half:]
-    scale.copy_(a[:, 0].div_(width))
+    # a device tensor as divisor: CUDA would multiply by the reciprocal of a host scalar
+    scale.copy_(a[:, 0].div_(a.new_full((), width)))
+
+
+def _sign_flip(out: Tensor, bits: Tensor, scale: Tensor, block: int) -> None:
+    """``out = scale`` of each element's block with its sign bit flipped where ``bits`` is 1.
+
+    A bit operation on the scale's fp32 pattern, not an arithmetic negation, so it is exact and the
+    same on every device for any scale bits a payload may carry (the C kernels do the same).
+    """
+    o = out.view(torch.int32)
+    o.copy_(bits).bitwise_left_shift_(31)  # 1 -> 0x80000000, 0 -> 0
+    sb = scale.view(torch.int32)
+    count = out.numel()
+    full = count // block
+    if full:
+        o[: full * block].view(full, block).bitwise_xor_(sb[:full].unsqueeze(1))
+    if count > full * block:
+        o[full * block :].bitwise_xor_(sb[full])
 
 
 class SignCodec(_BlockCodec):
     """One bit per value: its sign, with one fp32 scale per block = the block's mean ``|x|``.
 
-    Decode is ``+scale`` or ``-scale`` (``-0.0`` counts as negative). For a sign code the block mean
+    Decode is ``+scale`` or ``-scale`` (``-0.0`` counts as negative; the sign bit of the scale is
+    flipped, so decoding involves no arithmetic). For a sign code the block mean
     of ``|x|`` is the magnitude with the least squared error, so on Gaussian-like blocks the
     relative L2 error is about ``sqrt(1 - 2/pi) = 0.60``, below int2's ~0.77 (whose absmax scale
     rounds most values of a block to zero) at half the value bits: 1.25 bits per value at block
@@ -1172,6 +1196,13 @@ class SignCodec(_BlockCodec):
 
     def _triton(self, t: Tensor) -> Any:
         return None  # the torch path on GPUs (no Triton kernel for this codec yet)
+
+    def _slab_elems(self, device: torch.device, m: int) -> int:
+        if device.type == "cpu":
+            return super()._slab_elems(device, m)
+        # GPUs: slabs of ~16M values bound the float64 temporaries of the scale tree (~0.5 GB)
+        unit = math.lcm(self.block_size, PACK_GROUP)
+        return max(1, (1 << 24) // unit) * unit
 
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
         bsz = self.block_size
@@ -1198,8 +1229,7 @@ class SignCodec(_BlockCodec):
     def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: _Work) -> None:
         q = work.u8(out.numel())
         _unpack_planar(values, q, self.pack)
-        out.copy_(q).mul_(-2.0).add_(1.0)  # bit 1 -> -1.0, bit 0 -> +1.0 (exact)
-        self._rescale(out, scale)  # the one rounding, exact here: +-1 * scale
+        _sign_flip(out, q, scale, self.block_size)  # no rounding at all
 
 
 # ----------------------------------------------------------------------------------------------

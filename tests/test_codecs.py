@@ -138,19 +138,69 @@ def block_absmax(v: torch.Tensor, bsz: int) -> torch.Tensor:
     return padded.view(max(nb, 0), bsz).amax(1).repeat_interleave(bsz)[:m] if nb else padded[:0]
 
 
-def sign_reference(x: torch.Tensor, bsz: int) -> torch.Tensor:
-    """The sign codec's rule, spelled differently: per element, the float64 mean of |x| over its
-    block (the last block: over its own length), rounded to fp32, with the sign bit of x."""
-    m = x.numel()
+def sign_tree_sums(x: torch.Tensor, bsz: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per block of the sign codec, by its definition in numpy: the float64 sum of |x| padded with
+    zeros to the next power of two >= bsz and summed by halving (t[i] + t[i + w] for w = span/2,
+    ..., 1), and the block's length."""
+    v = np.abs(x.numpy().astype(np.float64))
+    m = v.size
+    span = 1 << (bsz - 1).bit_length()
     nb = -(-m // bsz)
-    padded = torch.zeros(nb * bsz, dtype=torch.float64)
-    padded[:m] = x.double().abs()
-    width = torch.full((nb,), float(bsz), dtype=torch.float64)
-    if nb and m % bsz:
-        width[-1] = m % bsz
-    mean = (padded.view(nb, bsz).sum(1) / width).float() if nb else torch.zeros(0)
-    magnitude = mean.repeat_interleave(bsz)[:m]
+    t = np.zeros((nb, span))
+    for b in range(nb):
+        t[b, : min(bsz, m - b * bsz)] = v[b * bsz : (b + 1) * bsz]
+    while t.shape[1] > 1:
+        half = t.shape[1] // 2
+        t = t[:, :half] + t[:, half:]
+    widths = np.array([min(bsz, m - b * bsz) for b in range(nb)], dtype=np.float64)
+    return t[:, 0] if nb else np.zeros(0), widths
+
+
+def sign_tree_scales(x: torch.Tensor, bsz: int) -> np.ndarray:
+    """The sign codec's block scales: the tree sums divided by the block lengths, rounded to fp32."""
+    sums, widths = sign_tree_sums(x, bsz)
+    return (sums / widths).astype(np.float32)
+
+
+def sign_reference(x: torch.Tensor, bsz: int) -> torch.Tensor:
+    """The sign codec's decode of x: each value's block scale with x's sign bit."""
+    magnitude = torch.from_numpy(sign_tree_scales(x, bsz)).repeat_interleave(bsz)[: x.numel()]
     return torch.where(torch.signbit(x), -magnitude, magnitude)
+
+
+def order_sensitive_vector(n: int, bsz: int, seed: int) -> torch.Tensor:
+    """Blocks whose fp32 mean of |x| comes out differently under almost any other order of the
+    float64 additions than the sign codec's tree (or with a multiplication by 1/len).
+
+    Per block: two large entries sum exactly to len times the midpoint between two fp32 values
+    (the lower one even, so the tie rounds down), and two entries of 0.27-0.34 float64 ulp of that
+    sum sit w apart for a random tree level w, with the large ones outside their residue class mod
+    w: in the tree the two small ones meet each other first, survive as 0.54-0.68 ulp and lift the
+    mean above the tie; an order that adds either of them to a large partial sum first loses it.
+    """
+    rng = np.random.default_rng(seed)
+    x = np.zeros(n, np.float32)
+    for s in range(0, n, bsz):
+        length = min(bsz, n - s)
+        if length < 4:
+            x[s : s + length] = rng.standard_normal(length)
+            continue
+        low = np.float32(rng.uniform(1, 2) * 2.0 ** int(rng.integers(-60, 60)))
+        low = np.uint32(low.view(np.uint32) & ~np.uint32(1)).view(np.float32)  # even: a tie rounds down
+        total = length * (float(low) + float(np.spacing(low)) / 2)
+        big = np.float32(total)
+        if float(big) > total:
+            big = np.nextafter(big, np.float32(0))
+        w = int(rng.choice([1 << k for k in range(24) if (1 << k) < length - 1]))
+        p = int(rng.integers(0, length - w))
+        others = [j for j in range(length) if j % w != p % w] if w > 1 else []
+        others = others if len(others) >= 2 else [j for j in range(length) if j not in (p, p + w)]
+        b1, b2 = rng.choice(others, 2, replace=False)
+        block = np.zeros(length, np.float32)
+        block[b1], block[b2] = big, np.float32(total - float(big))
+        block[p], block[p + w] = (np.spacing(total) * rng.uniform(0.27, 0.34, 2)).astype(np.float32)
+        x[s : s + length] = block * rng.choice(np.array([1, -1], np.float32), length)
+    return torch.from_numpy(x)
 
 
 def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> None:
@@ -160,11 +210,10 @@ def assert_within_bound(codec: C.Codec, x: torch.Tensor, d: torch.Tensor) -> Non
     xd, dd = x.double(), d.double()
     err = (xd - dd).abs()
     family = codec.spec()["family"]
-    if family == "sign":  # +-mean|x| of the block: the reference to within its last fp32 bit
+    if family == "sign":  # +-mean|x| of the block, bit for bit
         ref = sign_reference(x, codec.block_size)
-        assert torch.equal(torch.signbit(d), torch.signbit(x))
-        close = (dd - ref.double()).abs() <= ref.double().abs() * 2.0**-23
-        assert close.all(), f"{codec.name}: d={dd[~close][:3].tolist()} reference={ref[~close][:3].tolist()}"
+        same = d.view(torch.int32) == ref.view(torch.int32)
+        assert same.all(), f"{codec.name}: d={dd[~same][:3].tolist()} reference={ref[~same][:3].tolist()}"
         return
     if family == "fp32":
         assert torch.equal(x, d)
@@ -234,18 +283,46 @@ def test_sign_error_is_below_int2_at_half_the_value_bits():
     assert compression_ratio(x.numel(), sign.nbytes(x.numel())) > 25.5
 
 
-def test_sign_scale_is_a_fixed_tree_sum():
-    # 2**24 + 1 + 1 + ... : a left-to-right fp32 sum would lose every 1; the float64 tree keeps them
-    x = torch.tensor([2.0**24] + [1.0] * 7)
-    d = make_codec("sign/8").decode(make_codec("sign/8").encode(x))
-    assert d[0].item() == torch.tensor((2.0**24 + 7) / 8, dtype=torch.float32).item() != 2.0**21
-    # summation order is part of the format: reversing a block must not change its scale
-    y = make_vector(4096, 9, 3.0, "mixed_magnitudes")
-    codec = make_codec("sign/64")
-    s1 = codec.encode(y)[C.HEADER_BYTES :][: 4 * 64].view(torch.float32)
-    s2 = codec.encode(y.view(64, 64).flip(1).reshape(-1))[C.HEADER_BYTES :][: 4 * 64].view(torch.float32)
-    ref = sign_reference(y, 64).abs()[::64]
-    assert torch.equal(s1, ref) and torch.equal(s2, ref)
+@pytest.mark.parametrize("bsz", [4, 12, 16, 36, 128, 4096, 6000])
+def test_sign_scales_follow_the_tree_where_the_order_matters(bsz, path):
+    n = max(20 * bsz, 200 * 128) + bsz // 2 + 1  # a partial last block too
+    x = order_sensitive_vector(n, bsz, seed=bsz)
+    codec = make_codec(f"sign/{bsz}")
+    nb = -(-n // bsz)
+    got = codec.encode(x)[C.HEADER_BYTES :][: 4 * nb].view(torch.float32).numpy()
+    want = sign_tree_scales(x, bsz)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # the data tells the tree from other orders, and a division from a multiplication by 1/len
+    v = np.abs(x.numpy().astype(np.float64))
+    sums, widths = sign_tree_sums(x, bsz)
+    serial = np.array([sum(v[b * bsz : (b + 1) * bsz].tolist()) for b in range(nb)])  # left to right
+    assert not np.array_equal((serial / widths).astype(np.float32), want)
+    if bsz >= 16:  # a tree that pairs neighbours instead of halves
+        pairs = np.zeros((nb, 1 << (bsz - 1).bit_length()))
+        for b in range(nb):
+            pairs[b, : int(widths[b])] = v[b * bsz : (b + 1) * bsz]
+        while pairs.shape[1] > 1:
+            pairs = pairs[:, 0::2] + pairs[:, 1::2]
+        assert not np.array_equal((pairs[:, 0] / widths).astype(np.float32), want)
+    if bsz & (bsz - 1) and nb >= 50:  # lengths that are not powers of two: 1/len is inexact
+        assert not np.array_equal((sums * (1.0 / widths)).astype(np.float32), want)
+
+
+def test_sign_decode_flips_the_sign_bit_of_any_scale(path):
+    # a payload that passes its checksum but carries scales our encoder never writes (negative,
+    # NaN, Inf): both paths flip the scale's sign bit, so every island decodes the same bits
+    codec = make_codec("sign/8")
+    x = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0, -6.0, 7.0, -8.0] * 4)
+    payload = codec.encode(x).clone()
+    body = payload[C.HEADER_BYTES :]
+    odd = torch.tensor([-1.5, float("nan"), float("-inf"), -0.0]).view(torch.int32)
+    body[:16].view(torch.int32).copy_(odd)
+    crc = zlib.crc32(bytes(body.numpy()), zlib.crc32(bytes(payload[: C._CRC_OFFSET].numpy())))
+    payload[C._CRC_OFFSET : C.HEADER_BYTES] = torch.tensor(list(struct.pack("<I", crc)), dtype=torch.uint8)
+    got = codec.decode(payload).view(torch.int32)
+    negative = (torch.signbit(x).to(torch.int32) << 31).view(4, 8)
+    expected = (odd.unsqueeze(1) ^ negative).reshape(-1)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize(

@@ -489,6 +489,16 @@ int liq_int_decode(const uint8_t *values, const float *scales, int64_t count, in
  * >= block; leaves past the block's length are zero): t[i] += t[i + w] for w = span/2, ..., 1,
  * then t[0] / len rounded to fp32, the same IEEE operations in the same order as the torch path.
  */
+/* GCC >= 9 and clang: vector extensions with __builtin_convertvector for the tree's fast path */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 9)
+#define LIQ_VEC_TREE 1
+typedef double liq_v8d __attribute__((vector_size(64)));
+typedef float liq_v8f __attribute__((vector_size(32)));
+typedef int64_t liq_v8l __attribute__((vector_size(64)));
+#else
+#define LIQ_VEC_TREE 0
+#endif
+
 LIQ_HOT static void block_mean_abs(const float *restrict x, int64_t count, int64_t block, int64_t span,
                                    double *restrict t, float *restrict scales) {
     int64_t nb = (count + block - 1) / block;
@@ -496,19 +506,33 @@ LIQ_HOT static void block_mean_abs(const float *restrict x, int64_t count, int64
         int64_t s = b * block, len = count - s < block ? count - s : block;
         const float *xs = x + s;
         double r;
-        if (len == span && span >= 16) { /* whole power-of-two block: the first level straight from x */
-            int64_t h = span / 2;
-            for (int64_t i = 0; i < h; i++) t[i] = fabs((double)xs[i]) + fabs((double)xs[i + h]);
-            for (int64_t w = h / 2; w >= 8; w /= 2) {
-                double *restrict lo = t, *restrict hi = t + w;
-                for (int64_t i = 0; i < w; i++) lo[i] += hi[i];
+        if (LIQ_VEC_TREE && len == span && span >= 16) {
+#if LIQ_VEC_TREE
+            /* a whole power-of-two block, eight leaves per vector: the first level straight from x,
+             * the levels down to w = 8 on whole vectors, the last three on the lanes of one */
+            const liq_v8l abs_mask = (liq_v8l){0} + INT64_MAX;
+            int64_t h = span / 2, nv = h / 8;
+            liq_v8d *tv = (liq_v8d *)t; /* t is 64-byte aligned */
+            for (int64_t i = 0; i < nv; i++) {
+                liq_v8f lo, hi;
+                memcpy(&lo, xs + 8 * i, sizeof lo);
+                memcpy(&hi, xs + h + 8 * i, sizeof hi);
+                liq_v8d a = __builtin_convertvector(lo, liq_v8d), c = __builtin_convertvector(hi, liq_v8d);
+                tv[i] = (liq_v8d)((liq_v8l)a & abs_mask) + (liq_v8d)((liq_v8l)c & abs_mask); /* exact |.| */
             }
-            double a0 = t[0] + t[4], a1 = t[1] + t[5], a2 = t[2] + t[6], a3 = t[3] + t[7];
+            for (int64_t w = nv / 2; w >= 1; w /= 2)
+                for (int64_t i = 0; i < w; i++) tv[i] += tv[i + w];
+            liq_v8d v = tv[0];
+            double a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
             r = (a0 + a2) + (a1 + a3);
-        } else {
+#endif
+        } else { /* levels whose partners are all zero leaves add exact zeros: skip them */
+            int64_t sp = 1;
+            while (sp < len) sp *= 2;
+            sp = sp < span ? sp : span;
             for (int64_t j = 0; j < len; j++) t[j] = fabs((double)xs[j]);
-            for (int64_t j = len; j < span; j++) t[j] = 0.0;
-            for (int64_t w = span / 2; w >= 1; w /= 2) {
+            for (int64_t j = len; j < sp; j++) t[j] = 0.0;
+            for (int64_t w = sp / 2; w >= 1; w /= 2) {
                 double *restrict lo = t, *restrict hi = t + w;
                 for (int64_t i = 0; i < w; i++) lo[i] += hi[i];
             }
@@ -545,7 +569,9 @@ LIQ_HOT static void pack_signs(const float *restrict x, int64_t count, uint8_t *
     }
 }
 
-/* out[0:count] = +-scale of each value's block (count from a block- and group-aligned start). */
+/* out[0:count] = the scale of each value's block with its sign bit flipped where the value's bit is
+ * set (a bit operation, as the torch path's, whatever bits a payload's scales hold); count from a
+ * block- and group-aligned start. */
 LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restrict scales, int64_t count, int64_t block,
                                  float *restrict out) {
     uint32_t *ob = (uint32_t *)out;
@@ -561,7 +587,7 @@ LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restri
                 uint32_t sb = f2u(scales[e / block]);
                 const uint8_t *bytes = src + (e - e0);
                 uint32_t *o = ob + e;
-                for (int64_t j = 0; j < stop - e; j++) o[j] = sb | ((uint32_t)(bytes[j] >> i) & 1u) << 31;
+                for (int64_t j = 0; j < stop - e; j++) o[j] = sb ^ ((uint32_t)(bytes[j] >> i) & 1u) << 31;
                 e = stop;
             }
         }
@@ -571,10 +597,11 @@ LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restri
 /* sign encode of x[0:count] (count from a block- and group-aligned start); crc as in
  * liq_int_encode. Returns 0, or -1 if out of memory. */
 int liq_sign_encode(const float *x, int64_t count, int64_t block, float *scales, uint8_t *values, uint32_t *crc) {
-    int64_t span = 1;
+    int64_t span = 1, used = 1;
     while (span < block) span *= 2;
+    while (used < count && used < span) used *= 2; /* the tree never needs more leaves than count */
     int64_t slab = slab_elems(block, 8, count);
-    double *t = malloc(sizeof(double) * (size_t)span);
+    double *t = aligned_alloc(64, sizeof(double) * (size_t)(used < 8 ? 8 : used)); /* vectors of 8 */
     if (!t) return -1;
     crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
     for (int64_t s = 0; s < count; s += slab) {
