@@ -377,8 +377,22 @@ LIQ_AVX2 static void stream_copy(const void *src, int64_t nbytes, void *out) {
     memcpy(o + j, in + j, (size_t)(nbytes - j));
 }
 
+/* o[0:n] = sb ^ (bit i of bytes[j]) << 31, streamed (o 32-byte aligned, n a multiple of 8): the
+ * inner loop of unpack_signs for large outputs. */
+LIQ_AVX2 static void sign_run_stream(const uint8_t *bytes, int i, uint32_t sb, int64_t n, uint32_t *o) {
+    const __m256i s = _mm256_set1_epi32((int)sb), one = _mm256_set1_epi32(1), shift = _mm256_set1_epi32(i);
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + j)));
+        __m256i bit = _mm256_and_si256(_mm256_srlv_epi32(b, shift), one);
+        _mm256_stream_si256((__m256i *)(o + j), _mm256_xor_si256(s, _mm256_slli_epi32(bit, 31)));
+    }
+}
+
 static void stream_fence(void) { _mm_sfence(); }
 #else
+static void sign_run_stream(const uint8_t *bytes, int i, uint32_t sb, int64_t n, uint32_t *o) {
+    (void)bytes; (void)i; (void)sb; (void)n; (void)o;
+}
 static int stream_ok(const void *out, int64_t nbytes) { (void)out; (void)nbytes; return 0; }
 #define unpack_scale_group_stream unpack_scale_group
 #define block_rescale_stream block_rescale
@@ -573,12 +587,13 @@ LIQ_HOT static void pack_signs(const float *restrict x, int64_t count, uint8_t *
  * set (a bit operation, as the torch path's, whatever bits a payload's scales hold); count from a
  * block- and group-aligned start. */
 LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restrict scales, int64_t count, int64_t block,
-                                 float *restrict out) {
+                                 float *restrict out, int stream) {
     uint32_t *ob = (uint32_t *)out;
     for (int64_t g = 0; g < count; g += LIQ_PACK_GROUP) {
         int64_t rem = count - g < LIQ_PACK_GROUP ? count - g : LIQ_PACK_GROUP;
         int64_t per = (rem + 7) / 8;
         const uint8_t *src = in + g / 8;
+        int whole = stream && rem == LIQ_PACK_GROUP; /* runs start and end on multiples of 8 */
         for (int i = 0; i < 8; i++) {
             int64_t e0 = g + i * per, e1 = e0 + per < g + rem ? e0 + per : g + rem;
             for (int64_t e = e0; e < e1;) { /* runs within one block */
@@ -587,7 +602,10 @@ LIQ_HOT static void unpack_signs(const uint8_t *restrict in, const float *restri
                 uint32_t sb = f2u(scales[e / block]);
                 const uint8_t *bytes = src + (e - e0);
                 uint32_t *o = ob + e;
-                for (int64_t j = 0; j < stop - e; j++) o[j] = sb ^ ((uint32_t)(bytes[j] >> i) & 1u) << 31;
+                if (whole)
+                    sign_run_stream(bytes, i, sb, stop - e, o);
+                else
+                    for (int64_t j = 0; j < stop - e; j++) o[j] = sb ^ ((uint32_t)(bytes[j] >> i) & 1u) << 31;
                 e = stop;
             }
         }
@@ -619,6 +637,7 @@ int liq_sign_encode(const float *x, int64_t count, int64_t block, float *scales,
 /* The inverse of liq_sign_encode; crc as in liq_int_decode. */
 int liq_sign_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, float *out,
                     uint32_t *crc) {
+    int stream = block % 8 == 0 && stream_ok(out, count * (int64_t)sizeof(float));
     int64_t slab = slab_elems(block, 8, count);
     const float *scales_end = scales + (count + block - 1) / block;
     const uint8_t *values_end = values + packed_nbytes(count, 8);
@@ -627,8 +646,9 @@ int liq_sign_decode(const uint8_t *values, const float *scales, int64_t count, i
         int64_t len = count - s < slab ? count - s : slab;
         crc_ahead(&cs, scales + (s + len + block - 1) / block, scales_end);
         crc_ahead(&cv, values + packed_nbytes(s + len, 8), values_end);
-        unpack_signs(values + s / 8, scales + s / block, len, block, out + s);
+        unpack_signs(values + s / 8, scales + s / block, len, block, out + s, stream);
     }
+    if (stream) stream_fence();
     return 0;
 }
 
