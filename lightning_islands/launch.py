@@ -135,7 +135,8 @@ def run_islands(
 
     Returns one :class:`IslandResult` per island. When one island fails, the others are terminated
     (they would otherwise wait for it until their timeout). Unless the environment sets
-    ``OMP_NUM_THREADS``, every process gets an equal share of this machine's cores
+    ``OMP_NUM_THREADS`` (to something other than an empty string), every process gets an equal
+    share of this machine's cores
     (:func:`cpu_threads_per_process`).
     """
     out = out or sys.stdout
@@ -151,7 +152,8 @@ def run_islands(
     for i, nproc in enumerate(islands):
         child_env = dict(os.environ)
         child_env.update(env or {})
-        child_env.setdefault("OMP_NUM_THREADS", str(threads_each))
+        if not child_env.get("OMP_NUM_THREADS", "").strip():  # unset, or empty (which libgomp rejects)
+            child_env["OMP_NUM_THREADS"] = str(threads_each)
         child_env.update({ENV_ISLAND: str(i), ENV_NUM_ISLANDS: str(len(islands)),
                           ENV_COORDINATOR: coordinator.address, ENV_RUN_ID: run_id,
                           "PYTHONUNBUFFERED": "1"})

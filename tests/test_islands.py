@@ -231,6 +231,12 @@ def test_islands_on_one_machine_share_its_cores(tmp_path, monkeypatch):
     buf = io.StringIO()
     run_islands([1], [sys.executable, str(probe)], log_dir=tmp_path / "explicit", live=False, out=buf)
     assert "threads 1 1" in buf.getvalue()
+    # an empty setting (libgomp: "Invalid value", then its own default) counts as unset
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    buf = io.StringIO()
+    run_islands([2, 1], [sys.executable, str(probe)], log_dir=tmp_path / "empty", live=False, out=buf)
+    lines = [line.split("threads ")[1] for line in buf.getvalue().splitlines() if "threads " in line]
+    assert lines == [f"{expected} {expected}"] * 3, buf.getvalue()
 
 
 def test_run_command_names_the_failing_island(tmp_path):
