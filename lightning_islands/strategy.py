@@ -119,7 +119,8 @@ class IslandStrategy(FSDP2Strategy):
         steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
             slower island may run fewer, the merge stays token-weighted).
         lanes: parallel TCP streams between islands.
-        outer_device: where anchors and outer momentum live (``"cpu"`` offloads them).
+        outer_device: where anchors, outer momentum and the round's exchange (error feedback,
+            encoding, decoding, merging) live: ``"cpu"`` offloads them; ``None``, the training device.
         weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
         expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
             that expert in the round (the module must implement ``island_token_counts()`` and
@@ -306,9 +307,12 @@ class IslandStrategy(FSDP2Strategy):
             raise RuntimeError(box[1])
         return box[1]
 
+    def _outer_device(self) -> torch.device:
+        """Where anchors, outer momentum and the exchange live (``outer_device``, else the training device)."""
+        return torch.device(self.outer_device) if self.outer_device else self.root_device
+
     def _outer_tensor(self, t: Tensor) -> Tensor:
-        device = torch.device(self.outer_device) if self.outer_device else t.device
-        return t.detach().to(device=device, dtype=torch.float32, copy=True)
+        return t.detach().to(device=self._outer_device(), dtype=torch.float32, copy=True)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -487,7 +491,9 @@ class IslandStrategy(FSDP2Strategy):
         box: dict[str, Any] = {"merged": None, "metrics": {}}
 
         def leader_exchange() -> dict[str, Any]:
-            box["merged"], box["metrics"], plan = self._exchange(full.cpu(), header)
+            # Quantize, decode and merge where the anchors live: on the GPU the codecs run their
+            # Triton kernels and only the payloads cross to the host; with outer_device="cpu", on the host.
+            box["merged"], box["metrics"], plan = self._exchange(full.to(self._outer_device()), header)
             return plan
 
         plan = self._agree(leader_exchange)
@@ -591,7 +597,8 @@ class IslandStrategy(FSDP2Strategy):
             headers = self.link.gather_objects(f"round{self.round}", header)
             self.link.stats.seconds_waiting += time.perf_counter() - t0
             payloads = self.link.all_gather_bytes(payload)
-            decoded = [decoded_own if i == self.island_index else self.codec.decode(p) for i, p in enumerate(payloads)]
+            decoded = [decoded_own if i == self.island_index else self.codec.decode(p.to(delta.device))
+                       for i, p in enumerate(payloads)]
             stats = self.link.take_stats()
             for key in self.totals:
                 self.totals[key] += getattr(stats, key)

@@ -310,6 +310,36 @@ def test_islands_with_different_precision_share_one_fp32_global_state(tmp_path, 
     assert all(t.dtype == torch.float32 for t in per_island[1][3]["params"].values())
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("accelerators, precisions, codec", [
+    # a GPU island (NCCL inside, Triton codec kernels, bf16) beside a CPU island (gloo, C kernels)
+    ("gpu,cpu", "bf16-mixed,32-true", "int4"),
+    ("gpu,cpu", "32-true,32-true", "sign"),
+    ("gpu,gpu", "bf16-mixed,bf16-mixed", "fp8"),
+], ids=["gpu-cpu-int4", "gpu-cpu-sign", "gpu-gpu-fp8"])
+def test_gpu_and_cpu_islands_keep_one_global_state(tmp_path, accelerators, precisions, codec):
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, "--codec", codec,
+                    "--accelerators", accelerators, "--precisions", precisions], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 4)
+    assert all(t.dtype == torch.float32 for t in per_island[0][4]["params"].values())
+    m = per_island[0][4]["metrics"]
+    assert m["islands/compression_ratio"] > 1.0 and 0.0 < m["islands/quant_rel_error"] < 1.0
+
+
+@needs_cuda
+def test_gpu_island_matches_the_reference(tmp_path):
+    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 4, "--batch-sizes", "4,8",
+                    "--accelerators", "gpu,cpu"], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 2)
+    ref = reference_diloco([1, 1], [4, 8], steps=8, H=4, outer_lr=0.7, momentum=0.9, nesterov=True)
+    for r, params in ref.items():
+        for name, t in params.items():
+            torch.testing.assert_close(per_island[0][r]["params"][name], t, rtol=1e-4, atol=1e-5)
+
+
 def test_islands_with_different_round_lengths_stop_together(tmp_path):
     """Island 0 runs 4 steps per round, island 1 runs 2: island 0 reaches max_steps after 3 rounds and
     its last round tells island 1 to stop there too, instead of island 1 waiting for a 4th round."""

@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--steps-per-round", default="0", help="inner steps per round per island (comma list)")
     p.add_argument("--eval-ckpt", default=None, help="validate this islands checkpoint instead of training")
     p.add_argument("--precisions", default="32-true", help="Trainer precision per island (comma list)")
+    p.add_argument("--accelerators", default="cpu", help="Trainer accelerator per island (comma list: cpu, gpu)")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--same-seed", type=int, default=0, help="every island builds its model from seed 0")
     p.add_argument("--clip", type=float, default=0.0)
@@ -182,7 +183,8 @@ def main() -> None:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"),
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
-    trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
+    trainer = pl.Trainer(accelerator=per_island(args.accelerators, str),
+                         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
                          max_steps=per_island(args.steps),
                          logger=False, enable_checkpointing=bool(args.ckpt_every),
                          callbacks=callbacks,
