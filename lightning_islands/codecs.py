@@ -97,7 +97,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_islands import codec_probe, native
+from lightning_islands import codec_probe, crc32, native
+from lightning_islands.crc32 import crc32_combine
 
 try:  # same CRC-32 as zlib, ~10x faster (PCLMUL); optional
     from zlib_ng import zlib_ng as _zlib_fast
@@ -160,59 +161,8 @@ _FP8_BITS_MASK = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20..26, as a sig
 # CRC32 (zlib polynomial) over large buffers: zlib.crc32 on pieces in threads, combined exactly.
 # ----------------------------------------------------------------------------------------------
 
-_CRC_POLY_REFLECTED = 0xEDB88320
 _CRC_PARALLEL_MIN_BYTES = 4 << 20
 _CRC_PIECE_MIN_BYTES = 1 << 20
-
-
-def _gf2_mulmod(a: int, b: int) -> int:
-    """Product of two polynomials mod the CRC-32 polynomial, in zlib's reflected bit order.
-
-    Bit 31 holds the coefficient of x^0 and bit 0 that of x^31; multiplying by x is a right
-    shift, reducing by the polynomial when x^31 falls off the end.
-    """
-    product = 0
-    bit = 0x80000000  # x^0 of a
-    while a:
-        if a & bit:
-            product ^= b
-            a ^= bit
-        bit >>= 1
-        b = (b >> 1) ^ _CRC_POLY_REFLECTED if b & 1 else b >> 1
-    return product
-
-
-def _x_pow_8_pow2() -> list[int]:
-    # table[i] = x^(8 * 2^i) mod P: multiplying a CRC by it appends 2^i zero bytes (sans conditioning)
-    x8 = 0x80000000
-    for _ in range(8):  # x^0 -> x^8 by eight multiplications with x
-        x8 = (x8 >> 1) ^ _CRC_POLY_REFLECTED if x8 & 1 else x8 >> 1
-    table = [x8]
-    for _ in range(63):
-        table.append(_gf2_mulmod(table[-1], table[-1]))
-    return table
-
-
-_X8_POW2 = _x_pow_8_pow2()
-
-
-def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (same value as zlib's).
-
-    With zlib's conditioning (init and final xor both 0xFFFFFFFF) the register contribution of A
-    is just shifted by ``8*len(B)`` bit positions, i.e. multiplied by ``x^(8*len_b)`` mod P.
-    """
-    if len_b < 0:
-        raise ValueError(f"len_b must be >= 0, got {len_b}")
-    i = 0
-    while len_b:
-        if len_b & 1:
-            crc_a = _gf2_mulmod(_X8_POW2[i], crc_a)
-        len_b >>= 1
-        i += 1
-    return crc_a ^ crc_b
-
-
 _CRC_WORKERS = min(8, os.cpu_count() or 1)
 
 
@@ -226,6 +176,9 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     crc = zlib.crc32(prefix)
     if body.numel() == 0:
         return crc
+    raw = _device_raw_crc(body)
+    if raw is not None:  # taken on the GPU: the body stays there
+        return crc32.from_raw(crc, raw, body.numel())
     data = (body if body.device.type == "cpu" else body.cpu()).numpy()
     size = data.shape[0]
     pool = native.thread_pool() if size >= _CRC_PARALLEL_MIN_BYTES and _CRC_WORKERS >= 2 else None
@@ -235,7 +188,45 @@ def _crc32(prefix: bytes, body: Tensor) -> int:
     bounds = [(s, min(s + piece, size)) for s in range(0, size, piece)]
     futures = [pool.submit(_CRC32, data[s:e]) for s, e in bounds[1:]]
     first = _CRC32(data[bounds[0][0] : bounds[0][1]], crc)
-    return _crc_join([(first, 0)] + [(fut.result(), e - s) for (s, e), fut in zip(bounds[1:], futures)])
+    return crc32.join([(first, 0)] + [(fut.result(), e - s) for (s, e), fut in zip(bounds[1:], futures)])
+
+
+_GPU_CRC_MIN_BYTES = 256 << 10  # below this, copying the body to the host costs less than the kernel launches
+_CRC_PROBE_BYTES = (1 << 20) + 777  # three fold levels of lightning_islands.triton_crc, the last ones partial
+_CRC_KERNEL_TRUSTED: dict[str, bool] = {}  # device -> the GPU CRC-32 kernel agreed with zlib there
+
+
+def _device_raw_crc(body: Tensor) -> int | None:
+    """The raw CRC-32 of a CUDA body taken on its GPU (:mod:`lightning_islands.triton_crc`); None
+    for small or CPU bodies, without triton, with ``LI_TRITON=0`` or :func:`native.disabled`, or
+    where the kernel failed its check against zlib on this device."""
+    if body.device.type != "cuda" or body.numel() < _GPU_CRC_MIN_BYTES:
+        return None
+    if not native.enabled() or _triton_mode() == "0" or _import_triton_kernels() is None:
+        return None
+    from lightning_islands import triton_crc
+
+    return triton_crc.raw_crc(body) if _crc_kernel_trusted(triton_crc, body.device) else None
+
+
+def _crc_kernel_trusted(module: Any, device: torch.device) -> bool:
+    """Whether ``module.raw_crc`` gives zlib's CRC-32 on ``device``, checked once per device on a
+    fixed random probe; a kernel that disagrees (or fails) is not used there, with a warning."""
+    key = str(device)
+    if key not in _CRC_KERNEL_TRUSTED:
+        g = torch.Generator().manual_seed(0x11C)
+        probe = torch.randint(0, 256, (_CRC_PROBE_BYTES,), dtype=torch.uint8, generator=g)
+        want = zlib.crc32(probe.numpy().tobytes())
+        try:
+            got = crc32.from_raw(0, module.raw_crc(probe.to(device)), probe.numel())
+            problem = None if got == want else f"CRC-32 {got:#010x} where zlib gives {want:#010x}"
+        except Exception as e:  # noqa: BLE001 - a kernel that does not compile here is a reason to fall back
+            problem = f"{type(e).__name__}: {e}"
+        _CRC_KERNEL_TRUSTED[key] = problem is None
+        if problem is not None:
+            warnings.warn(f"lightning_islands: the GPU CRC-32 kernel on {device} failed its check ({problem}); "
+                          "payload checksums there are taken on the host (slower, same value)", stacklevel=2)
+    return _CRC_KERNEL_TRUSTED[key]
 
 
 def _payload_crc(prefix: bytes, body: Tensor, body_crc: int | None) -> int:
@@ -251,15 +242,6 @@ def _crc_piece(t: Tensor) -> tuple[int, int]:
     for a small piece of a body whose bulk a fused kernel checksummed (see :func:`_run_checksummed`)."""
     data = t.view(torch.uint8).numpy()
     return _CRC32(data), data.shape[0]
-
-
-def _crc_join(pieces: list[tuple[int, int]]) -> int:
-    """CRC-32 of the concatenation of pieces given as ``(crc32, nbytes)``, in order (the first
-    piece's length does not matter: it is combined onto the CRC of nothing)."""
-    crc = 0
-    for piece_crc, nbytes in pieces:
-        crc = crc32_combine(crc, piece_crc, nbytes)
-    return crc
 
 
 def _run_checksummed(count: int, unit: int, call: Callable[[int, int, int], int],
@@ -286,7 +268,7 @@ def _run_checksummed(count: int, unit: int, call: Callable[[int, int, int], int]
 
     statuses = native.run_each(range(len(ranges)), run)
     sizes = [[t.numel() * t.element_size() for t in parts(s, e)] for s, e in ranges]
-    crc = _crc_join([(crcs[i * nparts + p], sizes[i][p]) for p in range(nparts) for i in range(len(ranges))])
+    crc = crc32.join([(crcs[i * nparts + p], sizes[i][p]) for p in range(nparts) for i in range(len(ranges))])
     return statuses, crc
 
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_islands import codecs as C
-from lightning_islands import native
+from lightning_islands import crc32, native
 from lightning_islands.codecs import (
     ErrorFeedback,
     compression_ratio,
@@ -295,7 +295,8 @@ def test_sign_scales_follow_the_tree_where_the_order_matters(bsz, path):
     # the data tells the tree from other orders, and a division from a multiplication by 1/len
     v = np.abs(x.numpy().astype(np.float64))
     sums, widths = sign_tree_sums(x, bsz)
-    serial = np.array([sum(v[b * bsz : (b + 1) * bsz].tolist()) for b in range(nb)])  # left to right
+    # left to right (not Python's sum(), which compensates its rounding since 3.12)
+    serial = np.array([np.add.accumulate(v[b * bsz : (b + 1) * bsz])[-1] for b in range(nb)])
     assert not np.array_equal((serial / widths).astype(np.float32), want)
     if bsz >= 16:  # a tree that pairs neighbours instead of halves
         pairs = np.zeros((nb, 1 << (bsz - 1).bit_length()))
@@ -957,6 +958,26 @@ def test_cuda_decode_matches_cpu_bitwise(spec):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_payload_checksums_are_taken_on_the_gpu():
+    pytest.importorskip("triton", reason="the CUDA build of torch brings triton")
+    from lightning_islands import triton_crc
+
+    g = torch.Generator().manual_seed(9)
+    for n in [1, 1023, 1025, 262_145, (3 << 20) + 7]:
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert crc32.from_raw(0, triton_crc.raw_crc(data.cuda()), n) == zlib.crc32(data.numpy().tobytes()), n
+    codec = make_codec("fp32")
+    x = make_vector(1_000_003, 3, 0.0, "gauss")
+    payload = codec.encode(x.cuda())
+    assert C._CRC_KERNEL_TRUSTED.get(str(payload.device)) is True, "the GPU CRC kernel failed its check"
+    assert torch.equal(payload.cpu(), codec.encode(x))
+    assert torch.equal(codec.decode(payload).cpu(), x)
+    payload[-1] ^= 1  # a corrupted CUDA payload is still refused
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        codec.decode(payload)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("spec", ["fp8", "int8", "int4", "int2", "int4/96", "int2/4096", "fp8/36"])
 def test_cuda_runs_the_triton_kernels_and_they_pass_their_check(spec):
     pytest.importorskip("triton", reason="the CUDA build of torch brings triton")
@@ -1086,6 +1107,39 @@ def test_metrics():
 def test_crc32_combine_matches_zlib(data, cut, start):
     a, b = data[: cut % (len(data) + 1)], data[cut % (len(data) + 1) :]
     assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(data, start)
+
+
+@SETTINGS
+@given(data=st.binary(max_size=3000), start=st.integers(0, 2**32 - 1))
+def test_crc32_from_raw_matches_zlib(data, start):
+    raw = 0  # the raw CRC, bit by bit: register from 0, no final xor
+    for byte in data:
+        raw ^= byte
+        for _ in range(8):
+            raw = (raw >> 1) ^ crc32.POLY_REFLECTED if raw & 1 else raw >> 1
+    assert crc32.from_raw(start, raw, len(data)) == zlib.crc32(data, start)
+
+
+@pytest.mark.parametrize("bits, group, step, tail",
+                         [(8, 16, 1, 1), (8, 1024, 1, 1), (32, 4, 16, 0), (32, 256, 4096, 0)])
+def test_crc32_weight_tables_fold_groups_into_their_raw_crc(bits, group, step, tail):
+    """Folding a group with :func:`crc32.weight_table` (what the GPU kernel does) gives the raw CRC of
+    the bytes it stands for: bytes directly, raw CRCs of ``step``-byte pieces one level up."""
+    rng = np.random.default_rng(group)
+    table = crc32.weight_table(bits, group, step, tail)
+    pieces = [rng.integers(0, 256, step, dtype=np.uint8).tobytes() for _ in range(group)]
+    values = [p[0] for p in pieces] if bits == 8 else [_raw(p) for p in pieces]
+    folded = 0
+    for i, v in enumerate(values):
+        for b in range(bits):
+            if v >> b & 1:
+                folded ^= table[b][i]
+    assert folded == _raw(b"".join(pieces))
+
+
+def _raw(data: bytes) -> int:
+    """Raw CRC-32 of ``data`` from zlib's: :func:`crc32.from_raw` solved for the raw part."""
+    return zlib.crc32(data) ^ crc32.from_raw(0, 0, len(data))
 
 
 def test_parallel_crc_equals_zlib():

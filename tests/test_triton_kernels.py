@@ -120,6 +120,62 @@ print("warned", [str(w.message) for w in caught])
     assert expected in proc.stdout and "uses the slower torch path" in proc.stdout, proc.stdout
 
 
+def test_the_gpu_crc_kernel_gives_zlibs_crc32():
+    """lightning_islands/triton_crc.py: the fold tree gives zlib's CRC-32 for lengths that fill,
+    straddle and miss its groups, over one to six levels (small fan-ins make deep trees cheap under
+    the interpreter; the defaults run too), and the codecs' first-use check trusts it."""
+    code = """
+import zlib
+import torch
+from lightning_islands import codecs as C, crc32, triton_crc
+g = torch.Generator().manual_seed(5)
+cases = [(1, 2, 2), (2, 2, 2), (33, 2, 2), (1000, 16, 4), (4099, 16, 2), (4096, 16, 4), (257, 256, 2),
+         (1023, 1024, 256), (1024 * 8 + 3, 1024, 256)]
+for n, byte_group, raw_group in cases:
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    raw = triton_crc.raw_crc(data, byte_group, raw_group)
+    for start in (0, 0xFFFFFFFF, 0x5EED):
+        got = crc32.from_raw(start, raw, n)
+        assert got == zlib.crc32(data.numpy().tobytes(), start), (n, byte_group, raw_group, start)
+assert triton_crc.raw_crc(torch.empty(0, dtype=torch.uint8)) == 0
+for bad in ((data.view(torch.int8),), (data, 3, 2), (data, 1024, 1)):
+    try:
+        triton_crc.raw_crc(*bad)
+    except ValueError as e:
+        print("refused:", e)
+C._CRC_PROBE_BYTES = 3000  # the real probe takes minutes under the interpreter
+print("trusted", C._crc_kernel_trusted(triton_crc, torch.device("cpu")))
+"""
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("refused:") == 3, proc.stdout
+    assert "trusted True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_gpu_crc_kernel_that_disagrees_with_zlib_is_not_used(fault):
+    code = f"""
+import types, warnings
+import torch
+from lightning_islands import codecs as C
+def raw_crc(body):
+    if {fault!r} == "raises":
+        raise RuntimeError("PassManager::run failed")
+    return 1
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("trusted", C._crc_kernel_trusted(types.SimpleNamespace(raw_crc=raw_crc), torch.device("cpu")))
+    print("again", C._crc_kernel_trusted(types.SimpleNamespace(raw_crc=raw_crc), torch.device("cpu")))
+print("warned", [str(w.message) for w in caught])
+"""
+    proc = _interpreted(["-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trusted False" in proc.stdout and "again False" in proc.stdout, proc.stdout
+    assert proc.stdout.count("the GPU CRC-32 kernel on cpu failed its check") == 1, proc.stdout  # said once
+    assert ("where zlib gives" if fault == "wrong" else "PassManager") in proc.stdout, proc.stdout
+    assert "taken on the host" in proc.stdout, proc.stdout
+
+
 def test_interpret_mode_without_the_interpreter_is_a_clear_error():
     code = "import torch; from lightning_islands.codecs import make_codec; make_codec('int4').encode(torch.ones(8))"
     proc = _interpreted(["-c", code], TRITON_INTERPRET="0")
