@@ -14,7 +14,7 @@ see the same machine state), this measures:
   a machine without a C compiler (or a GPU without triton) runs, side by side with the fused kernels
   that the other columns use when available: the C kernels of ``lightning_islands/native.py`` on
   CPU, the Triton kernels of ``lightning_islands/triton_kernels.py`` for the blockwise codecs on CUDA
-  (on CUDA the header checksum is taken on the host, so compare ``kern/copy`` for the kernels).
+  (on CUDA the checksum of bodies of 256 KiB and more is taken on the GPU, ``triton_crc.py``).
 
 Before every timed operation a read-only pass over a clean buffer of twice the last-level cache
 (``--scrub-mib``) writes back and evicts what the previous operation left in the caches, so each
