@@ -319,6 +319,17 @@ def _triton_module(t: Tensor) -> Any:
     return triton_kernels
 
 
+def _block_pieces(count: int, block: int) -> list[tuple[int, int, int, int]]:
+    """``[0, count)`` as row-shaped pieces, ``(start, stop, rows, first block)``: the whole blocks,
+    then the partial last block as one short row (no padding), so ``t[start:stop].view(rows, -1)``
+    lines up with ``scales[first block : first block + rows]``."""
+    full = count // block
+    pieces = [(0, full * block, full, 0)] if full else []
+    if count > full * block:
+        pieces.append((full * block, count, 1, full))
+    return pieces
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -828,24 +839,15 @@ class _BlockCodec(Codec):
 
     def _scaled(self, x: Tensor, scale: Tensor, work: _Work) -> Tensor:
         """Write the block scales of flat ``x`` into ``scale``; return ``x * (1/scale)`` (workspace)."""
-        bsz = self.block_size
-        count = x.numel()
-        full = count // bsz
-        t = work.f32(count)
-        if full:
-            self._scale_rows(x[: full * bsz].view(full, bsz), scale[:full], t[: full * bsz].view(full, bsz))
-        if count > full * bsz:  # partial last block: its own row, no padding needed
-            self._scale_rows(x[full * bsz :].view(1, -1), scale[full:], t[full * bsz :].view(1, -1))
+        t = work.f32(x.numel())
+        for s, e, rows, b in _block_pieces(x.numel(), self.block_size):
+            self._scale_rows(x[s:e].view(rows, -1), scale[b : b + rows], t[s:e].view(rows, -1))
         return t
 
     def _rescale(self, out: Tensor, scale: Tensor) -> None:
         """``out *= scale`` block by block (the one rounding of the decode)."""
-        bsz = self.block_size
-        full = out.numel() // bsz
-        if full:
-            out[: full * bsz].view(full, bsz).mul_(scale[:full].unsqueeze(1))
-        if out.numel() > full * bsz:
-            out[full * bsz :].mul_(scale[full])
+        for s, e, rows, b in _block_pieces(out.numel(), self.block_size):
+            out[s:e].view(rows, -1).mul_(scale[b : b + rows].unsqueeze(1))
 
     def _triton(self, t: Tensor) -> Any:
         """The Triton kernel module for ``t``'s device if it reproduces this codec's reference bytes
@@ -1149,12 +1151,8 @@ def _sign_flip(out: Tensor, bits: Tensor, scale: Tensor, block: int) -> None:
     o = out.view(torch.int32)
     o.copy_(bits).bitwise_left_shift_(31)  # 1 -> 0x80000000, 0 -> 0
     sb = scale.view(torch.int32)
-    count = out.numel()
-    full = count // block
-    if full:
-        o[: full * block].view(full, block).bitwise_xor_(sb[:full].unsqueeze(1))
-    if count > full * block:
-        o[full * block :].bitwise_xor_(sb[full])
+    for s, e, rows, b in _block_pieces(out.numel(), block):
+        o[s:e].view(rows, -1).bitwise_xor_(sb[b : b + rows].unsqueeze(1))
 
 
 class SignCodec(_BlockCodec):
@@ -1183,7 +1181,7 @@ class SignCodec(_BlockCodec):
         if device.type == "cpu":
             return super()._slab_elems(device, m)
         # GPUs: slabs of ~16M values bound the float64 temporaries of the scale tree (~0.5 GB)
-        unit = math.lcm(self.block_size, PACK_GROUP)
+        unit = self._native_unit()
         return max(1, (1 << 24) // unit) * unit
 
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
@@ -1197,13 +1195,9 @@ class SignCodec(_BlockCodec):
                                    native.ptr(out, s), crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: _Work) -> None:
-        bsz = self.block_size
         count = x.numel()
-        full = count // bsz
-        if full:
-            _mean_abs_rows(x[: full * bsz].view(full, bsz), scale[:full], self._span)
-        if count > full * bsz:
-            _mean_abs_rows(x[full * bsz :].view(1, -1), scale[full:], self._span)
+        for s, e, rows, b in _block_pieces(count, self.block_size):
+            _mean_abs_rows(x[s:e].view(rows, -1), scale[b : b + rows], self._span)
         q = work.u8(count)
         torch.signbit(x, out=q.view(torch.bool))
         _pack_planar(q, values, self.pack)
