@@ -1624,8 +1624,9 @@ class ErrorFeedback:
         self.residual = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Checkpointable state: ``{"residual": Tensor | None}``."""
-        return {"residual": None if self.residual is None else self.residual.detach().clone()}
+        """Checkpointable state: ``{"residual": Tensor | None}``, on the CPU (so a checkpoint taken on
+        a GPU loads anywhere; :meth:`compensate` moves the residual to the data's device)."""
+        return {"residual": None if self.residual is None else self.residual.detach().to("cpu", copy=True)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore state produced by :meth:`state_dict`."""

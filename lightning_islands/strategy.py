@@ -120,7 +120,9 @@ class IslandStrategy(FSDP2Strategy):
             slower island may run fewer, the merge stays token-weighted).
         lanes: parallel TCP streams between islands.
         outer_device: where anchors, outer momentum and the round's exchange (error feedback,
-            encoding, decoding, merging) live: ``"cpu"`` offloads them; ``None``, the training device.
+            encoding, decoding, merging) live: ``"cpu"`` offloads them. ``None``: anchors and momentum
+            on the training device; the exchange there too for an island of one process, on the
+            host for larger islands (see :meth:`_exchange_device`).
         weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
         expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
             that expert in the round (the module must implement ``island_token_counts()`` and
@@ -307,12 +309,22 @@ class IslandStrategy(FSDP2Strategy):
             raise RuntimeError(box[1])
         return box[1]
 
-    def _outer_device(self) -> torch.device:
-        """Where anchors, outer momentum and the exchange live (``outer_device``, else the training device)."""
-        return torch.device(self.outer_device) if self.outer_device else self.root_device
-
     def _outer_tensor(self, t: Tensor) -> Tensor:
-        return t.detach().to(device=self._outer_device(), dtype=torch.float32, copy=True)
+        device = torch.device(self.outer_device) if self.outer_device else t.device
+        return t.detach().to(device=device, dtype=torch.float32, copy=True)
+
+    def _exchange_device(self) -> torch.device:
+        """Where the leader runs the round's exchange (error feedback, encode, decode, merge).
+
+        ``outer_device`` if set. Else the training device when the island is one process: on a GPU
+        the codecs run their Triton kernels there and only payloads cross to the host. An island of
+        several processes exchanges on the host, because the leader holds several unsharded fp32
+        copies of the whole model meanwhile (the error-feedback residual between rounds too), which
+        a model sharded to fit its GPUs may not leave room for.
+        """
+        if self.outer_device:
+            return torch.device(self.outer_device)
+        return self.root_device if self.world_size == 1 else torch.device("cpu")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -491,9 +503,7 @@ class IslandStrategy(FSDP2Strategy):
         box: dict[str, Any] = {"merged": None, "metrics": {}}
 
         def leader_exchange() -> dict[str, Any]:
-            # Quantize, decode and merge where the anchors live: on the GPU the codecs run their
-            # Triton kernels and only the payloads cross to the host; with outer_device="cpu", on the host.
-            box["merged"], box["metrics"], plan = self._exchange(full.to(self._outer_device()), header)
+            box["merged"], box["metrics"], plan = self._exchange(full.to(self._exchange_device()), header)
             return plan
 
         plan = self._agree(leader_exchange)

@@ -958,6 +958,18 @@ def test_cuda_decode_matches_cpu_bitwise(spec):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_error_feedback_state_of_a_gpu_residual_loads_anywhere():
+    ef = ErrorFeedback()
+    x = torch.randn(1000, device="cuda")
+    ef.update(x, torch.zeros_like(x))
+    state = ef.state_dict()
+    assert state["residual"].device.type == "cpu" and torch.equal(state["residual"], x.cpu())
+    restored = ErrorFeedback()
+    restored.load_state_dict(state)
+    assert torch.equal(restored.compensate(torch.zeros_like(x)).cpu(), x.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_payload_checksums_are_taken_on_the_gpu():
     pytest.importorskip("triton", reason="the CUDA build of torch brings triton")
     from lightning_islands import triton_crc

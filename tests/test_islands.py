@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import SCRIPTS, launch, load_rounds
 
+from lightning_islands.codecs import default_error_feedback
 from lightning_islands.launch import run_islands
 
 sys.path.insert(0, str(SCRIPTS))
@@ -327,6 +328,10 @@ def test_gpu_and_cpu_islands_keep_one_global_state(tmp_path, accelerators, preci
     assert all(t.dtype == torch.float32 for t in per_island[0][4]["params"].values())
     m = per_island[0][4]["metrics"]
     assert m["islands/compression_ratio"] > 1.0 and 0.0 < m["islands/quant_rel_error"] < 1.0
+    # a one-process GPU island quantizes on its GPU (error feedback lives there), a CPU island on the host
+    if default_error_feedback(codec):
+        expected = ["cuda:0" if a == "gpu" else "cpu" for a in accelerators.split(",")]
+        assert [per_island[i][4]["ef_device"] for i in (0, 1)] == expected
 
 
 @needs_cuda
