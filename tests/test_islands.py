@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 from conftest import SCRIPTS, launch, load_rounds
+from lightning.fabric.plugins.environments import LightningEnvironment
 
+from lightning_islands import IslandStrategy
 from lightning_islands.codecs import default_error_feedback
 from lightning_islands.launch import run_islands
 
@@ -309,6 +311,21 @@ def test_islands_with_different_precision_share_one_fp32_global_state(tmp_path, 
            tmp_path / "logs")
     per_island = assert_islands_equal(tmp_path, 3)
     assert all(t.dtype == torch.float32 for t in per_island[1][3]["params"].values())
+
+
+@pytest.mark.parametrize("devices, outer_device, expected", [
+    (["cuda:0"], None, "cuda:0"),  # a one-process GPU island quantizes, decodes and merges on its GPU
+    (["cuda:0", "cuda:1"], None, "cpu"),  # a larger island's leader does it on the host (unsharded copies)
+    (["cuda:0"], "cpu", "cpu"),
+    (["cpu", "cpu"], None, "cpu"),
+])
+def test_where_the_leader_runs_the_exchange(devices, outer_device, expected):
+    env = LightningEnvironment()
+    env.set_world_size(len(devices))
+    strategy = IslandStrategy(sync_every=2, outer_device=outer_device)
+    strategy.cluster_environment = env
+    strategy.parallel_devices = [torch.device(d) for d in devices]
+    assert strategy._exchange_device() == torch.device(expected)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
