@@ -10,6 +10,8 @@ import shutil
 import struct
 import subprocess
 import sys
+import types
+import warnings
 import zlib
 from fractions import Fraction
 from pathlib import Path
@@ -1152,6 +1154,25 @@ def test_crc32_weight_tables_fold_groups_into_their_raw_crc(bits, group, step, t
 def _raw(data: bytes) -> int:
     """Raw CRC-32 of ``data`` from zlib's: :func:`crc32.from_raw` solved for the raw part."""
     return zlib.crc32(data) ^ crc32.from_raw(0, 0, len(data))
+
+
+@pytest.mark.parametrize("fault", ["wrong", "raises"])
+def test_a_gpu_crc_kernel_that_disagrees_with_zlib_is_not_used(monkeypatch, fault):
+    def raw_crc(body):
+        if fault == "raises":
+            raise RuntimeError("PassManager::run failed")
+        return 1
+
+    monkeypatch.setattr(C, "_CRC_KERNEL_TRUSTED", {})
+    kernel = types.SimpleNamespace(raw_crc=raw_crc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert C._crc_kernel_trusted(kernel, torch.device("cpu")) is False
+        assert C._crc_kernel_trusted(kernel, torch.device("cpu")) is False
+    said = [str(w.message) for w in caught if "the GPU CRC-32 kernel on cpu failed its check" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]  # said once
+    assert ("where zlib gives" if fault == "wrong" else "PassManager") in said[0], said
+    assert "taken on the host" in said[0], said
 
 
 def test_parallel_crc_equals_zlib():
