@@ -1,4 +1,4 @@
-"""The CRC-32 of a GPU payload, taken on the GPU (Triton), so the payload never has to leave it.
+"""The CRC-32 of a GPU payload, taken on the GPU (Triton), so the payload is not copied to the host for it.
 
 Every payload carries zlib's CRC-32 of its header and body (:mod:`lightning_islands.codecs`). For a
 payload on a GPU that checksum used to be taken on the host after copying the whole body there: on
