@@ -829,6 +829,12 @@ def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
     x = torch.randn(n, generator=g)
     x[:200] = torch.tensor([3.3895e38, 3.3896e38, 3.39e38, -3.3897e38, 1.0] * 40)  # bf16 rounding edges
     x[200:8392] = torch.arange(-4096, 4096, dtype=torch.float32) / 8  # exact ties
+    # every finite float8_e4m3fn value, in two blocks of 128 whose absmax is 448 (scale 1): the fp8
+    # decode's streaming loop meets every code, subnormals and both signs included
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[codes.isfinite()]
+    assert codes.numel() == 254
+    x[8448:8704] = torch.cat([torch.tensor([448.0]), codes[:127], torch.tensor([-448.0]), codes[127:]])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -255,6 +255,19 @@ LIQ_HOT static uint32_t f32_copy_max(const float *restrict x, int64_t count, flo
     return worst;
 }
 
+/* The float8_e4m3fn code c as fp32, exactly, without a table (a table lookup is a gather, which
+ * vectorizes poorly): a normal code (exponent field != 0) rebiases its exponent (7 -> 127) by
+ * integer addition; a subnormal one is its mantissa times 2**-9 (an exact conversion and scaling,
+ * never an fp32 denormal, so flush-to-zero modes cannot touch it). The NaN codes (never produced
+ * by the encoder, and rejected with their payload by the checksum) decode as 480. */
+static inline float from_e4m3(uint32_t c) {
+    uint32_t em = c & 0x7Fu;
+    uint32_t normal = (em << 20) + (120u << 23);
+    uint32_t sub = f2u((float)(int32_t)em * 0x1p-9f);
+    uint32_t is_normal = 0u - (uint32_t)(em >= 8u);
+    return u2f(((normal & is_normal) | (sub & ~is_normal)) | ((c & 0x80u) << 24));
+}
+
 /*
  * Streaming (non-temporal) stores for large outputs: x86-64 Linux with AVX2 (the CPU check needs
  * the compiler runtime's __cpu_model, which Apple's toolchain does not provide).
@@ -388,6 +401,31 @@ LIQ_AVX2 static void sign_run_stream(const uint8_t *bytes, int i, uint32_t sb, i
     }
 }
 
+/* fp8_rescale with streaming stores (block a multiple of 8; the last block may be partial: its
+ * tail past a multiple of 8 is stored normally). The same operations as from_e4m3 (integer
+ * rebiasing, an exact int-to-float conversion and scaling by 2**-9, one rounded multiply). */
+LIQ_AVX2 static void fp8_rescale_stream(const uint8_t *values, const float *scales, int64_t count, int64_t block,
+                                        float *out) {
+    const __m256i m7 = _mm256_set1_epi32(0x7F), sign = _mm256_set1_epi32(0x80), seven = _mm256_set1_epi32(7);
+    const __m256i bias = _mm256_set1_epi32((int)(120u << 23));
+    const __m256 sub_scale = _mm256_set1_ps(0x1p-9f);
+    int64_t nb = (count + block - 1) / block;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t s = b * block, len = count - s < block ? count - s : block, j = 0;
+        const __m256 sc = _mm256_set1_ps(scales[b]);
+        for (; j + 8 <= len; j += 8) {
+            __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(values + s + j)));
+            __m256i em = _mm256_and_si256(c, m7);
+            __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(em, 20), bias);
+            __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(em), sub_scale));
+            __m256i v = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(em, seven));
+            v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(c, sign), 24));
+            _mm256_stream_ps(out + s + j, _mm256_mul_ps(_mm256_castsi256_ps(v), sc));
+        }
+        for (; j < len; j++) out[s + j] = from_e4m3(values[s + j]) * scales[b];
+    }
+}
+
 static void stream_fence(void) { _mm_sfence(); }
 #else
 static void sign_run_stream(const uint8_t *bytes, int i, uint32_t sb, int64_t n, uint32_t *o) {
@@ -396,6 +434,7 @@ static void sign_run_stream(const uint8_t *bytes, int i, uint32_t sb, int64_t n,
 static int stream_ok(const void *out, int64_t nbytes) { (void)out; (void)nbytes; return 0; }
 #define unpack_scale_group_stream unpack_scale_group
 #define block_rescale_stream block_rescale
+#define fp8_rescale_stream fp8_rescale
 static void bf16_widen_stream(const uint16_t *in, int64_t count, float *out) { (void)in; (void)count; (void)out; }
 static uint32_t f32_copy_max_stream(const float *x, int64_t count, float *out) { (void)x; (void)count; (void)out; return 0; }
 static void stream_copy(const void *src, int64_t nbytes, void *out) { memcpy(out, src, (size_t)nbytes); }
@@ -653,16 +692,20 @@ int liq_sign_decode(const uint8_t *values, const float *scales, int64_t count, i
 }
 
 /* float -> float8_e4m3fn, round to nearest even, for |t| <= 448 (no NaN/overflow handling).
- * Branch-free so that it vectorizes: both candidate codes are computed and one is selected. */
+ * One float addition does the rounding: c = 2**(e+20), with e the exponent of |t| raised to e4m3's
+ * smallest normal exponent -6, has a float spacing of 2**(e-3), the e4m3 spacing at |t| (2**-9 in
+ * the subnormal range), so |t| + c = c + q * 2**(e-3) with q = |t| / 2**(e-3) rounded half to even
+ * (0..16). Its bit pattern is c's plus q, and the code is 8 * e + 48 + q: (exponent e + 7, mantissa
+ * q - 8) for a normal value, q for a subnormal one, and a carry (q = 16) lands on the next
+ * exponent's code. Exact integer work besides the one rounding; checked against the previous
+ * two-branch form on every fp32 value of magnitude <= 448. Branch-free, so it vectorizes. */
 static inline uint8_t to_e4m3(float t) {
     uint32_t u = f2u(t);
     uint32_t a = u & LIQ_ABS_MASK;
-    /* normal range (>= 2**-6): round the 23-bit mantissa to 3 bits, rebias the exponent 127 -> 7 */
-    uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    /* subnormal range: multiples of 2**-9 (exact scaling, then round half to even; 0..8 fits 7 bits) */
-    uint32_t sub = round_bits(u2f(a) * 512.0f) & 0x7Fu;
-    uint32_t is_normal = 0u - (uint32_t)(a >= 0x3C800000u); /* all ones or zero: a select without a branch */
-    uint32_t code = (normal & is_normal) | (sub & ~is_normal);
+    uint32_t e = a & 0x7F800000u;
+    uint32_t c = (e > 0x3C800000u ? e : 0x3C800000u) + (20u << 23); /* 0x3C800000 = 2**-6 */
+    uint32_t q = f2u(u2f(a) + u2f(c)) - c;
+    uint32_t code = (c >> 20) - 1128u + q; /* (c >> 20) - 1128 = 8 * e + 48 */
     return (uint8_t)(((u >> 24) & 0x80u) | code);
 }
 
@@ -694,19 +737,6 @@ int liq_fp8_encode(const float *x, int64_t count, int64_t block, float *scales, 
     return 0;
 }
 
-/* The float8_e4m3fn code c as fp32, exactly, without a table (a table lookup is a gather, which
- * vectorizes poorly): a normal code (exponent field != 0) rebiases its exponent (7 -> 127) by
- * integer addition; a subnormal one is its mantissa times 2**-9 (an exact conversion and scaling,
- * never an fp32 denormal, so flush-to-zero modes cannot touch it). The NaN codes (never produced
- * by the encoder, and rejected with their payload by the checksum) decode as 480. */
-static inline float from_e4m3(uint32_t c) {
-    uint32_t em = c & 0x7Fu;
-    uint32_t normal = (em << 20) + (120u << 23);
-    uint32_t sub = f2u((float)(int32_t)em * 0x1p-9f);
-    uint32_t is_normal = 0u - (uint32_t)(em >= 8u);
-    return u2f(((normal & is_normal) | (sub & ~is_normal)) | ((c & 0x80u) << 24));
-}
-
 /* out = e4m3(v) * scale: the one rounding of the decode. */
 LIQ_HOT static void fp8_rescale(const uint8_t *restrict values, const float *restrict scales, int64_t count,
                                 int64_t block, float *restrict out) {
@@ -721,14 +751,19 @@ LIQ_HOT static void fp8_rescale(const uint8_t *restrict values, const float *res
 /* The inverse of liq_fp8_encode; crc as in liq_int_decode. */
 int liq_fp8_decode(const uint8_t *values, const float *scales, int64_t count, int64_t block, float *out,
                    uint32_t *crc) {
+    int stream = block % 8 == 0 && stream_ok(out, count * (int64_t)sizeof(float));
     int64_t slab = slab_elems(block, 1, count);
     crc_cursor cs = crc_start(crc, scales), cv = crc_start(crc ? crc + 1 : NULL, values);
     for (int64_t s = 0; s < count; s += slab) {
         int64_t len = count - s < slab ? count - s : slab;
         crc_ahead(&cs, scales + (s + len + block - 1) / block, scales + (count + block - 1) / block);
         crc_ahead(&cv, values + s + len, values + count);
-        fp8_rescale(values + s, scales + s / block, len, block, out + s);
+        if (stream)
+            fp8_rescale_stream(values + s, scales + s / block, len, block, out + s);
+        else
+            fp8_rescale(values + s, scales + s / block, len, block, out + s);
     }
+    if (stream) stream_fence();
     return 0;
 }
 
