@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -653,14 +653,23 @@ class IslandStrategy(FSDP2Strategy):
             return
         self._last_status = now
         self._beats += 1
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        loss = trainer.callback_metrics.get("train/loss")
         # "beat" changes every time: islands waiting for this one keep waiting while it does
-        status = {"step": trainer.global_step, "round": self.round, "beat": self._beats,
-                  "loss": float(loss) if loss is not None else None,
-                  "bytes": self.totals["bytes_sent"] + self.totals["bytes_received"]}
+        status = {**self._status(), "beat": self._beats}
         with suppress(Exception):
             self.link.heartbeat(status)
+
+    def _status(self) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        loss = trainer.callback_metrics.get("train/loss")
+        return {"step": trainer.global_step, "round": self.round, "loss": float(loss) if loss is not None else None,
+                "bytes": self.totals["bytes_sent"] + self.totals["bytes_received"]}
+
+    def _beating(self, phase: str) -> AbstractContextManager[None]:
+        """The leader keeps beating while a long step without training steps runs (a checkpoint
+        write): waiting islands see ``phase`` in its status and do not give it up as silent."""
+        if self.link is None or not self.is_leader:
+            return nullcontext()
+        return self.link.beating({**self._status(), "phase": phase})
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -855,15 +864,16 @@ class IslandStrategy(FSDP2Strategy):
         from torch.distributed.checkpoint import save as dcp_save
 
         checkpoint["islands"] = self._counters(self._island_sum(float(self.round_tokens)))
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
-        state: dict[str, Any] = {"anchor": self._outer_dtensors(self._anchors)}
-        if checkpoint["islands"]["has_momentum"]:
-            state["momentum"] = self._outer_dtensors(self.outer_opt.buffers)  # type: ignore[arg-type]
-        dcp_save(state, storage_writer=FileSystemWriter(path / _OUTER_DIR, overwrite=True))
-        if self.is_leader and self.error_feedback is not None:
-            torch.save(self.error_feedback.state_dict(), path / _EF_FILE)
-        self.barrier()
+        with self._beating("saving checkpoint"):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            path = Path(self.broadcast(str(filepath)))
+            state: dict[str, Any] = {"anchor": self._outer_dtensors(self._anchors)}
+            if checkpoint["islands"]["has_momentum"]:
+                state["momentum"] = self._outer_dtensors(self.outer_opt.buffers)  # type: ignore[arg-type]
+            dcp_save(state, storage_writer=FileSystemWriter(path / _OUTER_DIR, overwrite=True))
+            if self.is_leader and self.error_feedback is not None:
+                torch.save(self.error_feedback.state_dict(), path / _EF_FILE)
+            self.barrier()
 
     def _load_outer(self, path: Path, like: Sequence[Tensor], momentum: bool) -> dict[str, Any]:
         from torch.distributed.checkpoint import load as dcp_load

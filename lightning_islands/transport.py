@@ -10,8 +10,10 @@ moved.
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -116,6 +118,7 @@ class IslandLink:
         if lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {lanes}")
         host, port = parse_address(address)
+        self._address = (host, port)
         self.island = island
         self.num_islands = num_islands
         self.run_id = run_id
@@ -160,6 +163,37 @@ class IslandLink:
         """Publish this island's status (shown by the launcher); it tells waiting islands that this
         one is alive, so it must change as the island advances (e.g. carry a counter)."""
         self.store.set(_status_key(self.run_id, self.island), json.dumps(status))
+
+    @contextmanager
+    def beating(self, status: dict, period: float | None = None) -> Iterator[None]:
+        """Keep this island's heartbeat going from a background thread while the body runs.
+
+        For work that takes long and cannot beat by itself (writing a checkpoint): the other islands
+        see ``status`` with a changing ``"beat"`` every ``period`` seconds (default: a quarter of
+        ``timeout``, at most 1 s) and keep waiting for this island instead of giving it up after
+        ``timeout``. The thread has its own connection to the coordinator, and it stops when the body
+        ends, also by an exception: a failed or hung island stops beating only if the body ends, so
+        ``max_wait`` is the bound for a body that hangs.
+        """
+        period = min(1.0, self.timeout.total_seconds() / 4) if period is None else period
+        stop = threading.Event()
+
+        def beat() -> None:
+            with suppress(Exception):  # best effort: without beats the island only looks silent
+                store = dist.TCPStore(*self._address, is_master=False, timeout=self.timeout)
+                count = 0
+                while not stop.wait(period):
+                    count += 1
+                    beat = {**status, "beat": f"background {count}"}
+                    store.set(_status_key(self.run_id, self.island), json.dumps(beat))
+
+        thread = threading.Thread(target=beat, name=f"island{self.island}-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
         return {i: _get_if_set(self.store, _status_key(self.run_id, i)) for i in islands}

@@ -202,6 +202,18 @@ def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     assert not list((tmp_path / "uneven").glob("island*_round*.pt"))
 
 
+def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
+    """A checkpoint write longer than timeout_s is progress, not silence: the leader keeps beating
+    while it writes, so the island that waits for it at the next round does not give it up."""
+    out = tmp_path / "out"
+    started = time.monotonic()
+    launch([1, 1], ["islands_regression.py", "--out", out, "--steps", 6, "--H", 2, "--ckpt-every", 4,
+                    "--timeout-s", 5, "--save-delay", "0,12"], tmp_path / "logs")
+    assert time.monotonic() - started > 12, "island 1's checkpoint write should have taken 12 s"
+    assert (out / "ckpt_island1" / "step=4.ckpt").is_dir()
+    assert_islands_equal(out, 3)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--hidden", "8,9"], "parameters"),
     (["--outer-lrs", "0.7,0.5"], "outer"),

@@ -65,6 +65,33 @@ def test_a_slow_island_that_keeps_beating_is_waited_for_past_the_timeout():
     assert time.monotonic() - started < 10
 
 
+def test_a_long_task_in_a_beating_block_counts_as_progress_and_the_beats_stop_after_it():
+    coord = Coordinator()
+    a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1))
+    b = IslandLink(coord.address, 1, 2, run_id="r", timeout=timedelta(seconds=1))
+
+    def writing_island() -> None:  # 3.5 s of one silent task (a checkpoint write), then it arrives
+        with b.beating({"step": 7, "phase": "saving checkpoint"}):
+            time.sleep(3.5)
+        b.gather_objects("round0", {"island": 1})
+
+    t = threading.Thread(target=writing_island)
+    t.start()
+    started = time.monotonic()
+    assert a.gather_objects("round0", {"island": 0}) == [{"island": 0}, {"island": 1}]
+    assert time.monotonic() - started > 3.0, "the wait must have outlived the 1 s timeout"
+    t.join(timeout=30)
+    assert coord.status(2, "r")[1]["phase"] == "saving checkpoint"
+    assert not [th for th in threading.enumerate() if th.name.startswith("island1-heartbeat")]
+    # a body that raises stops the beats too: the island is then silent and given up after the timeout
+    with pytest.raises(RuntimeError, match="disk full"), b.beating({"step": 8}):
+        raise RuntimeError("disk full")
+    started = time.monotonic()
+    with pytest.raises(IslandAborted, match=r"islands \[1\] did not reach 'round1' and showed no progress"):
+        a.gather_objects("round1", {"island": 0})
+    assert time.monotonic() - started < 10
+
+
 def test_a_round_waits_at_most_max_wait_even_for_a_beating_island():
     coord = Coordinator()
     a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1), max_wait=timedelta(seconds=2))

@@ -44,6 +44,17 @@ class Stream(IterableDataset):
             step += 1
 
 
+class SlowToPickle:
+    """Stands for a large checkpoint: pickling it (inside the checkpoint write) takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self):
+        time.sleep(self.seconds)
+        return (dict, ())
+
+
 class Regression(pl.LightningModule):
     def __init__(self, hidden: int = 8, inner: str = "sgd", lr: float = 0.05, two_optimizers: bool = False) -> None:
         super().__init__()
@@ -88,6 +99,10 @@ class Regression(pl.LightningModule):
         return DataLoader(Stream(island, self.trainer.global_rank, self.batch_size, self.trainer.global_step),
                           batch_size=None)
 
+    def on_save_checkpoint(self, checkpoint):
+        if getattr(self, "save_delay", 0):  # the checkpoint file takes this long to write
+            checkpoint["slow_to_write"] = SlowToPickle(self.save_delay)
+
     def val_dataloader(self):
         batches = [batch_for(99, r, 0, 4) for r in range(2)]
         return DataLoader(batches[self.trainer.global_rank :: self.trainer.world_size], batch_size=None)
@@ -125,6 +140,8 @@ def main() -> None:
     p.add_argument("--same-seed", type=int, default=0, help="every island builds its model from seed 0")
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--final-ckpt", type=int, default=0, help="save final_island{i}.ckpt after fit")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="the strategy's timeout_s")
+    p.add_argument("--save-delay", default="0", help="seconds each checkpoint write takes, per island (comma list)")
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
     args = p.parse_args()
@@ -148,12 +165,13 @@ def main() -> None:
     model = Regression(hidden=per_island(args.hidden), inner=args.inner,
                        two_optimizers=bool(args.two_optimizers))
     model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
+    model.save_delay = per_island(args.save_delay, float)
     outer_lr = args.outer_lr
     if args.outer_lrs:
         outer_lr = [float(v) for v in args.outer_lrs.split(",")][island]
     warmup = [int(h) for h in args.sync_warmup.split(",") if h]
     strategy = IslandStrategy(sync_every=args.H, sync_warmup=warmup, outer_lr=outer_lr, outer_momentum=args.momentum,
-                              nesterov=bool(args.nesterov), codec=args.codec, timeout_s=60,
+                              nesterov=bool(args.nesterov), codec=args.codec, timeout_s=args.timeout_s,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               balance=args.balance, max_rounds=args.max_rounds or None,
                               steps_per_round=per_island(args.steps_per_round) or None)
