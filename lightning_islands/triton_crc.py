@@ -60,6 +60,19 @@ def _fold(src_ptr, tab_ptr, out_ptr, n, pad, ngroups,  # noqa: ANN001, ANN202
         tl.store(out_ptr + g, folded.to(tl.int32, bitcast=True), mask=g < ngroups)
 
 
+def ptx(arch: int, bits: int, group: int, rows: int = _ROWS) -> str:
+    """Compile one level of :func:`_fold` (``bits`` 8: bytes, 32: raw CRCs) for an NVIDIA GPU of
+    compute capability ``arch`` without needing one, with 64-bit lengths (a body of 2 GiB or more);
+    returns the PTX. The tests read its address arithmetic."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {"src_ptr": "*u8" if bits == 8 else "*i32", "tab_ptr": "*i32", "out_ptr": "*i32", "n": "i64",
+                 "pad": "i32", "ngroups": "i64", "BITS": "constexpr", "GROUP": "constexpr", "ROWS": "constexpr"}
+    source = ASTSource(fn=_fold, signature=signature, constexprs={"BITS": bits, "GROUP": group, "ROWS": rows})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+
+
 @functools.cache
 def _table(bits: int, group: int, step: int, tail: int, device: torch.device) -> Tensor:
     """:func:`crc32.weight_table` as an int32 tensor ``[bits, group]`` on ``device``."""

@@ -200,6 +200,31 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
             assert "div.rn.f32" in float_ops, sorted(float_ops)
 
 
+@pytest.mark.parametrize("arch", [80, 90, 100])
+@pytest.mark.parametrize("bits, group", [(8, 1024), (32, 256)])
+def test_the_crc_kernel_addresses_bodies_over_2_gib(arch, bits, group):
+    """Compiled for bodies of 2 GiB and more (64-bit lengths), read without a GPU: the program id
+    is widened to 64 bits before any arithmetic (``pid * ROWS * GROUP`` in 32 bits wraps past
+    2**31 bytes and folds the wrong bytes), and the store of each raw CRC is guarded by a 64-bit
+    comparison with ``ngroups`` (the last program's rows past the end must not be written)."""
+    import re
+
+    from lightning_islands import triton_crc
+
+    text = triton_crc.ptx(arch, bits, group)
+    lines = [line.split("//")[0].strip() for line in text.splitlines()]
+    pid = [m.group(1) for line in lines if (m := re.match(r"mov\.u32\s+(%r\d+), %ctaid\.x;", line))]
+    assert len(pid) == 1, pid
+    uses = [line for line in lines if re.search(re.escape(pid[0]) + r"[,;]", line) and "%ctaid" not in line]
+    assert uses and all(".wide." in line.split()[0] or line.split()[0] in ("cvt.u64.u32", "cvt.s64.s32")
+                        for line in uses), uses
+    ngroups = [m.group(1) for line in lines if (m := re.match(r"ld\.param\.b64\s+(%rd\d+), \[_fold_param_5\];", line))]
+    assert len(ngroups) == 1, "ngroups is not read: the store is not guarded"
+    assert any(re.match(r"setp\.lt\.s64\s+%p\d+, %rd\d+, " + re.escape(ngroups[0]) + ";", line) for line in lines)
+    stores = [line for line in lines if "st.global" in line]
+    assert stores and all(line.startswith("@%p") for line in stores), stores
+
+
 def test_every_launch_switches_fp_fusion_off(monkeypatch):
     """The PTX test compiles with the options the launches use; this pins that the launches use them."""
     from types import SimpleNamespace
