@@ -838,11 +838,12 @@ def test_streaming_stores_of_large_outputs_match_torch_reference(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for spec in ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/8", "int8/12", "sign", "sign/12"]:
+        for spec in ["fp32", "bf16", "fp8", "int8", "int4", "int2", "int4/64", "int2/8", "int8/12", "sign", "sign/12",
+                     "topk:0.01", "topk:0.3+int4"]:
             codec = make_codec(spec)
             _both_paths(codec, x)
             payload = codec.encode(x)
-            unaligned = torch.empty(n + 1)[1:]  # 4 bytes off a 32-byte boundary: the portable loops
+            unaligned = torch.empty(n + 1)[1:]  # 4 bytes off a 32-byte boundary: the portable loops (top-k: a head)
             assert torch.equal(codec.decode(payload, out=unaligned), codec.decode(payload))
     finally:
         torch.set_num_threads(before)

@@ -1102,11 +1102,28 @@ int liq_ef_decode(const uint8_t *data, int64_t n, int64_t k, int low, int64_t lo
 }
 
 /* out[start:stop] = 0 except out[idx[i]] = vals[i] for the k increasing indices idx[0:k], all in
- * [start, stop): the dense vector of a top-k payload, written once. */
+ * [start, stop): the dense vector of a top-k payload, written once. A large range is assembled in
+ * an L1 buffer, LIQ_FLAT_SLAB values at a time, and streamed out: the output is written without
+ * being read (the gaps between kept entries are too short for memset's own streaming stores). */
 int liq_topk_scatter(const int64_t *restrict idx, const float *restrict vals, int64_t k, int64_t start, int64_t stop,
                      float *restrict out) {
-    int64_t at = start;
-    for (int64_t i = 0; i < k; i++) {
+    int64_t at = start, i = 0;
+    int64_t head = (int64_t)((32u - ((uintptr_t)(out + start) & 31u)) & 31u);
+    if (head % 4 == 0 && stream_ok(out + start + head / 4, (stop - start - head / 4) * (int64_t)sizeof(float))) {
+        float stage[LIQ_FLAT_SLAB] __attribute__((aligned(64)));
+        int64_t c = start + head / 4;
+        for (; at < c; at++) out[at] = 0.0f; /* the unaligned head (under 8 values) */
+        for (; i < k && idx[i] < c; i++) out[idx[i]] = vals[i];
+        for (; c < stop; c += LIQ_FLAT_SLAB) {
+            int64_t len = stop - c < LIQ_FLAT_SLAB ? stop - c : LIQ_FLAT_SLAB;
+            memset(stage, 0, sizeof(float) * (size_t)len);
+            for (; i < k && idx[i] < c + len; i++) stage[idx[i] - c] = vals[i];
+            stream_copy(stage, len * (int64_t)sizeof(float), out + c);
+        }
+        stream_fence();
+        return 0;
+    }
+    for (; i < k; i++) {
         int64_t j = idx[i];
         if (j > at) memset(out + at, 0, sizeof(float) * (size_t)(j - at));
         out[j] = vals[i];
