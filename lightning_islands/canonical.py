@@ -2,7 +2,10 @@
 
 Islands shard the same parameters differently (2 ranks here, 1 there). They meet in this layout:
 gather the local shards of the island into the full flat vector, and cut the island's own shards
-back out of a full flat vector. Only torch.distributed and DTensor plumbing lives here.
+back out of a full flat vector. Each round's exchange gathers to the island's leader and scatters
+from it (:meth:`CanonicalLayout.gather_to_leader`, :meth:`CanonicalLayout.scatter_from_leader`),
+so that only the leader ever holds the whole vector. Only torch.distributed and DTensor plumbing
+lives here.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -59,20 +63,118 @@ class CanonicalLayout:
             return torch.empty(0, dtype=torch.float32)
         return torch.cat([t.to(parts[0].device) for t in parts])
 
-    def shard_of(self, flat: Tensor, index: int, param: Tensor) -> Tensor:
-        """This rank's shard of parameter ``index`` cut out of the full flat vector."""
-        from torch.distributed.tensor import DTensor, Shard
+    def _pieces(self, params: Sequence[Tensor], world: int, replicated_to_all: bool) -> list[list[tuple[int, int]]]:
+        """Per rank of the island, the ``(flat offset, numel)`` of what it holds of each parameter, in
+        parameter order. A DTensor is split along dim 0 as FSDP2 splits it (``torch.chunk``: equal
+        chunks of ``ceil(rows / world)`` rows, the last ones shorter or empty); a plain tensor is
+        whole on every rank (``replicated_to_all``) or counted once, on rank 0."""
+        from torch.distributed.tensor import DTensor
 
-        e = self.entries[index]
-        full = flat[e.offset : e.offset + e.numel].view(e.shape)
-        if not isinstance(param, DTensor):
-            return full
-        placements = tuple(param.placements)
+        pieces: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+        for e, p in zip(self.entries, params):
+            if not isinstance(p, DTensor):
+                for r in range(world if replicated_to_all else 1):
+                    pieces[r].append((e.offset, e.numel))
+                continue
+            self._check_placement(e, p)
+            rows = e.shape[0] if e.shape else 1
+            per_row = e.numel // rows if rows else 0
+            chunk = -(-rows // world) if rows else 0
+            for r in range(world):
+                start, stop = min(r * chunk, rows), min((r + 1) * chunk, rows)
+                pieces[r].append((e.offset + start * per_row, (stop - start) * per_row))
+        return pieces
+
+    @staticmethod
+    def _check_placement(e: Entry, param: Tensor) -> None:
+        from torch.distributed.tensor import Shard
+
+        placements = tuple(param.placements)  # type: ignore[attr-defined]
         if placements != (Shard(0),):
             raise NotImplementedError(
                 f"parameter {e.name} is placed as {placements}; islands support FSDP2's Shard(0) over a "
                 "1-D mesh (no tensor parallelism inside an island yet)"
             )
+
+    def gather_to_leader(self, locals_: Sequence[Tensor], params: Sequence[Tensor], device: torch.device,
+                         out_device: torch.device | None = None) -> Tensor | None:
+        """The full fp32 flat vector on the island's rank 0 (on ``out_device``, default ``device``),
+        ``None`` on the other ranks, which send only their shards (one ``gather`` of flat buffers on
+        ``device``, which the process group must support: the GPU for NCCL). A collective inside
+        the island: every rank must call it."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            return self.gather(locals_, params).to(out_device or device)
+        from torch.distributed.tensor import DTensor
+
+        rank = dist.get_rank()
+        pieces = self._pieces(params, world, replicated_to_all=False)
+        width = max(sum(n for _, n in ps) for ps in pieces)
+        mine = torch.zeros(width, dtype=torch.float32, device=device)
+        at = 0
+        held = iter(pieces[rank])
+        for e, local, p in zip(self.entries, locals_, params):
+            if isinstance(p, DTensor) or rank == 0:
+                _, n = next(held)
+                if local.numel() != n:
+                    raise RuntimeError(f"rank {rank} holds {local.numel()} values of {e.name}, the layout expects {n}")
+                mine[at : at + n].copy_(local.reshape(-1))
+                at += n
+        gathered = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+        dist.gather(mine, gathered, dst=0)
+        if gathered is None:
+            return None
+        full = torch.empty(self.numel, dtype=torch.float32, device=out_device or device)
+        for buf, ps in zip(gathered, pieces):
+            at = 0
+            for offset, n in ps:
+                full[offset : offset + n].copy_(buf[at : at + n])
+                at += n
+        return full
+
+    def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+        """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``) cut
+        from the full flat vector ``flat`` that only the island's rank 0 holds (``None`` elsewhere).
+        Each rank receives only its own shards (one ``scatter``). A collective inside the island."""
+        from torch.distributed.tensor import DTensor
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1:
+            assert flat is not None
+            return [self.shard_of(flat.to(device), i, p) for i, p in enumerate(params)]
+        pieces = self._pieces(params, world, replicated_to_all=True)
+        width = max(sum(n for _, n in ps) for ps in pieces)
+        send = None
+        if dist.get_rank() == 0:
+            assert flat is not None
+            send = []
+            for ps in pieces:
+                buf = torch.zeros(width, dtype=torch.float32, device=device)
+                at = 0
+                for offset, n in ps:
+                    buf[at : at + n].copy_(flat[offset : offset + n])
+                    at += n
+                send.append(buf)
+        mine = torch.empty(width, dtype=torch.float32, device=device)
+        dist.scatter(mine, send, src=0)
+        out, at = [], 0
+        for e, p, (_, n) in zip(self.entries, params, pieces[dist.get_rank()]):
+            shape = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+            if torch.Size(shape).numel() != n:
+                raise RuntimeError(f"this rank holds {shape} of {e.name}, the layout gives it {n} values")
+            out.append(mine[at : at + n].view(shape))
+            at += n
+        return out
+
+    def shard_of(self, flat: Tensor, index: int, param: Tensor) -> Tensor:
+        """This rank's shard of parameter ``index`` cut out of the full flat vector."""
+        from torch.distributed.tensor import DTensor
+
+        e = self.entries[index]
+        full = flat[e.offset : e.offset + e.numel].view(e.shape)
+        if not isinstance(param, DTensor):
+            return full
+        self._check_placement(e, param)
         mesh = param.device_mesh
         chunks = torch.chunk(full, mesh.size(), dim=0)
         rank = mesh.get_local_rank()

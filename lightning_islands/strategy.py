@@ -320,7 +320,8 @@ class IslandStrategy(FSDP2Strategy):
         the codecs run their Triton kernels there and only payloads cross to the host. An island of
         several processes exchanges on the host, because the leader holds several unsharded fp32
         copies of the whole model meanwhile (the error-feedback residual between rounds too), which
-        a model sharded to fit its GPUs may not leave room for.
+        a model sharded to fit its GPUs may not leave room for. (The other ranks hold only their
+        shards: the round gathers to the leader and scatters from it.)
         """
         if self.outer_device:
             return torch.device(self.outer_device)
@@ -494,7 +495,8 @@ class IslandStrategy(FSDP2Strategy):
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
-        full = self.layout.gather(deltas, self._params)
+        # only the leader holds the whole vector (on the device it exchanges on); the others send their shards
+        full = self.layout.gather_to_leader(deltas, self._params, self.root_device, self._exchange_device())
         tokens = self._island_sum(float(self.round_tokens))
         step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
         experts = self._expert_counts()
@@ -503,7 +505,8 @@ class IslandStrategy(FSDP2Strategy):
         box: dict[str, Any] = {"merged": None, "metrics": {}}
 
         def leader_exchange() -> dict[str, Any]:
-            box["merged"], box["metrics"], plan = self._exchange(full.to(self._exchange_device()), header)
+            assert full is not None
+            box["merged"], box["metrics"], plan = self._exchange(full, header)
             return plan
 
         plan = self._agree(leader_exchange)
@@ -515,9 +518,8 @@ class IslandStrategy(FSDP2Strategy):
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
             return {}
         metrics: dict[str, float] = box["metrics"]
-        merged = self._island_broadcast_tensor(box["merged"], self.layout.numel)
-        grads = [self.layout.shard_of(merged, i, p).to(a.device) for i, (p, a) in
-                 enumerate(zip(self._params, self._anchors))]
+        shards = self.layout.scatter_from_leader(box["merged"], self._params, self.root_device)
+        grads = [g.to(a.device) for g, a in zip(shards, self._anchors)]
         self.outer_opt.step(self._anchors, grads)
         for p, a in zip(self._params, self._anchors):
             local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
