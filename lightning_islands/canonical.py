@@ -120,16 +120,18 @@ class CanonicalLayout:
                     raise RuntimeError(f"rank {rank} holds {local.numel()} values of {e.name}, the layout expects {n}")
                 mine[at : at + n].copy_(local.reshape(-1))
                 at += n
-        gathered = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+        gathered: list | None = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
         dist.gather(mine, gathered, dst=0)
         if gathered is None:
             return None
         full = torch.empty(self.numel, dtype=torch.float32, device=out_device or device)
-        for buf, ps in zip(gathered, pieces):
+        for r, ps in enumerate(pieces):
+            buf, gathered[r] = gathered[r], None  # each rank's buffer is freed once it is placed
             at = 0
             for offset, n in ps:
                 full[offset : offset + n].copy_(buf[at : at + n])
                 at += n
+            del buf
         return full
 
     def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device) -> list[Tensor]:

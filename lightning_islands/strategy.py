@@ -510,6 +510,7 @@ class IslandStrategy(FSDP2Strategy):
             return plan
 
         plan = self._agree(leader_exchange)
+        full = None  # the leader's pseudo-gradient is encoded by now: free it before the scatter
         if plan["stop"]:
             self._stopping = True
             self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]

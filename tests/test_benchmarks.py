@@ -1,4 +1,4 @@
-"""`benchmarks/codecs.py` runs end to end on a small vector and writes the table it promises."""
+"""The benchmark scripts run end to end on small inputs and write the tables they promise."""
 
 from __future__ import annotations
 
@@ -30,3 +30,18 @@ def test_codec_benchmark_writes_every_column(tmp_path):
             assert r[key] > 0
         assert set(r["median_ms"]) >= {"copy", "enc", "dec", "kern_enc", "kern_dec", "enc_ref", "dec_ref"}
     assert data["results"][0]["rel_error_gaussian"] == 0.0  # fp32 is exact
+
+
+def test_exchange_memory_benchmark_reports_every_rank_of_both_rounds(tmp_path):
+    out = tmp_path / "mem.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "exchange_memory.py"), "--params", "2000000", "--world", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["rank"]) for r in rows] == [("all-gather", 0), ("all-gather", 1), ("to leader", 0),
+                                                      ("to leader", 1)]
+    assert all(r["rise_mib"] >= 0 and r["model_mib"] > 7 for r in rows)

@@ -1,0 +1,98 @@
+"""Peak memory of each rank of an island while a round's vectors move in and out of the leader.
+
+An island of ``--world`` gloo processes holds a synthetic model of ``--params`` fp32 values as
+FSDP2-style DTensors (``Shard(0)`` over the island). Each rank runs one round's data movement the
+way the strategy did until session 10 (``all-gather``: every rank builds the full pseudo-gradient
+with ``CanonicalLayout.gather``, then receives the full merged vector by broadcast) and the way it
+does now (``to leader``: ``gather_to_leader``, then ``scatter_from_leader``), each in a fresh
+process, and reports how far the process's peak resident memory (``VmHWM``) rose above its level
+before the round, in MiB and in full fp32 copies of the model. Linux only.
+
+    PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_islands.canonical import CanonicalLayout
+
+
+def _peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+
+
+def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        names = [f"w{i}" for i in range(8)]  # 8 matrices of 1024 columns
+        params = [distribute_tensor(torch.zeros(numel // 8 // 1024, 1024), mesh, [Shard(0)]) for _ in names]
+        layout = CanonicalLayout(list(zip(names, params)))
+        locals_ = [p.to_local() + 1.0 for p in params]  # the round's pseudo-gradient shards
+        cpu = torch.device("cpu")
+        dist.barrier()
+        _reset_peak()
+        base = _peak_rss()
+        if mode == "all-gather":
+            full = layout.gather(locals_, params)
+            merged = full * 0.5 if rank == 0 else torch.empty_like(full)
+            dist.broadcast(merged, src=0)
+            grads = [layout.shard_of(merged, i, p) for i, p in enumerate(params)]
+        else:
+            full = layout.gather_to_leader(locals_, params, cpu)
+            merged = full * 0.5 if full is not None else None
+            full = None  # as the strategy does once the leader has encoded it
+            grads = layout.scatter_from_leader(merged, params, cpu)
+        assert float(grads[0].reshape(-1)[0]) == 0.5 if grads[0].numel() else True
+        rise = _peak_rss() - base
+        Path(f"{out}.{rank}").write_text(json.dumps({"rise": rise, "model_bytes": 4 * layout.numel}))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=50_000_000, help="fp32 values in the model")
+    parser.add_argument("--world", type=int, default=2, help="processes in the island")
+    parser.add_argument("--out", default="results/exchange_memory.json")
+    args = parser.parse_args()
+    rows = []
+    for mode in ("all-gather", "to leader"):
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(args.world, args.params, mode, os.path.join(tmp, "store"),
+                                    os.path.join(tmp, "out")), nprocs=args.world)
+            for rank in range(args.world):
+                got = json.loads(Path(tmp, f"out.{rank}").read_text())
+                rows.append({"mode": mode, "rank": rank, "rise_mib": got["rise"] / 2**20,
+                             "copies": got["rise"] / got["model_bytes"], "model_mib": got["model_bytes"] / 2**20})
+    print(f"island of {args.world} gloo processes, model of {rows[0]['model_mib']:.0f} MiB fp32")
+    print(f"{'round':<12}{'rank':>5}{'peak rise MiB':>15}{'full copies':>13}")
+    for r in rows:
+        print(f"{r['mode']:<12}{r['rank']:>5}{r['rise_mib']:>15.0f}{r['copies']:>13.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"world": args.world, "params": args.params, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
