@@ -21,7 +21,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
-SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule"]
+SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x"]
 
 
 def recipe_names() -> list[str]:
@@ -83,6 +83,26 @@ def test_sync_schedules_spend_the_same_rounds_in_the_default_job():
                  for c in ("uniform", "warmup", "reverse")}
     assert schedules == {"uniform": [50] * 6, "warmup": [10, 20, 40, 80, 75, 75],
                          "reverse": [75, 75, 80, 40, 20, 10]}
+
+
+def test_every_budget_choice_sends_about_a_thousandth_of_synchronous_dp():
+    """Each choice of sweep_budget_1000x, on the model it trains: (steps x 2 sides x 4 N bytes of
+    synchronous DP) / (rounds x 2 payloads) within 1/1200 .. 1/900, with the payload measured."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lightning_islands.codecs import make_codec
+
+    choices = [p.stem for p in (RECIPES / "budget_1000x").glob("*.yaml")]
+    assert len(choices) == 6
+    n = sum(p.numel() for p in instantiate(_compose(["experiment=sweep_budget_1000x"]).model).parameters())
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    for choice in choices:
+        cfg = _compose(["experiment=sweep_budget_1000x", f"budget_1000x={choice}"])
+        assert cfg.trainer.max_steps == 1800 and cfg.islands.outer_momentum == 0.5
+        payload = make_codec(cfg.islands.codec).encode(x).numel()
+        ratio = (2 * 4 * n * cfg.islands.sync_every) / (2 * payload)
+        assert 900 <= ratio <= 1200, (choice, ratio)
 
 
 def test_sync_warmup_reaches_the_job_and_the_report_label(tmp_path):
