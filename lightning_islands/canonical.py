@@ -99,9 +99,10 @@ class CanonicalLayout:
     def gather_to_leader(self, locals_: Sequence[Tensor], params: Sequence[Tensor], device: torch.device,
                          out_device: torch.device | None = None) -> Tensor | None:
         """The full fp32 flat vector on the island's rank 0 (on ``out_device``, default ``device``),
-        ``None`` on the other ranks, which send only their shards (one ``gather`` of flat buffers on
-        ``device``, which the process group must support: the GPU for NCCL). A collective inside
-        the island: every rank must call it."""
+        ``None`` on the other ranks, which send only their shards: one flat buffer each, on
+        ``device`` (the GPU for NCCL), received by the leader one rank at a time into a reused buffer,
+        so the leader holds the vector and one rank's shards at most. A collective inside the
+        island: every rank must call it."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
             return self.gather(locals_, params).to(out_device or device)
@@ -109,8 +110,8 @@ class CanonicalLayout:
 
         rank = dist.get_rank()
         pieces = self._pieces(params, world, replicated_to_all=False)
-        width = max(sum(n for _, n in ps) for ps in pieces)
-        mine = torch.zeros(width, dtype=torch.float32, device=device)
+        sizes = [sum(n for _, n in ps) for ps in pieces]
+        mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         at = 0
         held = iter(pieces[rank])
         for e, local, p in zip(self.entries, locals_, params):
@@ -120,47 +121,52 @@ class CanonicalLayout:
                     raise RuntimeError(f"rank {rank} holds {local.numel()} values of {e.name}, the layout expects {n}")
                 mine[at : at + n].copy_(local.reshape(-1))
                 at += n
-        gathered: list | None = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
-        dist.gather(mine, gathered, dst=0)
-        if gathered is None:
+        if rank != 0:
+            dist.send(mine, dst=0)
             return None
         full = torch.empty(self.numel, dtype=torch.float32, device=out_device or device)
+        buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
         for r, ps in enumerate(pieces):
-            buf, gathered[r] = gathered[r], None  # each rank's buffer is freed once it is placed
+            src = mine
+            if r:
+                src = buf[: sizes[r]]
+                dist.recv(src, src=r)
             at = 0
             for offset, n in ps:
-                full[offset : offset + n].copy_(buf[at : at + n])
+                full[offset : offset + n].copy_(src[at : at + n])
                 at += n
-            del buf
         return full
 
     def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device) -> list[Tensor]:
         """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``) cut
         from the full flat vector ``flat`` that only the island's rank 0 holds (``None`` elsewhere).
-        Each rank receives only its own shards (one ``scatter``). A collective inside the island."""
+        The leader sends each rank only its own shards, one rank at a time from a reused buffer. A
+        collective inside the island: every rank must call it."""
         from torch.distributed.tensor import DTensor
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
             assert flat is not None
             return [self.shard_of(flat.to(device), i, p) for i, p in enumerate(params)]
+        rank = dist.get_rank()
         pieces = self._pieces(params, world, replicated_to_all=True)
-        width = max(sum(n for _, n in ps) for ps in pieces)
-        send = None
-        if dist.get_rank() == 0:
+        sizes = [sum(n for _, n in ps) for ps in pieces]
+        mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
+        if rank == 0:
             assert flat is not None
-            send = []
-            for ps in pieces:
-                buf = torch.zeros(width, dtype=torch.float32, device=device)
+            buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
+            for r in [*range(1, world), 0]:  # the leader's own part last, straight into ``mine``
+                dst = mine if r == 0 else buf[: sizes[r]]
                 at = 0
-                for offset, n in ps:
-                    buf[at : at + n].copy_(flat[offset : offset + n])
+                for offset, n in pieces[r]:
+                    dst[at : at + n].copy_(flat[offset : offset + n])
                     at += n
-                send.append(buf)
-        mine = torch.empty(width, dtype=torch.float32, device=device)
-        dist.scatter(mine, send, src=0)
+                if r:
+                    dist.send(dst, dst=r)
+        else:
+            dist.recv(mine, src=0)
         out, at = [], 0
-        for e, p, (_, n) in zip(self.entries, params, pieces[dist.get_rank()]):
+        for e, p, (_, n) in zip(self.entries, params, pieces[rank]):
             shape = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
             if torch.Size(shape).numel() != n:
                 raise RuntimeError(f"this rank holds {shape} of {e.name}, the layout gives it {n} values")
