@@ -173,7 +173,9 @@ class IslandLink:
         ``timeout``, at most 1 s) and keep waiting for this island instead of giving it up after
         ``timeout``. The thread has its own connection to the coordinator, and it stops when the body
         ends, also by an exception: a failed or hung island stops beating only if the body ends, so
-        ``max_wait`` is the bound for a body that hangs.
+        ``max_wait`` is the bound for a body that hangs. Leaving the block waits at most a few
+        seconds for the thread (a connection attempt still under way is left to end by itself: it
+        sends nothing once the block has ended).
         """
         period = min(1.0, self.timeout.total_seconds() / 4) if period is None else period
         stop = threading.Event()
@@ -184,8 +186,8 @@ class IslandLink:
                 count = 0
                 while not stop.wait(period):
                     count += 1
-                    beat = {**status, "beat": f"background {count}"}
-                    store.set(_status_key(self.run_id, self.island), json.dumps(beat))
+                    now = {**status, "beat": f"background {count}"}
+                    store.set(_status_key(self.run_id, self.island), json.dumps(now))
 
         thread = threading.Thread(target=beat, name=f"island{self.island}-heartbeat", daemon=True)
         thread.start()
@@ -193,7 +195,7 @@ class IslandLink:
             yield
         finally:
             stop.set()
-            thread.join()
+            thread.join(timeout=max(5.0, 2 * period))
 
     def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
         return {i: _get_if_set(self.store, _status_key(self.run_id, i)) for i in islands}
