@@ -96,6 +96,12 @@ class CanonicalLayout:
                 "1-D mesh (no tensor parallelism inside an island yet)"
             )
 
+    @staticmethod
+    def _transfer_device(device: torch.device) -> torch.device:
+        """Where the point-to-point buffers live: ``device``, except on the host for gloo, whose
+        send and recv take CPU tensors only (an island that trains on GPUs over gloo)."""
+        return torch.device("cpu") if dist.get_backend() == "gloo" else device
+
     def gather_to_leader(self, locals_: Sequence[Tensor], params: Sequence[Tensor], device: torch.device,
                          out_device: torch.device | None = None) -> Tensor | None:
         """The full fp32 flat vector on the island's rank 0 (on ``out_device``, default ``device``),
@@ -111,6 +117,7 @@ class CanonicalLayout:
         rank = dist.get_rank()
         pieces = self._pieces(params, world, replicated_to_all=False)
         sizes = [sum(n for _, n in ps) for ps in pieces]
+        out_device, device = out_device or device, self._transfer_device(device)
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         at = 0
         held = iter(pieces[rank])
@@ -122,15 +129,17 @@ class CanonicalLayout:
                 mine[at : at + n].copy_(local.reshape(-1))
                 at += n
         if rank != 0:
-            dist.send(mine, dst=0)
+            if sizes[rank]:  # every rank knows every size: nothing is sent for empty shards
+                dist.send(mine, dst=0)
             return None
-        full = torch.empty(self.numel, dtype=torch.float32, device=out_device or device)
+        full = torch.empty(self.numel, dtype=torch.float32, device=out_device)
         buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
         for r, ps in enumerate(pieces):
             src = mine
             if r:
                 src = buf[: sizes[r]]
-                dist.recv(src, src=r)
+                if sizes[r]:
+                    dist.recv(src, src=r)
             at = 0
             for offset, n in ps:
                 full[offset : offset + n].copy_(src[at : at + n])
@@ -138,7 +147,8 @@ class CanonicalLayout:
         return full
 
     def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-        """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``) cut
+        """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``; on the
+        host over gloo) cut
         from the full flat vector ``flat`` that only the island's rank 0 holds (``None`` elsewhere).
         The leader sends each rank only its own shards, one rank at a time from a reused buffer. A
         collective inside the island: every rank must call it."""
@@ -151,6 +161,7 @@ class CanonicalLayout:
         rank = dist.get_rank()
         pieces = self._pieces(params, world, replicated_to_all=True)
         sizes = [sum(n for _, n in ps) for ps in pieces]
+        device = self._transfer_device(device)
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         if rank == 0:
             assert flat is not None
@@ -161,9 +172,9 @@ class CanonicalLayout:
                 for offset, n in pieces[r]:
                     dst[at : at + n].copy_(flat[offset : offset + n])
                     at += n
-                if r:
+                if r and sizes[r]:
                     dist.send(dst, dst=r)
-        else:
+        elif sizes[rank]:
             dist.recv(mine, src=0)
         out, at = [], 0
         for e, p, (_, n) in zip(self.entries, params, pieces[rank]):

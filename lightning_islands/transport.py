@@ -181,12 +181,15 @@ class IslandLink:
         stop = threading.Event()
 
         def beat() -> None:
-            with suppress(Exception):  # best effort: without beats the island only looks silent
+            try:  # best effort: without beats the island only looks silent
                 store = dist.TCPStore(*self._address, is_master=False, timeout=self.timeout)
-                count = 0
-                while not stop.wait(period):
-                    count += 1
-                    now = {**status, "beat": f"background {count}"}
+            except Exception:  # noqa: BLE001
+                return
+            count = 0
+            while not stop.wait(period):
+                count += 1
+                now = {**status, "beat": f"background {count}"}
+                with suppress(Exception):  # one failed beat does not end the others
                     store.set(_status_key(self.run_id, self.island), json.dumps(now))
 
         thread = threading.Thread(target=beat, name=f"island{self.island}-heartbeat", daemon=True)

@@ -34,7 +34,14 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         shards = layout.scatter_from_leader(flat, params, cpu)
         expected = torch.arange(layout.numel, dtype=torch.float32)
         mine = [layout.shard_of(expected, i, p) for i, p in enumerate(params)]
+        # ranks 1 and 2 hold nothing of this one-row parameter: no message is sent to or from them
+        gate = params[list(SHAPES).index("gate")]
+        small = CanonicalLayout([("gate", gate)])
+        small_full = small.gather_to_leader([gate.to_local()], [gate], cpu)
+        small_shards = small.scatter_from_leader(torch.ones(6) if rank == 0 else None, [gate], cpu)
         result = {
+            "small_full": small_full,
+            "small_shard": small_shards[0],
             "full": full,
             "shapes": [tuple(s.shape) for s in shards],
             "local_shapes": [tuple(p.to_local().shape) for p in params],
@@ -60,3 +67,7 @@ def test_only_the_leader_gathers_the_full_vector_and_each_rank_gets_its_own_shar
     for r in results:
         assert r["shapes"] == r["local_shapes"]
         assert r["scatter_ok"]
+    assert torch.equal(results[0]["small_full"], _full("gate").reshape(-1))
+    assert results[1]["small_full"] is None and results[2]["small_full"] is None
+    assert torch.equal(results[0]["small_shard"], torch.ones(1, 6))
+    assert [tuple(r["small_shard"].shape) for r in results[1:]] == [(0, 6), (0, 6)]
