@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_islands import crc32
-from lightning_islands.triton_kernels import _on_device
+from lightning_islands.triton_kernels import _on_device, compile_ptx
 
 __all__ = ["BYTE_GROUP", "RAW_GROUP", "raw_crc"]
 
@@ -64,13 +64,9 @@ def ptx(arch: int, bits: int, group: int, rows: int = _ROWS) -> str:
     """Compile one level of :func:`_fold` (``bits`` 8: bytes, 32: raw CRCs) for an NVIDIA GPU of
     compute capability ``arch`` without needing one, with 64-bit lengths (a body of 2 GiB or more);
     returns the PTX. The tests read its address arithmetic."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     signature = {"src_ptr": "*u8" if bits == 8 else "*i32", "tab_ptr": "*i32", "out_ptr": "*i32", "n": "i64",
                  "pad": "i32", "ngroups": "i64", "BITS": "constexpr", "GROUP": "constexpr", "ROWS": "constexpr"}
-    source = ASTSource(fn=_fold, signature=signature, constexprs={"BITS": bits, "GROUP": group, "ROWS": rows})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return compile_ptx(_fold, signature, {"BITS": bits, "GROUP": group, "ROWS": rows}, arch)
 
 
 @functools.cache

@@ -33,13 +33,15 @@ import functools
 import math
 import os
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "ptx", "scale_tiling"]
+__all__ = ["compile_ptx", "decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "ptx",
+           "scale_tiling"]
 
 # Globals used inside kernels must be constexpr (compiled Triton refuses other globals).
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -215,9 +217,16 @@ def ptx(kernel: str, arch: int, **constexprs: int | bool) -> str:
     """Compile one kernel for an NVIDIA GPU of compute capability ``arch`` (80 Ampere, 90 Hopper,
     100 Blackwell) without needing one, with the launch options the codecs use; returns the PTX.
     The tests read it to check that no rounding step was contracted or approximated."""
+    signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
+    return compile_ptx(getattr(kernels(), kernel), signature, constexprs, arch, _OPTIONS)
+
+
+def compile_ptx(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
+                options: dict[str, Any] | None = None) -> str:
+    """PTX of the Triton function ``fn`` for compute capability ``arch``, compiled without a GPU
+    (Triton ships its own LLVM and ptxas); ``signature`` types every argument, constexprs included."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
-    source = ASTSource(fn=getattr(kernels(), kernel), signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=_OPTIONS).asm["ptx"]
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options or {}).asm["ptx"]
