@@ -37,6 +37,18 @@ def test_waiting_island_learns_of_a_failed_island_and_of_missing_ones():
         a.gather_objects("round1", {"x": 1})
 
 
+def _wait_for(a: IslandLink, other_island) -> float:
+    """Island 0 (``a``) gathers 'round0' while ``other_island`` runs in a thread and gathers it too;
+    returns how long island 0 waited."""
+    t = threading.Thread(target=other_island)
+    t.start()
+    started = time.monotonic()
+    assert a.gather_objects("round0", {"island": 0}) == [{"island": 0}, {"island": 1}]
+    waited = time.monotonic() - started
+    t.join(timeout=30)
+    return waited
+
+
 def test_a_slow_island_that_keeps_beating_is_waited_for_past_the_timeout():
     coord = Coordinator()
     a = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1.5))
@@ -50,12 +62,7 @@ def test_a_slow_island_that_keeps_beating_is_waited_for_past_the_timeout():
         b.gather_objects("round0", {"island": 1})
         done.set()
 
-    t = threading.Thread(target=slow_island)
-    t.start()
-    started = time.monotonic()
-    assert a.gather_objects("round0", {"island": 0}) == [{"island": 0}, {"island": 1}]
-    assert time.monotonic() - started > 3.0, "the wait must have outlived the 1.5 s timeout"
-    t.join(timeout=30)
+    assert _wait_for(a, slow_island) > 3.0, "the wait must have outlived the 1.5 s timeout"
     assert done.is_set()
     # an island that stops beating is given up after the timeout, with the cause
     b.heartbeat(99)
@@ -75,12 +82,7 @@ def test_a_long_task_in_a_beating_block_counts_as_progress_and_the_beats_stop_af
             time.sleep(3.5)
         b.gather_objects("round0", {"island": 1})
 
-    t = threading.Thread(target=writing_island)
-    t.start()
-    started = time.monotonic()
-    assert a.gather_objects("round0", {"island": 0}) == [{"island": 0}, {"island": 1}]
-    assert time.monotonic() - started > 3.0, "the wait must have outlived the 1 s timeout"
-    t.join(timeout=30)
+    assert _wait_for(a, writing_island) > 3.0, "the wait must have outlived the 1 s timeout"
     assert coord.status(2, "r")[1]["phase"] == "saving checkpoint"
     assert not [th for th in threading.enumerate() if th.name.startswith("island1-heartbeat")]
     # a body that raises stops the beats too: the island is then silent and given up after the timeout
