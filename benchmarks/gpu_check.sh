@@ -8,7 +8,8 @@
 # Every step has its own time limit and all share a deadline (BUDGET_S, default 540 s), so a step
 # that hangs still leaves the others' logs in $OUT. WHEELS=folder installs wheels from that folder
 # first (no index), and the package with them (for a machine that cannot reach a registry).
-# PYTHON picks the interpreter (default python3).
+# PYTHON picks the interpreter (default python3). QUALITY_STEPS=N (default 0: skipped) adds the
+# quality benchmark's GPU setting (`benchmarks/quality.py --gpu`) at N steps, limited to QUALITY_LIMIT_S.
 # docs/BENCHMARKS.md "Session 9" has what it printed on an H200.
 OUT=${OUT:-results/gpu_check}
 PY=${PYTHON:-python3}
@@ -49,6 +50,12 @@ step train_gpu 120 "$PY" -m lightning_islands.cli train trainer=gpu model=moe_gp
   islands.sync_every=20 islands.codec=int4 trainer.val_check_interval=60 trainer.limit_val_batches=4 \
   trainer.log_every_n_steps=10 hydra.run.dir=/tmp/train_gpu
 cat /tmp/train_gpu/summary.json >> "$OUT/train_gpu.log" 2>/dev/null
+# opt-in (QUALITY_STEPS=1800): the quality benchmark's GPU setting, four runs sharing the GPU
+if [ "${QUALITY_STEPS:-0}" -gt 0 ]; then
+  step quality_gpu "${QUALITY_LIMIT_S:-420}" "$PY" benchmarks/quality.py --gpu --steps "$QUALITY_STEPS" --H 24 \
+    --codecs topk:0.1+int2,fp32 --parallel 4 --out "$OUT/quality"
+fi
 echo "=== total $(( $(date +%s) - START ))s" >> "$LOG"
 cat "$LOG"; tail -n 15 "$OUT"/test_codecs.log; tail -n 30 "$OUT"/test_gpu_islands.log; tail -n 16 "$OUT"/bench_cuda.log
 grep -E "outer_step|step_seconds|val loss|exchang" "$OUT"/train_gpu.log | head -30
+[ -f "$OUT"/quality_gpu.log ] && tail -n 20 "$OUT"/quality_gpu.log

@@ -5,6 +5,7 @@ Usage (from the repository root, with the package installed)::
     python benchmarks/quality.py --quick --parallel 2          # the default setting, ~20-30 min on 2 cores
     python benchmarks/quality.py --H 25,50,100 --codecs fp32,int4,int2
     python benchmarks/quality.py --large                       # hours on 2 cores: for a bigger machine
+    python benchmarks/quality.py --gpu --H 24 --codecs topk:0.1+int2,fp32 --parallel 4   # one GPU
     python benchmarks/quality.py --extra model=dense_cpu --extra seed=7
     python benchmarks/quality.py --seeds 1234,2 --H 10      # every run once per seed, plus mean/spread
 
@@ -19,6 +20,12 @@ corpus (the standard library's source), with the shared settings of the recipe `
 - ``alone_island0`` (``strategy=fsdp strategy.devices=2 data.batch_size=8``) and ``alone_island1``
   (``strategy=single data.batch_size=16``): each island training by itself for the same number of
   steps (so half the tokens): what an island gets without the others.
+
+``--gpu`` (recipe ``quality_gpu``) is the same comparison at ten times the active parameters on one
+GPU. A GPU takes one NCCL rank, so every run is one process per island: ``centralized`` is
+``strategy=single data.batch_size=32``, the islands are 1 x 16 and 1 x 16, and one
+``alone_island`` run (``strategy=single data.batch_size=16``) stands for both equal islands;
+``--parallel`` runs share the GPU.
 
 Per run, the table reports:
 
@@ -74,10 +81,30 @@ from lightning_islands.report import (
     write_csv,
 )
 
-# setting -> (recipe, steps, centralized per-rank batch, island 0 per-rank batch, island 1 batch)
+
+@dataclass(frozen=True)
+class Setting:
+    """The shared recipe of a setting, its default length, and the overrides of its baseline runs."""
+
+    recipe: str
+    steps: int
+    centralized: list[str]  # as many windows per step as the islands together
+    alone: dict[str, list[str]]  # each distinct island by itself, at its own batch
+
+
+def _cpu_setting(recipe: str, steps: int, b0: int, b1: int) -> Setting:
+    """Island 0: 2 processes x ``b0``, island 1: 1 process x ``b1`` (= 2 x ``b0``), on CPU cores."""
+    return Setting(recipe, steps, ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={b1}"],
+                   {"alone_island0": ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={b0}"],
+                    "alone_island1": ["strategy=single", f"data.batch_size={b1}"]})
+
+
 SETTINGS = {
-    "quick": ("quality_quick", 300, 16, 8, 16),
-    "large": ("quality_large", 1200, 32, 16, 32),
+    "quick": _cpu_setting("quality_quick", 300, 8, 16),
+    "large": _cpu_setting("quality_large", 1200, 16, 32),
+    # one GPU: every run is one process (a GPU takes one NCCL rank), the two islands are equal
+    "gpu": Setting("quality_gpu", 1800, ["strategy=single", "data.batch_size=32"],
+                   {"alone_island": ["strategy=single", "data.batch_size=16"]}),
 }
 
 
@@ -99,8 +126,8 @@ class Job:
 def plan(setting: str, steps: int, hs: list[int], codecs: list[str], extra: list[str],
          seeds: list[int] | None = None) -> list[Job]:
     """The runs of one benchmark: every configuration once per seed (``None``: the config's seed)."""
-    recipe, _, central_b, b0, b1 = SETTINGS[setting]
-    common = [f"experiment={recipe}", f"trainer.max_steps={steps}",
+    cfg = SETTINGS[setting]
+    common = [f"experiment={cfg.recipe}", f"trainer.max_steps={steps}",
               f"trainer.val_check_interval={max(1, steps // 6)}", f"trainer.checkpoint_every_n_steps={steps}"]
     jobs = []
     for seed in seeds or [None]:
@@ -109,10 +136,8 @@ def plan(setting: str, steps: int, hs: list[int], codecs: list[str], extra: list
             for codec in codecs:
                 overrides = ["strategy=islands", f"islands.sync_every={h}", f"islands.codec={codec}"]
                 configs.append(Job(f"islands_H{h}_{codec}", "islands", overrides, H=h, codec=codec))
-        central = ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={central_b}"]
-        configs.append(Job("centralized", "centralized", central))
-        configs.append(Job("alone_island0", "alone", ["strategy=fsdp", "strategy.devices=2", f"data.batch_size={b0}"]))
-        configs.append(Job("alone_island1", "alone", ["strategy=single", f"data.batch_size={b1}"]))
+        configs.append(Job("centralized", "centralized", list(cfg.centralized)))
+        configs.extend(Job(name, "alone", list(overrides)) for name, overrides in cfg.alone.items())
         for job in configs:
             job.seed, job.config = seed, job.name
             if seeds:
@@ -230,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--large", action="store_true",
                       help="global batch 64 windows (every batch doubled) and 1200 steps: the regime closer to "
                            "where published parity lives; hours on 2 CPU cores")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 300, large 1200)")
+    size.add_argument("--gpu", action="store_true",
+                      help="one GPU: the 32M-parameter MoE (10.7M active, bf16), two equal one-process islands "
+                           "(16 + 16 windows of 256 bytes), 1800 steps; runs share the GPU with --parallel")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (default 300, large 1200, gpu 1800)")
     parser.add_argument("--H", default="25,50", help="comma-separated sync intervals (default 25,50)")
     parser.add_argument("--codecs", default="fp32,int4", help="comma-separated codecs (default fp32,int4)")
     parser.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
@@ -245,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
 
-    setting = "large" if args.large else "quick"
-    steps = args.steps or SETTINGS[setting][1]
+    setting = "large" if args.large else "gpu" if args.gpu else "quick"
+    steps = args.steps or SETTINGS[setting].steps
     hs = [int(h) for h in args.H.split(",") if h]
     codecs = [c for c in args.codecs.split(",") if c]
     seeds = [int(v) for v in args.seeds.split(",") if v] if args.seeds else None

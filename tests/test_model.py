@@ -246,12 +246,25 @@ def test_presets():
             sizes[name] = count_parameters(MoETransformer(MoEConfig(**kwargs)))
     assert 1e6 < sizes["cpu"]["total"] < 4e6
     assert 1e8 < sizes["gpu"]["total"] < 2e8
+    assert 3e7 < sizes["gpu_small"]["total"] < 3.5e7 and 1e7 < sizes["gpu_small"]["active"] < 1.1e7
     assert 0.95e9 < sizes["1b"]["total"] < 1.1e9
     for size in sizes.values():
         assert size["active"] < size["total"]
     model = MoETransformer(MoEConfig(**PRESETS["cpu"]))
     logits, _ = model(tokens(1, 16))
     assert logits.shape == (1, 16, 256)
+
+
+@pytest.mark.parametrize("preset", ["gpu_small", "gpu", "1b"])
+def test_model_configs_build_their_presets(preset):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_islands.train import config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"model=moe_{preset}"])
+    built = {key: cfg.model[key] for key in PRESETS[preset]}
+    assert built == PRESETS[preset]
 
 
 def test_invalid_configs():

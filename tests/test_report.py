@@ -234,6 +234,20 @@ def test_quality_benchmark_compares_at_equal_tokens_per_step():
     assert "data.batch_size=32" in large["centralized"].overrides
 
 
+def test_quality_benchmark_gpu_setting_fits_one_gpu_at_equal_tokens_per_step():
+    bench = _bench()
+    jobs = {j.name: j for j in bench.plan("gpu", 1800, [24], ["topk:0.1+int2"], [])}
+    assert set(jobs) == {"centralized", "alone_island", "islands_H24_topk:0.1+int2"}
+    cfgs = {name: _compose([o for o in job.overrides if not o.startswith("hydra.")]) for name, job in jobs.items()}
+    for cfg in cfgs.values():
+        assert cfg.trainer.accelerator == "gpu" and cfg.trainer.max_steps == 1800
+        assert cfg.model.d_model == 384 and cfg.data.seq_len == 256
+    islands = cfgs["islands_H24_topk:0.1+int2"].islands.members
+    assert [(m.devices, m.batch_size) for m in islands] == [(1, 16), (1, 16)]  # one NCCL rank per GPU process
+    assert cfgs["centralized"].strategy.name == "single" and cfgs["centralized"].data.batch_size == 32
+    assert cfgs["alone_island"].strategy.name == "single" and cfgs["alone_island"].data.batch_size == 16
+
+
 def test_quality_benchmark_scores():
     bench = _bench()
     jobs = bench.plan("quick", 100, [25], ["fp32"], [])

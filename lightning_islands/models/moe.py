@@ -10,7 +10,7 @@ Layout (read top to bottom):
     Block                pre-norm residual block: attention, then SwiGLU or MoE
     MoETransformer       embedding -> blocks (an nn.ModuleList) -> norm -> LM head
     count_parameters     total and per-token active parameter counts
-    PRESETS              named sizes ("cpu", "gpu", "1b")
+    PRESETS              named sizes ("cpu", "gpu_small", "gpu", "1b")
     MoELanguageModel     the LightningModule: losses, logging, optimizer, expert token counts
 
 The transformer itself is plain PyTorch; only ``MoELanguageModel`` depends on Lightning.
@@ -351,6 +351,9 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 PRESETS: dict[str, dict[str, Any]] = {
     # total 3,445,888 / active 1,086,592: a few minutes of useful training on 2 CPU cores.
     "cpu": dict(seq_len=128, d_model=128, n_layers=4, n_heads=4, n_experts=8, top_k=2, d_ff=256),
+    # total 31,972,224 / active 10,738,560: ten times the CPU preset's active parameters, for the
+    # quality benchmark's GPU setting (several short runs share one GPU).
+    "gpu_small": dict(seq_len=256, d_model=384, n_layers=6, n_heads=6, n_experts=8, top_k=2, d_ff=512),
     # total 148,998,912 / active 49,908,480: one GPU.
     "gpu": dict(
         seq_len=1024,
