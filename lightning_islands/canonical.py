@@ -97,6 +97,24 @@ class CanonicalLayout:
             )
 
     @staticmethod
+    def _agree(problem: str | None, device: torch.device) -> None:
+        """Raise on every rank of the island if any rank found ``problem`` (None: this rank's shards
+        fit the layout). Called before the point-to-point transfers: a rank that raised alone would
+        leave the others waiting in send/recv until the process group timed out."""
+        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        found = "; ".join(f"rank {r}: {text}" for r, text in enumerate(problems) if text)
+        raise RuntimeError(
+            f"the island's shards do not follow the canonical layout ({found}). Islands expect FSDP2's "
+            "Shard(0) split of every parameter (torch.chunk along dim 0 over the island's ranks); "
+            "shard the module with fully_shard's default placement"
+        )
+
+    @staticmethod
     def _transfer_device(device: torch.device) -> torch.device:
         """Where the point-to-point buffers live: ``device``, except on the host for gloo, whose
         send and recv take CPU tensors only (an island that trains on GPUs over gloo)."""
@@ -118,16 +136,16 @@ class CanonicalLayout:
         pieces = self._pieces(params, world, replicated_to_all=False)
         sizes = [sum(n for _, n in ps) for ps in pieces]
         out_device, device = out_device or device, self._transfer_device(device)
+        held = iter(pieces[rank])
+        sent = [(e, local, next(held)[1]) for e, local, p in zip(self.entries, locals_, params)
+                if isinstance(p, DTensor) or rank == 0]
+        self._agree(next((f"holds {local.numel()} values of {e.name}, the layout expects {n}"
+                          for e, local, n in sent if local.numel() != n), None), device)
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         at = 0
-        held = iter(pieces[rank])
-        for e, local, p in zip(self.entries, locals_, params):
-            if isinstance(p, DTensor) or rank == 0:
-                _, n = next(held)
-                if local.numel() != n:
-                    raise RuntimeError(f"rank {rank} holds {local.numel()} values of {e.name}, the layout expects {n}")
-                mine[at : at + n].copy_(local.reshape(-1))
-                at += n
+        for _, local, n in sent:
+            mine[at : at + n].copy_(local.reshape(-1))
+            at += n
         if rank != 0:
             if sizes[rank]:  # every rank knows every size: nothing is sent for empty shards
                 dist.send(mine, dst=0)
@@ -162,6 +180,10 @@ class CanonicalLayout:
         pieces = self._pieces(params, world, replicated_to_all=True)
         sizes = [sum(n for _, n in ps) for ps in pieces]
         device = self._transfer_device(device)
+        shapes = [tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape) for p in params]
+        self._agree(next((f"holds {shape} of {e.name}, the layout gives it {n} values"
+                          for e, shape, (_, n) in zip(self.entries, shapes, pieces[rank])
+                          if torch.Size(shape).numel() != n), None), device)
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         if rank == 0:
             assert flat is not None
@@ -177,10 +199,7 @@ class CanonicalLayout:
         elif sizes[rank]:
             dist.recv(mine, src=0)
         out, at = [], 0
-        for e, p, (_, n) in zip(self.entries, params, pieces[rank]):
-            shape = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
-            if torch.Size(shape).numel() != n:
-                raise RuntimeError(f"this rank holds {shape} of {e.name}, the layout gives it {n} values")
+        for shape, (_, n) in zip(shapes, pieces[rank]):
             out.append(mine[at : at + n].view(shape))
             at += n
         return out

@@ -71,3 +71,52 @@ def test_only_the_leader_gathers_the_full_vector_and_each_rank_gets_its_own_shar
     assert results[1]["small_full"] is None and results[2]["small_full"] is None
     assert torch.equal(results[0]["small_shard"], torch.ones(1, 6))
     assert [tuple(r["small_shard"].shape) for r in results[1:]] == [(0, 6), (0, 6)]
+
+
+def _mismatch_worker(rank: int, store_path: str, out_path: str) -> None:
+    """Rank 2's shards do not follow FSDP2's split: every rank must raise, none may wait in send/recv."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        params = [distribute_tensor(_full(n), mesh, [Shard(0)]) for n in SHAPES]
+        layout = CanonicalLayout(list(zip(SHAPES, params)))
+        cpu = torch.device("cpu")
+        locals_ = [p.to_local() for p in params]
+        if rank == 2:
+            locals_[0] = locals_[0][:0]  # holds none of embed's row where the split gives it one
+        errors = []
+        try:
+            layout.gather_to_leader(locals_, params, cpu)
+        except RuntimeError as e:
+            errors.append(str(e))
+        # a parameter whose local shard is not the one the layout cuts for this rank
+        embed = _full("embed")
+        rows = {0: embed[:2], 1: embed[2:5], 2: embed[5:]}  # 2, 3, 2 rows, where torch.chunk gives 3, 3, 1
+        odd = DTensor.from_local(rows[rank], mesh, [Shard(0)], run_check=False, shape=embed.shape,
+                                 stride=embed.stride())
+        odd_layout = CanonicalLayout([("embed", odd)])
+        try:
+            odd_layout.scatter_from_leader(torch.zeros(embed.numel()) if rank == 0 else None, [odd], cpu)
+        except RuntimeError as e:
+            errors.append(str(e))
+        torch.save(errors, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_shards_do_not_fit_the_layout_stops_every_rank_with_its_reason(tmp_path):
+    mp.spawn(_mismatch_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=WORLD)
+    errors = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(WORLD)]
+    for per_rank in errors:
+        assert len(per_rank) == 2
+        gather, scatter = per_rank
+        assert "rank 2: holds 0 values of embed, the layout expects 3" in gather
+        assert "rank 0: holds (2, 3) of embed, the layout gives it 9 values" in scatter
+        assert "rank 2: holds (2, 3) of embed, the layout gives it 3 values" in scatter
+        assert "fully_shard" in gather and "fully_shard" in scatter
