@@ -66,6 +66,10 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str) 
         assert float(grads[0].reshape(-1)[0]) == 0.5 if grads[0].numel() else True
         rise = _peak_rss() - base
         Path(f"{out}.{rank}").write_text(json.dumps({"rise": rise, "model_bytes": 4 * layout.numel}))
+        # no rank tears the group down while another may still be in a collective: without this
+        # barrier, about one run in ten aborted a rank ("terminate called without an active
+        # exception") after the all-gather round
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
