@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,15 +22,25 @@ def _full(name: str) -> torch.Tensor:
     return torch.randn(SHAPES[name], generator=g)
 
 
-def _worker(rank: int, store_path: str, out_path: str) -> None:
+@contextlib.contextmanager
+def _island(rank: int, store_path: str) -> Iterator[tuple]:
+    """This rank of a 3-process gloo island (a hang fails after 30 s): ``(mesh, the SHAPES parameters
+    sharded as FSDP2 shards them, their layout)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
         params = [distribute_tensor(_full(n), mesh, [Shard(0)]) for n in SHAPES]
-        layout = CanonicalLayout(list(zip(SHAPES, params)))
+        yield mesh, params, CanonicalLayout(list(zip(SHAPES, params)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, store_path: str, out_path: str) -> None:
+    with _island(rank, store_path) as (_, params, layout):
         cpu = torch.device("cpu")
         full = layout.gather_to_leader([p.to_local() for p in params], params, cpu)
         # the leader cuts a different vector back into every rank's shards
@@ -48,8 +62,6 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
             "scatter_ok": all(torch.equal(s, m) for s, m in zip(shards, mine)),
         }
         torch.save(result, f"{out_path}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_only_the_leader_gathers_the_full_vector_and_each_rank_gets_its_own_shards(tmp_path):
@@ -75,17 +87,9 @@ def test_only_the_leader_gathers_the_full_vector_and_each_rank_gets_its_own_shar
 
 def _mismatch_worker(rank: int, store_path: str, out_path: str) -> None:
     """Rank 2's shards do not follow FSDP2's split: every rank must raise, none may wait in send/recv."""
-    import datetime
+    from torch.distributed.tensor import DTensor, Shard
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        params = [distribute_tensor(_full(n), mesh, [Shard(0)]) for n in SHAPES]
-        layout = CanonicalLayout(list(zip(SHAPES, params)))
+    with _island(rank, store_path) as (mesh, params, layout):
         cpu = torch.device("cpu")
         locals_ = [p.to_local() for p in params]
         if rank == 2:
@@ -106,8 +110,6 @@ def _mismatch_worker(rank: int, store_path: str, out_path: str) -> None:
         except RuntimeError as e:
             errors.append(str(e))
         torch.save(errors, f"{out_path}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_rank_whose_shards_do_not_fit_the_layout_stops_every_rank_with_its_reason(tmp_path):
