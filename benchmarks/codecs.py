@@ -45,6 +45,7 @@ import torch
 
 from lightning_islands import codecs as C
 from lightning_islands import native
+from lightning_islands.codecs import blockwise, checksum
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
 
@@ -119,7 +120,7 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "dec_alloc": lambda: codec.decode(payload),
         "kern_enc": lambda: codec._encode_body(x, kbody),
         "kern_dec": lambda: codec._decode_body(body, n, k, dbuf),
-        "crc": lambda: C._crc32(b"", body),
+        "crc": lambda: checksum.crc32_of(b"", body),
         "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf)),
         "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf)),
     }
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
         f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
         f"scrub={args.scrub_mib} MiB "
-        f"fused_cpu_kernels={native.available()} crc32={'zlib-ng' if C._zlib_fast is not None else 'zlib'} "
+        f"fused_cpu_kernels={native.available()} crc32={checksum.IMPLEMENTATION} "
         f"triton={_triton_version()}"
     )
 
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if device.type == "cuda":
-        trusted = {name: ok for (dev, name), ok in C._TRITON_TRUSTED.items() if dev == str(x.device)}
+        trusted = {name: ok for (dev, name), ok in blockwise.TRITON_TRUSTED.items() if dev == str(x.device)}
         print(f"Triton kernels that passed their first-use check on {x.device}: {trusted or 'none ran'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -232,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "format_version": C.FORMAT_VERSION,
         "fused_cpu_kernels": native.available(),
-        "crc32": "zlib-ng" if C._zlib_fast is not None else "zlib",
+        "crc32": checksum.IMPLEMENTATION,
         "triton": _triton_version(),
-        "triton_trusted": {f"{dev} {name}": ok for (dev, name), ok in C._TRITON_TRUSTED.items()},
+        "triton_trusted": {f"{dev} {name}": ok for (dev, name), ok in blockwise.TRITON_TRUSTED.items()},
         "timing": "median seconds over repeats; GB/s = 4*numel bytes / time; ratios: median over rounds "
                   "of the same round's copy_ time / round-trip time",
     }

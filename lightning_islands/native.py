@@ -1,6 +1,6 @@
 """Fused CPU codec kernels: a small C library compiled on first use and called through ctypes.
 
-The reference implementation of every codec is plain torch (``codecs.py``); on CPU the hot loops
+The reference implementation of every codec is plain torch (the ``lightning_islands.codecs`` package); on CPU the hot loops
 of the blockwise codecs, bf16 and fp32 run instead in ``csrc/liq_kernels.c``, which reads the
 input once and writes the output once (torch needs about six passes over memory for the same
 work). Both produce the same bytes: the kernels are IEEE single-precision operations with

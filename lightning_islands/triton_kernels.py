@@ -90,7 +90,7 @@ def _group_layout(count, BITS: tl.constexpr, GROUP: tl.constexpr):  # noqa: ANN0
 def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
                   BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
                   GROUP: tl.constexpr):
-    """One packing group: quantize with the block multipliers and pack group-planar (codecs.py)."""
+    """One packing group: quantize with the block multipliers and pack group-planar (codecs/wire.py)."""
     PER: tl.constexpr = GROUP // (8 // BITS)
     g, i, width, pos, valid = _group_layout(count, BITS, GROUP)
     x = tl.load(x_ptr + pos, mask=valid, other=0.0)
@@ -172,7 +172,7 @@ def scale_tiling(block: int) -> tuple[int, int]:
 
 
 def offset(bits: int) -> int:
-    """The offset-binary bias of packed codes (``codecs.py``): 8 for int4, 1 for int2, else 0."""
+    """The offset-binary bias of packed codes (``codecs/wire.py``): 8 for int4, 1 for int2, else 0."""
     return {4: 8, 2: 1}.get(bits, 0)
 
 

@@ -26,11 +26,17 @@ from lightning_islands import codecs as C
 from lightning_islands import crc32, native
 from lightning_islands.codecs import (
     ErrorFeedback,
+    blockwise,
+    checksum,
     compression_ratio,
     crc32_combine,
     default_error_feedback,
+    elias_fano,
     make_codec,
+    paths,
     quantization_error,
+    selection,
+    wire,
 )
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
@@ -320,8 +326,8 @@ def test_sign_decode_flips_the_sign_bit_of_any_scale(path):
     body = payload[C.HEADER_BYTES :]
     odd = torch.tensor([-1.5, float("nan"), float("-inf"), -0.0]).view(torch.int32)
     body[:16].view(torch.int32).copy_(odd)
-    crc = zlib.crc32(bytes(body.numpy()), zlib.crc32(bytes(payload[: C._CRC_OFFSET].numpy())))
-    payload[C._CRC_OFFSET : C.HEADER_BYTES] = torch.tensor(list(struct.pack("<I", crc)), dtype=torch.uint8)
+    crc = zlib.crc32(bytes(body.numpy()), zlib.crc32(bytes(payload[: wire.CRC_OFFSET].numpy())))
+    payload[wire.CRC_OFFSET : C.HEADER_BYTES] = torch.tensor(list(struct.pack("<I", crc)), dtype=torch.uint8)
     got = codec.decode(payload).view(torch.int32)
     negative = (torch.signbit(x).to(torch.int32) << 31).view(4, 8)
     expected = (odd.unsqueeze(1) ^ negative).reshape(-1)
@@ -344,7 +350,7 @@ def test_topk_roundtrip_bounds(spec, x, path):
     assert k == min(n, math.ceil(n * codec.fraction))
     # the carried indices, straight from the Elias-Fano block
     body = payload[C.HEADER_BYTES :]
-    idx = C._ef_decode(body[codec.inner._values_nbytes(k) :], n, k)
+    idx = elias_fano.ef_decode(body[codec.inner._values_nbytes(k) :], n, k)
     assert idx.numel() == k
     mask = torch.zeros(n, dtype=torch.bool)
     mask[idx] = True
@@ -392,14 +398,14 @@ def test_fused_topk_falls_back_when_the_sampled_band_misses(monkeypatch, guess):
     fake = {"band_too_high": (0x7F000000, 0x7F7FFFFF, 10), "band_too_low": (0, 1, 10),
             "too_few_slots": None, "none": None}
     if guess in ("band_too_high", "band_too_low", "none"):
-        monkeypatch.setattr(C, "_sampled_band", lambda x, k, _v=fake[guess]: _v)
+        monkeypatch.setattr(selection, "_sampled_band", lambda x, k, _v=fake[guess]: _v)
     elif guess == "too_few_slots":
-        real = C._sampled_band
-        monkeypatch.setattr(C, "_sampled_band", lambda x, k: (*real(x, k)[:2], 1))
+        real = selection._sampled_band
+        monkeypatch.setattr(selection, "_sampled_band", lambda x, k: (*real(x, k)[:2], 1))
     for fraction in ["0.001", "0.01", "0.3"]:
         codec = make_codec(f"topk:{fraction}")
         k = codec._count(n)
-        idx, vals = C._native_topk(native.library(), x, k)
+        idx, vals = selection.native_topk(native.library(), x, k)
         ref = reference_topk(x, k)
         assert torch.equal(idx, ref), fraction
         assert torch.equal(vals, x[ref])
@@ -424,7 +430,7 @@ def test_topk_sampled_threshold_selects_an_exact_topk_set(kind, fraction):
     x = make_vector(n, 17, 0.0, kind)
     codec = make_codec(f"topk:{fraction}")
     k = codec._count(n)
-    idx = C._topk_indices(C._magnitude_bits(x), k)
+    idx = selection.topk_indices(selection.magnitude_bits(x), k)
     assert idx.numel() == k and torch.unique(idx).numel() == k
     mask = torch.zeros(n, dtype=torch.bool)
     mask[idx] = True
@@ -445,10 +451,10 @@ def test_topk_k_rounding_and_small_n():
 def test_elias_fano_roundtrip(n, k, path):
     g = torch.Generator().manual_seed(n * 31 + k)
     idx = torch.randperm(n, generator=g)[:k].sort().values
-    low, low_bytes, high_bytes = C._ef_layout(n, k)
+    low, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
     buf = torch.zeros(low_bytes + high_bytes, dtype=torch.uint8)
-    C._ef_encode(idx, n, buf)
-    assert torch.equal(C._ef_decode(buf, n, k), idx)
+    elias_fano.ef_encode(idx, n, buf)
+    assert torch.equal(elias_fano.ef_decode(buf, n, k), idx)
     # about 2 + log2(n/k) bits per index
     assert (low_bytes + high_bytes) * 8 <= k * (low + 2) + n / 2**low + 16
 
@@ -456,25 +462,25 @@ def test_elias_fano_roundtrip(n, k, path):
 def test_elias_fano_rejects_corrupt_blocks(path):
     n, k = 10_000, 100
     idx = torch.arange(0, n, n // k)[:k]
-    low, low_bytes, high_bytes = C._ef_layout(n, k)
+    low, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
     buf = torch.zeros(low_bytes + high_bytes, dtype=torch.uint8)
-    C._ef_encode(idx, n, buf)
+    elias_fano.ef_encode(idx, n, buf)
     extra = buf.clone()
     extra[-1] |= 0x80  # one index mark too many
     with pytest.raises(ValueError, match="corrupt top-k index block"):
-        C._ef_decode(extra, n, k)
+        elias_fano.ef_decode(extra, n, k)
     missing = buf.clone()
     missing[low_bytes] &= 0xFE  # the first index's mark gone
     with pytest.raises(ValueError, match="corrupt top-k index block"):
-        C._ef_decode(missing, n, k)
+        elias_fano.ef_decode(missing, n, k)
     with pytest.raises(ValueError, match=f"below n={n - 150}"):  # the last index (9900) is past n
-        C._ef_decode(buf, n - 150, k)
+        elias_fano.ef_decode(buf, n - 150, k)
 
 
 def test_elias_fano_is_compact_at_one_percent():
     n = 1 << 20
     k = n // 100
-    _, low_bytes, high_bytes = C._ef_layout(n, k)
+    _, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
     bits_per_index = (low_bytes + high_bytes) * 8 / k
     assert bits_per_index < 9.0  # vs 32 for int32 indices
 
@@ -761,7 +767,7 @@ def test_thread_count_and_slab_size_do_not_change_results(monkeypatch, path):
         finally:
             torch.set_num_threads(threads)
         for slab in (1 << 12, 1 << 30):  # many small slabs; one slab (the path non-CPU devices take)
-            monkeypatch.setattr(C, "_CPU_SLAB_ELEMS", slab)
+            monkeypatch.setattr(blockwise, "_CPU_SLAB_ELEMS", slab)
             assert torch.equal(codec.encode(x), ref_p)
             assert torch.equal(codec.decode(ref_p), ref_d)
             monkeypatch.undo()
@@ -926,7 +932,7 @@ def test_topk_selection_ignores_the_flush_to_zero_mode(path):
     finally:
         torch.set_flush_denormal(False)
     assert torch.equal(got, expected)
-    idx = C._ef_decode(got[C.HEADER_BYTES + 4 * 10 :], 1000, 10)
+    idx = elias_fano.ef_decode(got[C.HEADER_BYTES + 4 * 10 :], 1000, 10)
     assert idx.tolist() == [0, *range(991, 1000)]
 
 
@@ -990,7 +996,7 @@ def test_cuda_payload_checksums_are_taken_on_the_gpu():
     codec = make_codec("fp32")
     x = make_vector(1_000_003, 3, 0.0, "gauss")
     payload = codec.encode(x.cuda())
-    assert C._CRC_KERNEL_TRUSTED.get(str(payload.device)) is True, "the GPU CRC kernel failed its check"
+    assert checksum.CRC_KERNEL_TRUSTED.get(str(payload.device)) is True, "the GPU CRC kernel failed its check"
     assert torch.equal(payload.cpu(), codec.encode(x))
     assert torch.equal(codec.decode(payload).cpu(), x)
     payload[-1] ^= 1  # a corrupted CUDA payload is still refused
@@ -1006,7 +1012,7 @@ def test_cuda_runs_the_triton_kernels_and_they_pass_their_check(spec):
     x = make_vector(1_000_003, 7, 0.0, "mixed_magnitudes").cuda()
     payload = codec.encode(x)
     decoded = codec.decode(payload)
-    assert C._TRITON_TRUSTED[(str(x.device), codec.name)], "the Triton kernels fell back to the torch path"
+    assert blockwise.TRITON_TRUSTED[(str(x.device), codec.name)], "the Triton kernels fell back to the torch path"
     with native.disabled():
         assert torch.equal(payload, codec.encode(x))
         reference = codec.decode(payload.cpu())
@@ -1170,12 +1176,12 @@ def test_a_gpu_crc_kernel_that_disagrees_with_zlib_is_not_used(monkeypatch, faul
             raise RuntimeError("PassManager::run failed")
         return 1
 
-    monkeypatch.setattr(C, "_CRC_KERNEL_TRUSTED", {})
+    monkeypatch.setattr(checksum, "CRC_KERNEL_TRUSTED", {})
     kernel = types.SimpleNamespace(raw_crc=raw_crc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert C._crc_kernel_trusted(kernel, torch.device("cpu")) is False
-        assert C._crc_kernel_trusted(kernel, torch.device("cpu")) is False
+        assert checksum.crc_kernel_trusted(kernel, torch.device("cpu")) is False
+        assert checksum.crc_kernel_trusted(kernel, torch.device("cpu")) is False
     said = [str(w.message) for w in caught if "the GPU CRC-32 kernel on cpu failed its check" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]  # said once
     assert ("where zlib gives" if fault == "wrong" else "PassManager") in said[0], said
@@ -1185,7 +1191,7 @@ def test_a_gpu_crc_kernel_that_disagrees_with_zlib_is_not_used(monkeypatch, faul
 def test_parallel_crc_equals_zlib():
     body = torch.randint(0, 256, ((9 << 20) + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     prefix = b"0123456789abcdefghijklmnopqr"
-    assert C._crc32(prefix, body) == zlib.crc32(np.asarray(body.numpy()).tobytes(), zlib.crc32(prefix))
+    assert checksum.crc32_of(prefix, body) == zlib.crc32(np.asarray(body.numpy()).tobytes(), zlib.crc32(prefix))
 
 
 def _kernel_crc32(data: bytes, start: int, offset: int) -> int:
@@ -1240,19 +1246,19 @@ def test_fused_topk_needs_one_pass_when_the_large_entries_sit_in_one_range(monke
     selection is the reference's."""
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))
     x[-(1 << 17):] *= 10  # the last eighth dominates
-    hist_calls = []
-    real_kernels = C._kernels
+    topk_calls = []
+    real_kernels = paths.kernels
 
     class Counting:
         def __init__(self, lib):
             self._lib = lib
 
         def __getattr__(self, name):
-            if name == "liq_topk_hist":
-                hist_calls.append(name)
+            if name.startswith("liq_topk_"):
+                topk_calls.append(name)
             return getattr(self._lib, name)
 
-    monkeypatch.setattr(C, "_kernels", lambda t: None if real_kernels(t) is None else Counting(real_kernels(t)))
+    monkeypatch.setattr(paths, "kernels", lambda t: None if real_kernels(t) is None else Counting(real_kernels(t)))
     before = torch.get_num_threads()
     torch.set_num_threads(8)
     try:
@@ -1263,4 +1269,5 @@ def test_fused_topk_needs_one_pass_when_the_large_entries_sit_in_one_range(monke
                 assert torch.equal(payload, codec.encode(x))
     finally:
         torch.set_num_threads(before)
-    assert hist_calls == []
+    assert "liq_topk_pick" in topk_calls  # the selection ran through the counted kernels
+    assert "liq_topk_hist" not in topk_calls

@@ -56,6 +56,7 @@ def test_the_blockwise_codecs_run_the_triton_kernels_and_trust_them():
     code = """
 import torch
 from lightning_islands import codecs as C, native, triton_kernels
+from lightning_islands.codecs import blockwise
 calls = []
 real = triton_kernels.encode_blockwise
 triton_kernels.encode_blockwise = lambda *a: (calls.append(a[4]), real(*a))[1]
@@ -68,7 +69,7 @@ for spec in ["int8", "int4/96", "int2/4096", "fp8/36"]:
         ref = codec.decode(payload)
     assert torch.equal(codec.decode(payload).view(torch.int32), ref.view(torch.int32)), spec
 print("bits", calls)
-print("trusted", sorted(C._TRITON_TRUSTED.items()))
+print("trusted", sorted(blockwise.TRITON_TRUSTED.items()))
 """
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,6 +88,7 @@ def test_a_kernel_that_disagrees_with_the_reference_is_not_used(fault):
 import warnings
 import torch
 from lightning_islands import codecs as C, native, triton_kernels
+from lightning_islands.codecs import blockwise
 fault = {fault!r}
 enc, dec = triton_kernels.encode_blockwise, triton_kernels.decode_blockwise
 def bad_encode(x, scales, values, *rest):
@@ -109,7 +111,7 @@ with warnings.catch_warnings(record=True) as caught:
 with native.disabled():
     assert torch.equal(payload, codec.encode(x))
     assert torch.equal(decoded, codec.decode(payload))
-print("trusted", C._TRITON_TRUSTED)
+print("trusted", blockwise.TRITON_TRUSTED)
 print("warned", [str(w.message) for w in caught])
 """
     proc = _interpreted(["-c", code])
@@ -127,7 +129,8 @@ def test_the_gpu_crc_kernel_gives_zlibs_crc32():
     code = """
 import zlib
 import torch
-from lightning_islands import codecs as C, crc32, triton_crc
+from lightning_islands import crc32, triton_crc
+from lightning_islands.codecs import checksum
 g = torch.Generator().manual_seed(5)
 cases = [(1, 2, 2), (2, 2, 2), (33, 2, 2), (1000, 16, 4), (4099, 16, 2), (4096, 16, 4), (257, 256, 2),
          (1023, 1024, 256), (1024 * 8 + 3, 1024, 256)]
@@ -143,8 +146,8 @@ for bad in ((data.view(torch.int8),), (data, 3, 2), (data, 1024, 1)):
         triton_crc.raw_crc(*bad)
     except ValueError as e:
         print("refused:", e)
-C._CRC_PROBE_BYTES = 3000  # the real probe takes minutes under the interpreter
-print("trusted", C._crc_kernel_trusted(triton_crc, torch.device("cpu")))
+checksum.CRC_PROBE_BYTES = 3000  # the real probe takes minutes under the interpreter
+print("trusted", checksum.crc_kernel_trusted(triton_crc, torch.device("cpu")))
 """
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -160,8 +163,8 @@ def test_interpret_mode_without_the_interpreter_is_a_clear_error():
 
 
 def test_li_triton_0_keeps_the_kernels_off():
-    code = ("import torch; from lightning_islands import codecs as C;"
-            "C.make_codec('int4').encode(torch.ones(8)); print('trusted', C._TRITON_TRUSTED)")
+    code = ("import torch; from lightning_islands import codecs as C; from lightning_islands.codecs import blockwise;"
+            "C.make_codec('int4').encode(torch.ones(8)); print('trusted', blockwise.TRITON_TRUSTED)")
     proc = _interpreted(["-c", code], LI_TRITON="0")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "trusted {}" in proc.stdout, proc.stdout

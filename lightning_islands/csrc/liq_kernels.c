@@ -1,5 +1,5 @@
 /*
- * Fused CPU kernels for the lightning_islands codecs (see lightning_islands/codecs.py for the
+ * Fused CPU kernels for the lightning_islands codecs (see the lightning_islands.codecs package for the
  * wire format). Each function handles one contiguous range of a flat vector in cache-sized
  * sub-slabs, so the vector is read once from memory and written once; the Python side runs one
  * call per thread on ranges aligned to whole blocks and packing groups.
@@ -1039,7 +1039,7 @@ int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, i
 }
 
 /*
- * Elias-Fano code of k strictly increasing indices below n (layout in codecs.py): the low `low`
+ * Elias-Fano code of k strictly increasing indices below n (layout in codecs/wire.py): the low `low`
  * bits of each index as a little-endian bit stream (low_bytes), then the high parts in unary
  * (bit (idx >> low) + i set, high_bytes). Outputs are fully written (padding bits zero).
  */

@@ -1,0 +1,81 @@
+"""Pseudo-gradient codecs: quantize once, ship bytes, dequantize bit-identically everywhere.
+
+Every ``H`` inner steps each island turns its flat fp32 pseudo-gradient into a byte payload with
+:meth:`Codec.encode`; the islands exchange payloads, and every island runs :meth:`Codec.decode` on
+all of them and sums in island order. Decoding is a pure function of the payload bytes made of
+exact operations plus one correctly rounded fp32 multiply per element (``q.float() * scale``),
+so every island, on CPU or GPU, reconstructs bit-identical tensors and hence the same merge.
+
+Codecs are selected by a spec string (see :func:`make_codec`)::
+
+    fp32                raw float32 (exact)
+    bf16                bfloat16, round-to-nearest-even (relative error <= 2**-8)
+    fp8                 float8_e4m3fn values, one fp32 scale = absmax/448 per block
+    int8 | int4 | int2  symmetric blockwise absmax quantization, q in [-qmax, qmax],
+                        qmax = 127 | 7 | 1, scale = absmax/qmax (fp32) per block
+    sign                one bit per value (its sign), scale = mean |x| (fp32) per block
+    topk:F              keep the ceil(F*n) largest-magnitude entries, values as fp32
+    topk:F+int4         ... values quantized by the inner codec (any of the above)
+    <codec>/B           block size B (default 128, a positive multiple of 4), e.g. "int4/64"
+
+The wire format (header, body layouts, packing) is documented in
+:mod:`lightning_islands.codecs.wire`. The modules of this package, one idea each:
+
+    wire        header, codec ids, body layouts           paths       which fast path a tensor takes
+    checksum    CRC-32 of payloads (CPU threads, GPU)     base        the Codec interface and validation
+    dense       fp32, bf16                                blockwise   fp8, int8/4/2 (BlockCodec)
+    packing     planar 4/2/1-bit packing                  sign        the 1-bit sign codec
+    selection   which entries top-k keeps                 elias_fano  top-k index coding
+    topk        the top-k codec                           spec        spec strings -> codecs
+    feedback    error feedback and metrics
+
+CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python
+loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
+instead of streaming through DRAM; on other devices the whole vector is one slab.
+
+Fast paths, same bytes: on CPU the C kernels of :mod:`lightning_islands.native`; on CUDA the Triton
+kernels of :mod:`lightning_islands.triton_kernels` for the blockwise codecs, each checked against
+the torch path on a probe vector before its first use on a device (:meth:`BlockCodec._triton`).
+``native.disabled()`` turns both off in its thread; ``LI_TRITON=0`` turns the Triton ones off.
+"""
+
+from __future__ import annotations
+
+from lightning_islands.codecs.base import Codec
+from lightning_islands.codecs.blockwise import Float8Codec, IntCodec
+from lightning_islands.codecs.dense import BFloat16Codec, Float32Codec
+from lightning_islands.codecs.feedback import ErrorFeedback, compression_ratio, quantization_error
+from lightning_islands.codecs.sign import SignCodec
+from lightning_islands.codecs.spec import default_error_feedback, make_codec
+from lightning_islands.codecs.topk import TopKCodec
+from lightning_islands.codecs.wire import (
+    BASE_CODECS,
+    DEFAULT_BLOCK_SIZE,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    PACK_GROUP,
+)
+from lightning_islands.crc32 import crc32_combine
+
+__all__ = [
+    "BASE_CODECS",
+    "DEFAULT_BLOCK_SIZE",
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "MAGIC",
+    "PACK_GROUP",
+    "BFloat16Codec",
+    "Codec",
+    "ErrorFeedback",
+    "Float8Codec",
+    "Float32Codec",
+    "IntCodec",
+    "SignCodec",
+    "TopKCodec",
+    "compression_ratio",
+    "crc32_combine",
+    "default_error_feedback",
+    "make_codec",
+    "quantization_error",
+]

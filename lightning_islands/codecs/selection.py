@@ -1,0 +1,157 @@
+"""Which entries a top-k payload keeps: the k largest magnitudes, ties to the lowest indices.
+
+The rule is the same on every path and device (:func:`topk_indices` is the torch reference;
+:func:`native_topk` the fused CPU kernels), so the kept set, and the payload, are too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_islands import native
+from lightning_islands.codecs.base import raise_if_nonfinite_sum
+from lightning_islands.codecs.wire import ceil_div
+
+_TOPK_SAMPLE = 1 << 15  # sample size for the top-k threshold estimate (torch path)
+_TOPK_SAMPLE_RUN = 128  # the fused top-k samples runs of this many consecutive entries
+_TOPK_BUCKET_SHIFT = 20  # the fused top-k's histogram buckets are |x| bits >> 20 ...
+_TOPK_BUCKETS = 2048  # ... of which there are 2048
+_INF_BITS = 0x7F800000
+_TOPK_SLACK = 16  # liq_topk_pick stores whole 16-entry blocks and needs this many spare slots
+
+
+def magnitude_bits(x: Tensor) -> Tensor:
+    """|x| as int32 bit patterns: for finite x they order exactly as the magnitudes, and unlike a
+    float comparison they do not depend on a flush-to-zero mode (subnormals stay above zero)."""
+    return x.view(torch.int32) & 0x7FFFFFFF
+
+
+def _kth_largest(a: Tensor, k: int) -> Tensor:
+    """The k-th largest entry of ``a`` (1 <= k <= n), as a 0-d tensor.
+
+    ``torch.topk`` over the whole vector is slow on CPU (~0.1-0.5 GB/s), so for small k we first
+    estimate a threshold from a strided sample (over-selecting about 2x), keep the candidates at
+    or above it and run the exact top-k on those; if the estimate was too high to leave k
+    candidates, fall back to the full ``torch.topk``. The value is unique whatever the route.
+    """
+    n = a.numel()
+    if n < _TOPK_SAMPLE * 4 or 4 * k >= n:
+        return torch.topk(a, k, sorted=False).values.min()
+    sample = a[:: n // _TOPK_SAMPLE]
+    rank = min(sample.numel(), 2 * ceil_div(k * sample.numel(), n) + 32)
+    estimate = torch.topk(sample, rank, sorted=False).values.min()
+    candidates = a[a >= estimate]
+    if candidates.numel() < k:  # pragma: no cover - needs a very unlucky sample
+        candidates = a
+    return torch.topk(candidates, k, sorted=False).values.min()
+
+
+def topk_indices(a: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries of ``a`` in increasing order; torch path. ``a`` holds
+    magnitudes as :func:`magnitude_bits` (or any non-negative values without NaN).
+
+    The selection rule, shared with the fused kernel and every device: all entries above the
+    k-th largest value, then the lowest-index entries equal to it until there are k.
+    """
+    threshold = _kth_largest(a, k)
+    above = torch.nonzero(a > threshold).view(-1)
+    ties = torch.nonzero(a == threshold).view(-1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values
+
+
+def native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
+    :func:`topk_indices`. Usually one pass over ``x``, split across the kernel threads, that
+    picks every entry at or above a band of magnitudes guessed from a sample (with the band's
+    count, the threshold follows); a poor guess costs a histogram pass that finds the band
+    exactly, and a second pick."""
+    n = x.numel()
+    ranges = native.split(n, 1)
+    guess = _sampled_band(x, k)
+    if guess is not None:
+        lo, hi, expected = guess
+        # a range may hold any share of the k largest and of the band (layers differ in scale): room for
+        # all of both (the pages of unused room are never touched)
+        caps = [min(e - s, k + expected + 256) + _TOPK_SLACK for s, e in ranges]
+        found = _band_pick(lib, x, k, ranges, lo, hi, caps)
+        if found is not None:
+            return found
+    hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
+    status = native.run_each(range(len(ranges)), lambda r: lib.liq_topk_hist(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], native.ptr(hist[r])))
+    if any(st < 0 for st in status):
+        raise MemoryError("fused top-k could not allocate its histogram")
+    if any(status):
+        raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
+    from_top = hist.sum(0).flip(0).cumsum(0)
+    bucket = _TOPK_BUCKETS - 1 - int(torch.searchsorted(from_top, k))  # first bucket reaching k
+    shift = _TOPK_BUCKET_SHIFT
+    caps = (hist[:, bucket:].sum(1) + _TOPK_SLACK).tolist()  # exactly the entries >= the bucket, per range
+    found = _band_pick(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps)
+    if found is None:  # pragma: no cover - the bucket holds the k-th largest by construction
+        raise RuntimeError("fused top-k: the histogram bucket does not hold the threshold")
+    return found
+
+
+def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
+    """A band [lo, hi) of |x| bit patterns likely to hold the k-th largest magnitude, and about how
+    many entries fall inside it, from a sample (contiguous runs spread evenly over ``x``, which
+    is cheaper to read than a strided sample); None for short vectors."""
+    n = x.numel()
+    if n < 8 * _TOPK_SAMPLE:
+        return None
+    runs = _TOPK_SAMPLE // _TOPK_SAMPLE_RUN
+    starts = torch.arange(runs, dtype=torch.int64) * (n // runs)
+    where = (starts.unsqueeze(1) + torch.arange(_TOPK_SAMPLE_RUN, dtype=torch.int64)).view(-1)
+    sample = magnitude_bits(x.index_select(0, where))
+    m = sample.numel()
+    mean = m * k / n  # expected sample entries at or above the threshold
+    margin = 4.0 * math.sqrt(mean) + 8
+    top, bottom = math.floor(mean - margin), math.ceil(mean + margin)
+    ranked = torch.topk(sample, min(bottom + 1, m)).values  # descending
+    hi = int(ranked[top]) + 1 if top >= 0 else _INF_BITS
+    lo = int(ranked[bottom]) if bottom < m else 0
+    inside = int(((sample >= lo) & (sample < hi)).sum())
+    return lo, hi, ceil_div(n * (inside + 16), m) * 3 // 2
+
+
+def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
+               caps: list[int]) -> tuple[Tensor, Tensor] | None:
+    """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
+    and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None."""
+    each = range(len(ranges))
+    starts = [0, *itertools.accumulate(caps)]
+    idx_all = torch.empty(starts[-1], dtype=torch.int64)
+    val_all = torch.empty(starts[-1], dtype=torch.float32)
+    above = torch.zeros(len(ranges), dtype=torch.int64)
+    got = native.run_each(each, lambda r: lib.liq_topk_pick(
+        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], lo, hi,
+        native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), caps[r], native.ptr(above, r)))
+    if any(g == -2 for g in got):
+        raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
+    n_above = int(above.sum())
+    if any(g < 0 for g in got) or not n_above < k <= sum(got):
+        return None
+    band = torch.empty(sum(got) - n_above + 1, dtype=torch.int32)  # their bits (+1: stored branch-free)
+    off = 0
+    for r in each:
+        off += lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi, native.ptr(band, off))
+    rank = k - n_above  # the threshold is the rank-th largest entry inside the band
+    inside = band[:off].numpy()
+    threshold = int(np.partition(inside, inside.size - rank)[inside.size - rank])
+    ties = torch.tensor([k - n_above - int(np.count_nonzero(inside > threshold))])  # ties go to the lowest indices
+    idx = torch.empty(k, dtype=torch.int64)
+    vals = torch.empty(k, dtype=torch.float32)
+    off = 0
+    for r in each:  # in index order
+        off += lib.liq_topk_keep(native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r], threshold,
+                                 native.ptr(ties), native.ptr(idx, off), native.ptr(vals, off))
+    if off != k:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k kept {off} entries, expected {k}")
+    return idx, vals
