@@ -26,6 +26,7 @@ from lightning_islands.codecs.wire import (
 
 
 def check_input(x: Tensor) -> Tensor:
+    """``x`` made contiguous, after checking it is a flat float32 tensor (TypeError / ValueError if not)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.float32:

@@ -33,6 +33,7 @@ def _pack_bits(bits: Tensor, nbytes: int) -> Tensor:
 
 
 def _unpack_bits(data: Tensor) -> Tensor:
+    """bytes -> uint8 0/1 vector, LSB first (inverse of :func:`_pack_bits`)."""
     shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
     return ((data.unsqueeze(1) >> shifts) & 1).view(-1)
 
@@ -59,6 +60,8 @@ def ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
 
 
 def ef_decode(data: Tensor, n: int, k: int) -> Tensor:
+    """The k int64 indices below n that :func:`ef_encode` wrote into ``data``; ValueError naming the
+    fault if the block does not hold k strictly increasing indices below n."""
     low, low_bytes, high_bytes = ef_layout(n, k)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)

@@ -89,10 +89,12 @@ def block_pieces(count: int, block: int) -> list[tuple[int, int, int, int]]:
 
 
 def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``, in integers."""
     return -(-a // b)
 
 
 def header_bytes(payload: Tensor) -> bytes:
+    """The 32 header bytes of a payload (copied to the host), after checking it is a long enough 1-D uint8 tensor."""
     if not isinstance(payload, Tensor):
         raise TypeError(f"payload must be a torch.Tensor, got {type(payload).__name__}")
     if payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -103,6 +105,7 @@ def header_bytes(payload: Tensor) -> bytes:
 
 
 def describe(codec_id: int, kind: int, block: int) -> str:
+    """A codec as error messages name it, from the header fields, e.g. ``'int4/128'`` or ``'top-k + int2/128'``."""
     name = CODEC_NAMES.get(codec_id, f"unknown codec id {codec_id}")
     base = f"{name}/{block}" if block else name
     if kind == KIND_DENSE:
