@@ -1,10 +1,10 @@
 """Fused CPU codec kernels: a small C library compiled on first use and called through ctypes.
 
-The reference implementation of every codec is plain torch (the ``lightning_islands.codecs`` package); on CPU the hot loops
-of the blockwise codecs, bf16 and fp32 run instead in ``csrc/liq_kernels.c``, which reads the
-input once and writes the output once (torch needs about six passes over memory for the same
-work). Both produce the same bytes: the kernels are IEEE single-precision operations with
-``-ffp-contract=off``, and the tests compare them bit for bit.
+The reference implementation of every codec is plain torch (the ``lightning_islands.codecs``
+package); on CPU the hot loops of the blockwise codecs, bf16 and fp32 run instead in
+``csrc/liq_kernels.c``, which reads the input once and writes the output once (torch needs about six
+passes over memory for the same work). Both produce the same bytes: the kernels are IEEE
+single-precision operations with ``-ffp-contract=off``, and the tests compare them bit for bit.
 
 The library is compiled with the system C compiler (``$CC``, else ``cc``) the first time a codec
 runs and cached under ``$LI_NATIVE_CACHE`` (default ``~/.cache/lightning_islands``), keyed by a

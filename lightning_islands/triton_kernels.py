@@ -5,7 +5,7 @@ reciprocal, multiply, round, cast, pack); these kernels make three: one reads th
 writes the block scales, one reads it again and writes the packed values, and decoding reads the
 packed values and writes the vector once. They produce the same bytes as the reference path and
 the CPU kernels, because every operation is one of the codec's exact or correctly rounded IEEE
-fp32 steps (see the docstring of :mod:`lightning_islands.codecs`):
+fp32 steps (see the docstring of :mod:`lightning_islands.codecs.wire`):
 
 - ``scale = div_rn(absmax, qmax)`` and ``inv = min(div_rn(1, scale), FLT_MAX)``: correctly rounded
   divisions (Triton's ``/`` on fp32 is an approximate division);

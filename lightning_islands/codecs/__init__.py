@@ -18,7 +18,7 @@ Codecs are selected by a spec string (see :func:`make_codec`)::
     topk:F+int4         ... values quantized by the inner codec (any of the above)
     <codec>/B           block size B (default 128, a positive multiple of 4), e.g. "int4/64"
 
-The wire format (header, body layouts, packing) is documented in
+The wire format (header, body layouts, packing) and the quantization rule are documented in
 :mod:`lightning_islands.codecs.wire`. The modules of this package, one idea each:
 
     wire        header, codec ids, body layouts           paths       which fast path a tensor takes
@@ -35,7 +35,8 @@ instead of streaming through DRAM; on other devices the whole vector is one slab
 
 Fast paths, same bytes: on CPU the C kernels of :mod:`lightning_islands.native`; on CUDA the Triton
 kernels of :mod:`lightning_islands.triton_kernels` for the blockwise codecs, each checked against
-the torch path on a probe vector before its first use on a device (:meth:`BlockCodec._triton`).
+the torch path on a probe vector before its first use on a device
+(:meth:`~lightning_islands.codecs.blockwise.BlockCodec._triton`).
 ``native.disabled()`` turns both off in its thread; ``LI_TRITON=0`` turns the Triton ones off.
 """
 

@@ -378,7 +378,7 @@ class IntCodec(BlockCodec):
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
         t = self._scaled(x, scale, work)
-        t.round_()  # half to even; |t| <= qmax (see module docstring), so no clamp is needed
+        t.round_()  # half to even; |t| <= qmax (see :mod:`lightning_islands.codecs.wire`), so no clamp is needed
         if self.pack == 1:
             values.view(torch.int8).copy_(t)
             return

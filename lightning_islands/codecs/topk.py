@@ -30,7 +30,7 @@ def _fmt_fraction(f: Fraction) -> str:
 class TopKCodec(Codec):
     """Keep the ``ceil(fraction * n)`` largest-magnitude entries; values via an inner codec.
 
-    Indices travel Elias-Fano coded (see the module docstring); values in increasing index
+    Indices travel Elias-Fano coded (see :mod:`lightning_islands.codecs.wire`); values in increasing index
     order, encoded by ``inner`` (fp32 by default) without its own header. Ties at the k-th
     largest magnitude go to the lowest indices, so the kept set (and the payload) is the same
     on every device and path.

@@ -32,12 +32,13 @@ are offset binary (q + 8 for int4, q + 1 for int2); sign bits are 1 for negative
 vectorizes on CPU and coalesces on GPU. Padding values are dropped on decode.
 
 Top-k body: ``[inner body for the k kept values, in increasing index order][EF low bits]
-[EF high bits]``. Indices are Elias-Fano coded, which is the fixed-size form of delta coding: with
-``l = floor(log2(n/k))`` the low ``l`` bits of each index are stored verbatim (ceil(k*l/8) bytes)
-and the high parts as a unary-coded bit vector of ``k + ((n-1) >> l) + 1`` bits, i.e. about
-``2 + log2(n/k)`` bits per index (8.6 bits at 1% instead of 32 for int32 indices). Unlike varint
-deltas its size depends only on ``(n, k)``, so :meth:`Codec.nbytes` stays an exact formula, and
-both directions are vectorized (bit (un)packing with shifts, ``nonzero`` for the unary part).
+[EF high bits]``. Indices are Elias-Fano coded, which is the fixed-size form of delta coding:
+with ``l = floor(log2(n/k))`` the low ``l`` bits of each index are stored verbatim
+(ceil(k*l/8) bytes) and the high parts as a unary-coded bit vector of
+``k + ((n-1) >> l) + 1`` bits, i.e. about ``2 + log2(n/k)`` bits per index (8.6 bits at 1%
+instead of 32 for int32 indices). Unlike varint deltas its size depends only on ``(n, k)``, so
+:meth:`~lightning_islands.codecs.base.Codec.nbytes` stays an exact formula, and both directions
+are vectorized (bit (un)packing with shifts, ``nonzero`` for the unary part).
 
 Quantization rule: ``scale = fl(absmax/qmax)`` per block, ``r = fl(1/scale)`` (clamped to the
 largest float, so all-zero and denormal-tiny blocks get a finite multiplier) and
