@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_islands import outer
+from lightning_islands import floatenv, outer
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec, quantization_error
 from lightning_islands.fsdp import FSDP2Strategy
@@ -272,6 +272,9 @@ class IslandStrategy(FSDP2Strategy):
             "balance": self.balance,
             "max_rounds": self.max_rounds,
             "resuming": bool(self._resuming),
+            # the merge and the outer step (on the host or the training device) give the same bits on
+            # every island only where the float modes agree
+            "subnormals": {"host": floatenv.describe("cpu"), "training_device": floatenv.describe(self.root_device)},
         }
 
     @staticmethod

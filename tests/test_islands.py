@@ -217,6 +217,7 @@ def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--hidden", "8,9"], "parameters"),
     (["--outer-lrs", "0.7,0.5"], "outer"),
+    (["--flush-subnormals", "0,1"], "subnormals"),
 ])
 def test_mismatched_islands_fail_fast_with_a_clear_message(tmp_path, args, needle):
     results, text = launch([1, 1], ["islands_regression.py", "--out", tmp_path, *args], tmp_path / "logs",

@@ -144,6 +144,7 @@ def main() -> None:
     p.add_argument("--save-delay", default="0", help="seconds each checkpoint write takes, per island (comma list)")
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
+    p.add_argument("--flush-subnormals", default="0", help="1: the island flushes subnormal floats (comma list)")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -162,6 +163,8 @@ def main() -> None:
         values = text.split(",")
         return cast(values[min(island, len(values) - 1)])
 
+    if per_island(args.flush_subnormals):
+        torch.set_flush_denormal(True)
     model = Regression(hidden=per_island(args.hidden), inner=args.inner,
                        two_optimizers=bool(args.two_optimizers))
     model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
