@@ -444,7 +444,16 @@ class IslandStrategy(FSDP2Strategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._stepped_batch = True
+        if self._ends_last_round():
+            # The round runs when the next batch starts, and Lightning trains a batch it has started:
+            # stop after this one instead, and on_train_end runs the round (no unmerged extra step).
+            self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
         return out
+
+    def _ends_last_round(self) -> bool:
+        """Whether the step just taken completes round ``max_rounds`` (every island knows it alike)."""
+        return (self.max_rounds is not None and bool(self._anchors) and not self._stopping
+                and self.round + 1 >= self.max_rounds and self.round_steps + 1 >= self.steps_per_round)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

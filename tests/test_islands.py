@@ -287,6 +287,9 @@ def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):
     assert fast[-1] - fast[0] > 2 * (slow[-1] - slow[0]), f"fast island should run more steps: {fast} vs {slow}"
     m_fast, m_slow = per_island[0][4]["metrics"], per_island[1][4]["metrics"]
     assert m_fast["islands/steps_per_round"] > m_slow["islands/steps_per_round"] == 3
+    # max_rounds ends training with the last round: no inner step after it (it would be merged nowhere)
+    for i, steps in ((0, fast[-1]), (1, slow[-1])):
+        assert int((tmp_path / f"island{i}_steps").read_text()) == steps, f"island {i} stepped past round 4"
     # tokens weight the merge: the fast island processed more in the round
     assert m_fast["islands/round_tokens"] > m_slow["islands/round_tokens"]
 

@@ -228,6 +228,7 @@ def main() -> None:
         trainer.save_checkpoint(str(out / f"final_island{island}.ckpt"))
     if trainer.global_rank == 0:
         (out / f"island{island}_done").write_text(str(strategy.round))
+        (out / f"island{island}_steps").write_text(str(trainer.global_step))
 
 
 if __name__ == "__main__":
