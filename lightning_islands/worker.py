@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_islands.fsdp import FSDP2Strategy
+from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.launch import ENV_PROGRESS
 from lightning_islands.strategy import IslandStrategy
 from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS
@@ -181,6 +181,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         **trainer_kwargs,
     )
     ckpt_path = resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
+    # Lightning's own DDP leaves a gloo world to interpreter finalization, where its worker threads
+    # can abort the process after a successful run; our strategies register this themselves.
+    destroy_world_at_exit()
     started = time.time()
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.time() - started
