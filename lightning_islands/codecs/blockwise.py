@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -183,52 +183,54 @@ class BlockCodec(Codec):
         return None
 
     def _triton_differs_on(self, tk: Any, x: Tensor) -> str | None:
-        n, bsz, device = x.numel(), self.block_size, x.device
+        n, device = x.numel(), x.device
         size = self._values_nbytes(n)
         ours, ref = (torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2))
-        split = 4 * ceil_div(n, bsz)
-        self._tk_encode(tk, x, ours[:split].view(torch.float32), ours[split:])
+        self._tk_encode(tk, x, *self._body_parts(ours, n))
+        ref_scales, ref_values = self._body_parts(ref, n)
         with native.disabled():
-            self._torch_encode(x, ref[:split].view(torch.float32), ref[split:])
+            self._torch_encode(x, ref_scales, ref_values)
             expected = torch.empty(n, device=device)
             self._decode_values(ref, n, expected)
         got = torch.empty(n, device=device)
-        self._tk_decode(tk, ref[split:], ref[:split].view(torch.float32), got)
+        self._tk_decode(tk, ref_values, ref_scales, got)
         if not torch.equal(ours, ref):
             return f"encode of {n} values differs from the torch path"
         if not torch.equal(got.view(torch.int32), expected.view(torch.int32)):
             return f"decode of {n} values differs from the torch path"
         return None
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
-        m = v.numel()
+    def _body_parts(self, body: Tensor, m: int) -> tuple[Tensor, Tensor]:
+        """A body carrying ``m`` values cut into its fp32 block scales and its (packed) values."""
+        nblocks = ceil_div(m, self.block_size)
+        return body[: 4 * nblocks].view(torch.float32), body[4 * nblocks :]
+
+    def _slabs(self, device: torch.device, m: int, scales: Tensor,
+               values: Tensor) -> Iterator[tuple[slice, Tensor, Tensor, Work]]:
+        """The torch path's pieces of ``m`` values: ``(their range, their scales, their values, the
+        scratch buffers all slabs share)``."""
         bsz = self.block_size
-        nblocks = ceil_div(m, bsz)
-        scales = body[: 4 * nblocks].view(torch.float32)
-        values = body[4 * nblocks :]
+        slab = self._slab_elems(device, m)
+        work = Work(device, min(slab, m))
+        for s in range(0, m, slab):
+            e = min(s + slab, m)
+            b0 = s // self.pack
+            yield slice(s, e), scales[s // bsz : ceil_div(e, bsz)], values[b0 : b0 + ceil_div(e - s, self.pack)], work
+
+    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
+        scales, values = self._body_parts(body, v.numel())
         crc = None
         if not self._run_triton(v, lambda tk: self._tk_encode(tk, v, scales, values)):
             ran, crc = self._native_encode(v, scales, values)
             if not ran:
                 self._torch_encode(v, scales, values)
-        if nblocks and self._check_scales(v, scales):
+        if scales.numel() and self._check_scales(v, scales):
             crc = None  # scales were nudged after they were checksummed
         return crc
 
     def _torch_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> None:
-        m = v.numel()
-        bsz = self.block_size
-        slab = self._slab_elems(v.device, m)
-        work = Work(v.device, min(slab, m))
-        for s in range(0, m, slab):
-            e = min(s + slab, m)
-            b0 = s // self.pack
-            self._encode_slab(
-                v[s:e],
-                scales[s // bsz : ceil_div(e, bsz)],
-                values[b0 : b0 + ceil_div(e - s, self.pack)],
-                work,
-            )
+        for span, scale, packed, work in self._slabs(v.device, v.numel(), scales, values):
+            self._encode_slab(v[span], scale, packed, work)
 
     def _native_unit(self) -> int:
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
@@ -289,26 +291,14 @@ class BlockCodec(Codec):
         return False
 
     def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
-        bsz = self.block_size
-        nblocks = ceil_div(m, bsz)
-        scales = body[: 4 * nblocks].view(torch.float32)
-        values = body[4 * nblocks :]
+        scales, values = self._body_parts(body, m)
         if self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
             return None
         ran, crc = self._native_decode(values, scales, out[:m])
         if ran:
             return crc
-        slab = self._slab_elems(body.device, m)
-        work = Work(body.device, min(slab, m))
-        for s in range(0, m, slab):
-            e = min(s + slab, m)
-            b0 = s // self.pack
-            self._decode_slab(
-                values[b0 : b0 + ceil_div(e - s, self.pack)],
-                scales[s // bsz : ceil_div(e, bsz)],
-                out[s:e],
-                work,
-            )
+        for span, scale, packed, work in self._slabs(body.device, m, scales, values):
+            self._decode_slab(packed, scale, out[span], work)
         return None
 
 
