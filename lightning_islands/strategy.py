@@ -452,8 +452,12 @@ class IslandStrategy(FSDP2Strategy):
 
     def _ends_last_round(self) -> bool:
         """Whether the step just taken completes round ``max_rounds`` (every island knows it alike)."""
-        return (self.max_rounds is not None and bool(self._anchors) and not self._stopping
-                and self.round + 1 >= self.max_rounds and self.round_steps + 1 >= self.steps_per_round)
+        return (bool(self._anchors) and not self._stopping and self._in_round_max_rounds()
+                and self.round_steps + 1 >= self.steps_per_round)
+
+    def _in_round_max_rounds(self) -> bool:
+        """Whether the current round is round ``max_rounds``, the last one allowed."""
+        return self.max_rounds is not None and self.round + 1 >= self.max_rounds
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -493,7 +497,7 @@ class IslandStrategy(FSDP2Strategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if final or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
             return True
-        return self.max_rounds is not None and self.round + 1 >= self.max_rounds
+        return self._in_round_max_rounds()
 
     @torch.no_grad()
     def outer_step(self, final: bool = False) -> dict[str, float]:
