@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -14,6 +15,15 @@ from lightning_islands.codecs.checksum import run_checksummed
 from lightning_islands.codecs.wire import CODEC_IDS
 
 _BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def _run_elementwise(kernel: Callable[..., int], count: int, src: Tensor, dst: Tensor,
+                     body: Tensor) -> tuple[list[int], int | None]:
+    """``kernel(src, n, dst, crc)`` over ``count`` elements on the kernel threads, in pieces of
+    multiples of 16, checksumming ``body`` (``src`` when decoding, ``dst`` when encoding) as it
+    goes: the kernel statuses and the body's CRC-32 (see :func:`run_checksummed`)."""
+    return run_checksummed(count, 16, lambda s, e, c: kernel(native.ptr(src, s), e - s, native.ptr(dst, s), c),
+                           lambda s, e: (body[s:e],))
 
 
 class Float32Codec(Codec):
@@ -34,9 +44,7 @@ class Float32Codec(Codec):
             dst.copy_(v)
             return None
 
-        bad, crc = run_checksummed(
-            v.numel(), 16, lambda s, e, c: lib.liq_f32_copy_checked(native.ptr(v, s), e - s, native.ptr(dst, s), c),
-            lambda s, e: (dst[s:e],))
+        bad, crc = _run_elementwise(lib.liq_f32_copy_checked, v.numel(), v, dst, body=dst)
         if any(bad):
             raise nonfinite_error(v)  # type: ignore[misc]  # a bad flag means a non-finite value
         return crc
@@ -48,9 +56,7 @@ class Float32Codec(Codec):
             out.copy_(src)
             return None
         # the finiteness flag is ignored: what the payload holds is what it decodes to
-        return run_checksummed(
-            m, 16, lambda s, e, c: lib.liq_f32_copy_checked(native.ptr(src, s), e - s, native.ptr(out, s), c),
-            lambda s, e: (src[s:e],))[1]
+        return _run_elementwise(lib.liq_f32_copy_checked, m, src, out, body=src)[1]
 
 
 class BFloat16Codec(Codec):
@@ -70,9 +76,7 @@ class BFloat16Codec(Codec):
         y = body.view(torch.bfloat16)
         lib = paths.kernels(v)
         if lib is not None:
-            bad, crc = run_checksummed(
-                v.numel(), 16, lambda s, e, c: lib.liq_bf16_encode(native.ptr(v, s), e - s, native.ptr(y, s), c),
-                lambda s, e: (y[s:e],))
+            bad, crc = _run_elementwise(lib.liq_bf16_encode, v.numel(), v, y, body=y)
             if any(bad):
                 raise nonfinite_error(v)  # type: ignore[misc]
             return crc
@@ -93,7 +97,4 @@ class BFloat16Codec(Codec):
         if lib is None:
             out.copy_(y)
             return None
-
-        return run_checksummed(
-            m, 16, lambda s, e, c: lib.liq_bf16_decode(native.ptr(y, s), e - s, native.ptr(out, s), c),
-            lambda s, e: (y[s:e],))[1]
+        return _run_elementwise(lib.liq_bf16_decode, m, y, out, body=y)[1]
