@@ -8,7 +8,13 @@ does now (``to leader``: ``gather_to_leader``, then ``scatter_from_leader``), ea
 process, and reports how far the process's peak resident memory (``VmHWM``) rose above its level
 before the round, in MiB and in full fp32 copies of the model. Linux only.
 
-    PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2
+With ``--codec``, the leader also does a round's work on what it gathered, as
+``IslandStrategy._exchange_chunk`` does: error feedback (the residual, a whole-vector buffer, is
+allocated before the measurement, as it persists between rounds), encode, decode its own payload,
+decode a second island's (here its own payload again), merge; then two more rows run the same
+round a chunk of ``--chunk-mib`` MiB at a time (``exchange_chunk_mib``).
+
+    PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2 [--codec int8 --chunk-mib 64]
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_islands import outer
 from lightning_islands.canonical import CanonicalLayout
+from lightning_islands.codecs import ErrorFeedback, make_codec
 
 
 def _peak_rss() -> int:
@@ -37,7 +45,35 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
 
 
-def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str) -> None:
+def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_spec: str,
+                  chunk: int | None) -> tuple[list, int]:
+    """One round with the leader's exchange work (see the module docstring), a chunk at a time:
+    the outer step's gradients, and the resident size before the round."""
+    cpu = torch.device("cpu")
+    codec, ef = make_codec(codec_spec), ErrorFeedback()
+    if dist.get_rank() == 0:  # last round's residual: it persists between rounds (written: resident)
+        ef.residual = torch.empty(layout.numel).fill_(0.0)
+    dist.barrier()
+    _reset_peak()
+    base = _peak_rss()
+    chunks = outer.chunk_bounds(layout.numel, chunk)
+    into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
+    for start, stop in chunks:
+        part = layout.gather_to_leader(locals_, params, cpu, start=start, stop=stop)
+        merged = None
+        if part is not None:
+            sent = ef.compensate(part, at=start, total=layout.numel)
+            payload = codec.encode(sent)
+            own = codec.decode(payload)
+            ef.update(sent, own, at=start, total=layout.numel)
+            merged = outer.merge([own, codec.decode(payload)], [1.0, 1.0])
+            del part, sent, own, payload
+        grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
+        del merged
+    return grads, base
+
+
+def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, codec: str, chunk: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -53,7 +89,10 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str) 
         dist.barrier()
         _reset_peak()
         base = _peak_rss()
-        if mode == "all-gather":
+        if mode.startswith("exchange"):
+            grads, base = _leader_round(layout, locals_, params, codec, chunk if "chunk" in mode else None)
+            grads[0].reshape(-1)[:1] = 0.5  # (the merged value itself depends on the codec)
+        elif mode == "all-gather":
             full = layout.gather(locals_, params)
             merged = full * 0.5 if rank == 0 else torch.empty_like(full)
             dist.broadcast(merged, src=0)
@@ -78,21 +117,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000, help="fp32 values in the model")
     parser.add_argument("--world", type=int, default=2, help="processes in the island")
+    parser.add_argument("--codec", default=None, help="also time a round with the leader's work, in this codec")
+    parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of the chunked exchange row")
     parser.add_argument("--out", default="results/exchange_memory.json")
     args = parser.parse_args()
+    chunk = outer.exchange_chunk_numel(args.chunk_mib, 2048)
+    modes = ["all-gather", "to leader"]
+    if args.codec:
+        modes += [f"exchange {args.codec}", f"exchange {args.codec}, chunks of {args.chunk_mib:g} MiB"]
     rows = []
-    for mode in ("all-gather", "to leader"):
+    for mode in modes:
         with tempfile.TemporaryDirectory() as tmp:
             mp.spawn(_worker, args=(args.world, args.params, mode, os.path.join(tmp, "store"),
-                                    os.path.join(tmp, "out")), nprocs=args.world)
+                                    os.path.join(tmp, "out"), args.codec, chunk), nprocs=args.world)
             for rank in range(args.world):
                 got = json.loads(Path(tmp, f"out.{rank}").read_text())
                 rows.append({"mode": mode, "rank": rank, "rise_mib": got["rise"] / 2**20,
                              "copies": got["rise"] / got["model_bytes"], "model_mib": got["model_bytes"] / 2**20})
     print(f"island of {args.world} gloo processes, model of {rows[0]['model_mib']:.0f} MiB fp32")
-    print(f"{'round':<12}{'rank':>5}{'peak rise MiB':>15}{'full copies':>13}")
+    width = max(len(m) for m in modes) + 2
+    print(f"{'round':<{width}}{'rank':>5}{'peak rise MiB':>15}{'full copies':>13}")
     for r in rows:
-        print(f"{r['mode']:<12}{r['rank']:>5}{r['rise_mib']:>15.0f}{r['copies']:>13.2f}")
+        print(f"{r['mode']:<{width}}{r['rank']:>5}{r['rise_mib']:>15.0f}{r['copies']:>13.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"world": args.world, "params": args.params, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

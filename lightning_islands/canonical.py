@@ -120,89 +120,136 @@ class CanonicalLayout:
         send and recv take CPU tensors only (an island that trains on GPUs over gloo)."""
         return torch.device("cpu") if dist.get_backend() == "gloo" else device
 
+    def _range(self, start: int, stop: int | None) -> tuple[int, int]:
+        stop = self.numel if stop is None else stop
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"range [{start}, {stop}) is outside the flat vector of {self.numel} values")
+        return start, stop
+
+    @staticmethod
+    def _clip(pieces: Sequence[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """The parts of one rank's pieces inside ``[start, stop)``: ``(piece index, offset into the
+        piece, offset into the range, numel)`` each, in order."""
+        out = []
+        for i, (offset, n) in enumerate(pieces):
+            a, b = max(offset, start), min(offset + n, stop)
+            if a < b:
+                out.append((i, a - offset, a - start, b - a))
+        return out
+
     def gather_to_leader(self, locals_: Sequence[Tensor], params: Sequence[Tensor], device: torch.device,
-                         out_device: torch.device | None = None) -> Tensor | None:
-        """The full fp32 flat vector on the island's rank 0 (on ``out_device``, default ``device``),
-        ``None`` on the other ranks, which send only their shards: one flat buffer each, on
-        ``device`` (the GPU for NCCL), received by the leader one rank at a time into a reused buffer,
-        so the leader holds the vector and one rank's shards at most. A collective inside the
-        island: every rank must call it."""
+                         out_device: torch.device | None = None, start: int = 0,
+                         stop: int | None = None) -> Tensor | None:
+        """The fp32 values ``[start, stop)`` (default: all) of the flat vector on the island's rank 0
+        (on ``out_device``, default ``device``), ``None`` on the other ranks, which send only their
+        shards' values in the range: one flat buffer each, on ``device`` (the GPU for NCCL),
+        received by the leader one rank at a time into a reused buffer, so the leader holds the
+        range and one rank's part of it at most. A collective inside the island: every rank must
+        call it, with the same range."""
+        start, stop = self._range(start, stop)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world == 1:
-            return self.gather(locals_, params).to(out_device or device)
-        from torch.distributed.tensor import DTensor
+            if (start, stop) == (0, self.numel):
+                return self.gather(locals_, params).to(out_device or device)
+            from torch.distributed.tensor import DTensor
 
-        rank = dist.get_rank()
+            locals_ = [loc.to_local() if isinstance(loc, DTensor) else loc for loc in locals_]
+        rank = dist.get_rank() if world > 1 else 0
         pieces = self._pieces(params, world, replicated_to_all=False)
-        sizes = [sum(n for _, n in ps) for ps in pieces]
-        out_device, device = out_device or device, self._transfer_device(device)
-        held = iter(pieces[rank])
-        sent = [(e, local, next(held)[1]) for e, local, p in zip(self.entries, locals_, params)
-                if isinstance(p, DTensor) or rank == 0]
-        self._agree(next((f"holds {local.numel()} values of {e.name}, the layout expects {n}"
-                          for e, local, n in sent if local.numel() != n), None), device)
+        out_device, device = out_device or device, self._transfer_device(device) if world > 1 else device
+        # what this rank holds, piece by piece: (parameter index, local tensor); rank 0 alone sends a plain tensor
+        held = [(i, local) for i, (local, p) in enumerate(zip(locals_, params)) if self._sharded(p) or rank == 0]
+        if world > 1:
+            self._agree(next((f"holds {local.numel()} values of {self.entries[i].name}, the layout expects {n}"
+                              for (i, local), (_, n) in zip(held, pieces[rank]) if local.numel() != n), None), device)
+        parts = [self._clip(ps, start, stop) for ps in pieces]
+        sizes = [sum(n for *_, n in ps) for ps in parts]
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         at = 0
-        for _, local, n in sent:
-            mine[at : at + n].copy_(local.reshape(-1))
+        for k, local_at, _, n in parts[rank]:
+            mine[at : at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
             at += n
         if rank != 0:
-            if sizes[rank]:  # every rank knows every size: nothing is sent for empty shards
+            if sizes[rank]:  # every rank knows every size: nothing is sent for empty parts
                 dist.send(mine, dst=0)
             return None
-        full = torch.empty(self.numel, dtype=torch.float32, device=out_device)
+        full = torch.empty(stop - start, dtype=torch.float32, device=out_device)
         buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
-        for r, ps in enumerate(pieces):
+        for r, ps in enumerate(parts):
             src = mine
             if r:
                 src = buf[: sizes[r]]
                 if sizes[r]:
                     dist.recv(src, src=r)
             at = 0
-            for offset, n in ps:
-                full[offset : offset + n].copy_(src[at : at + n])
+            for _, _, range_at, n in ps:
+                full[range_at : range_at + n].copy_(src[at : at + n])
                 at += n
         return full
 
-    def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-        """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``; on the
-        host over gloo) cut
-        from the full flat vector ``flat`` that only the island's rank 0 holds (``None`` elsewhere).
-        The leader sends each rank only its own shards, one rank at a time from a reused buffer. A
-        collective inside the island: every rank must call it."""
+    @staticmethod
+    def _sharded(param: Tensor) -> bool:
         from torch.distributed.tensor import DTensor
 
+        return isinstance(param, DTensor)
+
+    def scatter_from_leader(self, flat: Tensor | None, params: Sequence[Tensor], device: torch.device,
+                            start: int = 0, stop: int | None = None,
+                            into: Sequence[Tensor] | None = None) -> list[Tensor]:
+        """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``; on
+        the host over gloo) cut from the values ``[start, stop)`` (default: all) of the flat vector,
+        ``flat``, that only the island's rank 0 holds (``None`` elsewhere). The leader sends each
+        rank only its own part, one rank at a time from a reused buffer.
+
+        ``into``: tensors shaped like this rank's shards to write the range's values into (the rest
+        is left as it is); returned. Needed for a partial range. A collective inside the island:
+        every rank must call it, with the same range."""
+        start, stop = self._range(start, stop)
+        if into is None and (start, stop) != (0, self.numel):
+            raise ValueError("scatter_from_leader of a partial range needs `into`, the tensors to fill")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
+        rank = dist.get_rank() if world > 1 else 0
+        if world == 1 and into is None:
             assert flat is not None
             return [self.shard_of(flat.to(device), i, p) for i, p in enumerate(params)]
-        rank = dist.get_rank()
+        from torch.distributed.tensor import DTensor
+
         pieces = self._pieces(params, world, replicated_to_all=True)
-        sizes = [sum(n for _, n in ps) for ps in pieces]
-        device = self._transfer_device(device)
+        device = self._transfer_device(device) if world > 1 else device
         shapes = [tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape) for p in params]
-        self._agree(next((f"holds {shape} of {e.name}, the layout gives it {n} values"
-                          for e, shape, (_, n) in zip(self.entries, shapes, pieces[rank])
-                          if torch.Size(shape).numel() != n), None), device)
+        if world > 1:
+            self._agree(next((f"holds {shape} of {e.name}, the layout gives it {n} values"
+                              for e, shape, (_, n) in zip(self.entries, shapes, pieces[rank])
+                              if torch.Size(shape).numel() != n), None), device)
+        parts = [self._clip(ps, start, stop) for ps in pieces]
+        sizes = [sum(n for *_, n in ps) for ps in parts]
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         if rank == 0:
             assert flat is not None
+            if flat.numel() != stop - start:
+                raise ValueError(f"flat holds {flat.numel()} values for the range [{start}, {stop})")
             buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
             for r in [*range(1, world), 0]:  # the leader's own part last, straight into ``mine``
                 dst = mine if r == 0 else buf[: sizes[r]]
                 at = 0
-                for offset, n in pieces[r]:
-                    dst[at : at + n].copy_(flat[offset : offset + n])
+                for _, _, range_at, n in parts[r]:
+                    dst[at : at + n].copy_(flat[range_at : range_at + n])
                     at += n
                 if r and sizes[r]:
                     dist.send(dst, dst=r)
         elif sizes[rank]:
             dist.recv(mine, src=0)
-        out, at = [], 0
-        for shape, (_, n) in zip(shapes, pieces[rank]):
-            out.append(mine[at : at + n].view(shape))
+        if into is None:  # the whole range: every piece, in order, is one view of ``mine``
+            out, at = [], 0
+            for shape, (_, n) in zip(shapes, pieces[rank]):
+                out.append(mine[at : at + n].view(shape))
+                at += n
+            return out
+        at = 0
+        for k, local_at, _, n in parts[rank]:
+            into[k].view(-1)[local_at : local_at + n].copy_(mine[at : at + n])
             at += n
-        return out
+        return list(into)
 
     def shard_of(self, flat: Tensor, index: int, param: Tensor) -> Tensor:
         """This rank's shard of parameter ``index`` cut out of the full flat vector."""

@@ -72,6 +72,43 @@ def merge_experts(deltas: Sequence[Tensor], coefs: Sequence[Tensor]) -> Tensor:
     return out
 
 
+def merge_expert_rows(deltas: Sequence[Tensor], coefs: Sequence[Tensor], row_numel: int, first: int) -> Tensor:
+    """Merge a flat slice of one expert parameter ``[n_experts, ...]`` with per-expert coefficients,
+    in island order: element ``first + j`` of the flattened parameter belongs to expert row
+    ``(first + j) // row_numel``. Bit-identical to :func:`merge_experts` on the same elements."""
+    if row_numel < 1:
+        raise ValueError(f"row_numel must be >= 1, got {row_numel}")
+    n = deltas[0].numel()
+    rows = torch.arange(first, first + n, device=deltas[0].device) // row_numel
+    out: Tensor | None = None
+    for delta, c in zip(deltas, coefs):
+        term = torch.mul(delta, c.to(delta.device)[rows])
+        out = term if out is None else out.add_(term)
+    assert out is not None
+    return out
+
+
+def exchange_chunk_numel(mib: float | None, unit: int) -> int | None:
+    """Values of the flat vector exchanged at a time for a chunk of ``mib`` MiB of fp32, rounded
+    down to a multiple of ``unit`` (at least one unit); ``None`` (one chunk, the whole vector)
+    for ``mib`` None or 0."""
+    if mib is None or mib == 0:
+        return None
+    if mib < 0 or not math.isfinite(mib) or unit < 1:
+        raise ValueError(f"the exchange chunk must be a positive size in MiB (or 0 for the whole vector), got {mib}")
+    return max(unit, int(mib * (1 << 18)) // unit * unit)
+
+
+def chunk_bounds(numel: int, chunk: int | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each chunk of a flat vector of ``numel`` values, in order: one range
+    for ``chunk`` None (or at least ``numel``)."""
+    if chunk is None or chunk >= numel:
+        return [(0, numel)]
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    return [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
+
+
 class OuterSGD:
     """``torch.optim.SGD`` semantics (momentum, dampening, Nesterov, weight decay) on tensor lists.
 

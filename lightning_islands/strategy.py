@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -38,9 +39,10 @@ from typing_extensions import override
 
 from lightning_islands import floatenv, outer
 from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec, quantization_error
+from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.parallel import local_view, reshard_all
+from lightning_islands.roundstats import RoundStats
 from lightning_islands.transport import (
     ENV_COORDINATOR,
     ENV_ISLAND,
@@ -51,6 +53,7 @@ from lightning_islands.transport import (
 )
 
 _OUTER_DIR = "islands_outer"
+_PACK_GROUP = 2048  # values per packing group of the sub-byte codecs (lightning_islands.codecs.packing)
 _EF_FILE = "islands_error_feedback.pt"
 
 
@@ -138,6 +141,12 @@ class IslandStrategy(FSDP2Strategy):
         max_wait_s: the longest a round may wait for islands that are still stepping. The island's
             own process group (its ranks other than the leader wait in it meanwhile) gets a
             timeout of at least ``max_wait_s + timeout_s``.
+        exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
+            of fp32 (rounded down to whole codec blocks and packing groups), one after another:
+            gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
+            back, so the leader holds one chunk's copies at a time (plus the error-feedback
+            residual, which is the whole vector). ``None`` or 0: one chunk. Top-k keeps its
+            fraction of each chunk. Part of the fingerprint.
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
 
@@ -166,6 +175,7 @@ class IslandStrategy(FSDP2Strategy):
         max_rounds: int | None = None,
         timeout_s: float = 600.0,
         max_wait_s: float = 3600.0,
+        exchange_chunk_mib: float | None = 1024.0,
         unit_classes: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         process_group_backend: str | None = None,
@@ -196,6 +206,8 @@ class IslandStrategy(FSDP2Strategy):
         self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum,
                                         nesterov=nesterov and outer_momentum > 0)
         self.codec = make_codec(codec, block_size=block_size)
+        # whole blocks and whole packing groups per chunk: a chunked round encodes what one chunk would
+        self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, math.lcm(block_size, _PACK_GROUP))
         self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
         self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
         self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
@@ -267,6 +279,7 @@ class IslandStrategy(FSDP2Strategy):
             "sync_warmup": self.sync_warmup,
             "outer": self.outer_opt.settings(),
             "codec": self.codec.spec(),
+            "exchange_chunk": self.exchange_chunk,
             "weighting": self.weighting,
             "expert_weighting": self.expert_weighting,
             "balance": self.balance,
@@ -511,32 +524,21 @@ class IslandStrategy(FSDP2Strategy):
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
-        # only the leader holds the whole vector (on the device it exchanges on); the others send their shards
-        full = self.layout.gather_to_leader(deltas, self._params, self.root_device, self._exchange_device())
         tokens = self._island_sum(float(self.round_tokens))
         step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
-        experts = self._expert_counts()
         header = {"round": self.round, "tokens": tokens, "steps": self.round_steps, "step_seconds": step_seconds,
-                  "experts": experts, "stop": self._wants_stop(final)}
-        box: dict[str, Any] = {"merged": None, "metrics": {}}
-
-        def leader_exchange() -> dict[str, Any]:
-            assert full is not None
-            box["merged"], box["metrics"], plan = self._exchange(full, header)
-            return plan
-
-        plan = self._agree(leader_exchange)
-        full = None  # the leader's pseudo-gradient is encoded by now: free it before the scatter
-        if plan["stop"]:
+                  "experts": self._expert_counts(), "stop": self._wants_stop(final)}
+        coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
+        headers = self._agree(lambda: self._meet_round(header, coefs))
+        if any(h["stop"] for h in headers):
             self._stopping = True
             self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
-        if not plan["update"]:
+        if not any(h["steps"] > 0 for h in headers):
             # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
             return {}
-        metrics: dict[str, float] = box["metrics"]
-        shards = self.layout.scatter_from_leader(box["merged"], self._params, self.root_device)
-        grads = [g.to(a.device) for g, a in zip(shards, self._anchors)]
+        grads, metrics = self._exchange(deltas, headers, coefs)
+        next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
         for p, a in zip(self._params, self._anchors):
             local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
@@ -544,7 +546,7 @@ class IslandStrategy(FSDP2Strategy):
         self.round_steps = 0
         self.total_tokens += int(tokens)
         self.round_tokens = 0
-        self.steps_per_round = int(plan["steps"])
+        self.steps_per_round = next_steps
         metrics.update({"islands/round": float(self.round), "islands/inner_steps": float(self.inner_steps),
                         "islands/round_tokens": tokens, "islands/step_seconds": step_seconds,
                         "islands/steps_per_round": float(self.steps_per_round),
@@ -606,56 +608,94 @@ class IslandStrategy(FSDP2Strategy):
         budget = h * max(times)
         return max(1, min(8 * h, round(budget / times[self.island_index])))
 
-    def _exchange(self, delta: Tensor, header: dict[str, Any]) -> tuple[Tensor, dict[str, float], dict[str, Any]]:
-        """Leader only: quantize once, exchange, merge in island order; plan the next round."""
-        sent = self.error_feedback.compensate(delta) if self.error_feedback is not None else delta
-        payload = self.codec.encode(sent)
-        decoded_own = self.codec.decode(payload)
-        if self.error_feedback is not None:
-            self.error_feedback.update(sent, decoded_own)
-        metrics = {
-            "islands/pseudo_grad_norm": float(delta.norm()),
-            "islands/quant_rel_error": quantization_error(sent, decoded_own),
-            "islands/compression_ratio": 4.0 * delta.numel() / max(1, payload.numel()),
-            "islands/payload_bytes": float(payload.numel()),
-        }
-        if self.link is None:
-            decoded, headers = [decoded_own], [header]
-        else:
+    def _meet_round(self, header: dict[str, Any], coefs: dict[str, list[Tensor]]) -> list[dict[str, Any]]:
+        """Leader only: every island's round header, in island order; fills ``coefs`` with the
+        per-expert merge coefficients (expert weighting)."""
+        headers = [header]
+        if self.link is not None:
             t0 = time.perf_counter()
             headers = self.link.gather_objects(f"round{self.round}", header)
             self.link.stats.seconds_waiting += time.perf_counter() - t0
-            payloads = self.link.all_gather_bytes(payload)
-            decoded = [decoded_own if i == self.island_index else self.codec.decode(p.to(delta.device))
-                       for i, p in enumerate(payloads)]
-            stats = self.link.take_stats()
-            for key in self.totals:
-                self.totals[key] += getattr(stats, key)
-            metrics.update({"islands/bytes_sent": float(stats.bytes_sent),
-                            "islands/bytes_received": float(stats.bytes_received),
-                            "islands/seconds_exchanging": stats.seconds_exchanging,
-                            "islands/seconds_waiting": stats.seconds_waiting,
-                            "islands/cosine": outer.mean_pairwise_cosine(decoded)})
-        weights = [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
-        merged = outer.merge(decoded, weights)
-        if self.expert_weighting:
-            self._merge_experts(merged, decoded, headers)
-        metrics["islands/merged_norm"] = float(merged.norm())
-        plan = {"steps": self._next_round_steps(headers), "stop": any(h["stop"] for h in headers),
-                "update": any(h["steps"] > 0 for h in headers)}
-        return merged, metrics, plan
-
-    def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], headers: Sequence[dict[str, Any]]) -> None:
-        """Overwrite each expert parameter's slice of ``merged`` with its per-expert weighted merge."""
         assert self.layout is not None
         by_name = {e.name: e for e in self.layout.entries}
-        for name in headers[0]["experts"] or {}:
-            e = by_name[name]
-            coefs = outer.expert_coefficients([h["experts"][name] for h in headers])
-            if e.shape[0] != coefs[0].numel():
-                raise ValueError(f"{name} has {e.shape[0]} rows but {coefs[0].numel()} expert counts")
-            parts = [d[e.offset : e.offset + e.numel].view(e.shape) for d in decoded]
-            merged[e.offset : e.offset + e.numel] = outer.merge_experts(parts, coefs).reshape(-1)
+        for name in (headers[0]["experts"] or {}) if self.expert_weighting else {}:
+            coefs[name] = outer.expert_coefficients([h["experts"][name] for h in headers])
+            if by_name[name].shape[0] != coefs[name][0].numel():
+                raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")
+        return headers
+
+    def _exchange(self, deltas: Sequence[Tensor], headers: Sequence[dict[str, Any]],
+                  coefs: dict[str, list[Tensor]]) -> tuple[list[Tensor], dict[str, float]]:
+        """Every rank: the merged pseudo-gradient's part for this rank's shards (the outer step's
+        gradients), one chunk of the flat vector at a time; the round's metrics on the leader."""
+        assert self.layout is not None
+        weights = [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
+        stats = RoundStats(len(headers))
+        link_sums = {key: 0.0 for key in self.totals}
+        chunks = outer.chunk_bounds(self.layout.numel, self.exchange_chunk)
+        # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
+        into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in self._anchors]
+        for start, stop in chunks:
+            part = self.layout.gather_to_leader(deltas, self._params, self.root_device, self._exchange_device(),
+                                                start, stop)
+            box: dict[str, Tensor] = {}
+
+            def leader_chunk(part: Tensor | None = part, start: int = start, box: dict[str, Tensor] = box) -> None:
+                assert part is not None
+                box["merged"] = self._exchange_chunk(part, start, weights, coefs, stats, link_sums)
+
+            self._agree(leader_chunk)
+            del part, leader_chunk  # the leader's copies of this chunk go before the next one's
+            got = self.layout.scatter_from_leader(box.pop("merged", None), self._params, self.root_device, start,
+                                                  stop, into=into)
+        grads = [g.to(a.device) for g, a in zip(got, self._anchors)]
+        if not self.is_leader:
+            return grads, {}
+        metrics = stats.metrics()
+        metrics["islands/exchange_chunks"] = float(len(chunks))
+        if self.link is not None:
+            metrics.update({f"islands/{key}": value for key, value in link_sums.items()})
+            metrics["islands/cosine"] = stats.cosine()
+        return grads, metrics
+
+    def _exchange_chunk(self, part: Tensor, start: int, weights: Sequence[float], coefs: dict[str, list[Tensor]],
+                        stats: RoundStats, link_sums: dict[str, float]) -> Tensor:
+        """Leader only: quantize this chunk once, exchange it, merge every island's in island order."""
+        assert self.layout is not None
+        ef = self.error_feedback
+        sent = ef.compensate(part, at=start, total=self.layout.numel) if ef is not None else part
+        payload = self.codec.encode(sent)
+        own = self.codec.decode(payload)
+        if ef is not None:
+            ef.update(sent, own, at=start, total=self.layout.numel)
+        decoded = [own]
+        if self.link is not None:
+            payloads = self.link.all_gather_bytes(payload)
+            decoded = [own if i == self.island_index else self.codec.decode(p.to(part.device))
+                       for i, p in enumerate(payloads)]
+            link = self.link.take_stats()
+            for key in self.totals:
+                self.totals[key] += getattr(link, key)
+                link_sums[key] += getattr(link, key)
+        merged = outer.merge(decoded, weights)
+        self._merge_experts(merged, decoded, coefs, start)
+        stats.add(part, sent, own, payload.numel(), decoded, merged)
+        return merged
+
+    def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], coefs: dict[str, list[Tensor]],
+                       start: int) -> None:
+        """Overwrite each expert parameter's values in this chunk of ``merged`` (the flat vector's
+        ``[start, start + numel)``) with their per-expert weighted merge."""
+        assert self.layout is not None
+        stop = start + merged.numel()
+        for e in self.layout.entries:
+            if e.name not in coefs:
+                continue
+            a, b = max(e.offset, start), min(e.offset + e.numel, stop)
+            if a < b:
+                parts = [d[a - start : b - start] for d in decoded]
+                merged[a - start : b - start] = outer.merge_expert_rows(parts, coefs[e.name], e.numel // e.shape[0],
+                                                                        a - e.offset)
 
     def _log(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -64,7 +64,7 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             nesterov=isl.nesterov, codec=isl.codec, block_size=isl.block_size,
             error_feedback=isl.error_feedback, lanes=isl.lanes, weighting=isl.weighting,
             outer_device=isl.outer_device, timeout_s=isl.timeout_s,
-            max_wait_s=isl.get("max_wait_s", 3600.0),
+            max_wait_s=isl.get("max_wait_s", 3600.0), exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),
             expert_weighting=bool(isl.get("expert_weighting", False)), balance=isl.get("balance", "none"),
             max_rounds=isl.get("max_rounds"),
             steps_per_round=member.get("steps_per_round"),

@@ -37,11 +37,11 @@ def test_exchange_memory_benchmark_reports_every_rank_of_both_rounds(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "exchange_memory.py"), "--params", "2000000", "--world", "2",
-         "--out", str(out)],
+         "--codec", "int8", "--chunk-mib", "1", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["mode"], r["rank"]) for r in rows] == [("all-gather", 0), ("all-gather", 1), ("to leader", 0),
-                                                      ("to leader", 1)]
+    modes = ["all-gather", "to leader", "exchange int8", "exchange int8, chunks of 1 MiB"]
+    assert [(r["mode"], r["rank"]) for r in rows] == [(m, rank) for m in modes for rank in (0, 1)]
     assert all(r["rise_mib"] >= 0 and r["model_mib"] > 7 for r in rows)

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 from collections.abc import Iterator
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,7 +54,16 @@ def _worker(rank: int, store_path: str, out_path: str) -> None:
         small = CanonicalLayout([("gate", gate)])
         small_full = small.gather_to_leader([gate.to_local()], [gate], cpu)
         small_shards = small.scatter_from_leader(torch.ones(6) if rank == 0 else None, [gate], cpu)
+        # in ranges that cut parameters and shards: the same values, a range at a time
+        bounds = [(0, 5), (5, 17), (17, 18), (18, 29), (29, layout.numel)]
+        ranged = [layout.gather_to_leader([p.to_local() for p in params], params, cpu, start=a, stop=b)
+                  for a, b in bounds]
+        into = [torch.full(p.to_local().shape, -1.0) for p in params]
+        for a, b in bounds:
+            layout.scatter_from_leader(flat[a:b] if rank == 0 else None, params, cpu, start=a, stop=b, into=into)
         result = {
+            "ranged": None if rank else torch.cat(ranged),
+            "ranged_scatter_ok": all(torch.equal(s, m) for s, m in zip(into, mine)),
             "small_full": small_full,
             "small_shard": small_shards[0],
             "full": full,
@@ -69,6 +79,8 @@ def test_only_the_leader_gathers_the_full_vector_and_each_rank_gets_its_own_shar
     results = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(WORLD)]
     want = torch.cat([_full(n).reshape(-1) for n in SHAPES])
     assert torch.equal(results[0]["full"], want)
+    assert torch.equal(results[0]["ranged"], want)
+    assert all(r["ranged_scatter_ok"] for r in results)
     assert results[1]["full"] is None and results[2]["full"] is None
     # uneven and empty shards, as FSDP2 splits them
     assert [r["local_shapes"] for r in results] == [
@@ -122,3 +134,21 @@ def test_a_rank_whose_shards_do_not_fit_the_layout_stops_every_rank_with_its_rea
         assert "rank 0: holds (2, 3) of embed, the layout gives it 9 values" in scatter
         assert "rank 2: holds (2, 3) of embed, the layout gives it 3 values" in scatter
         assert "fully_shard" in gather and "fully_shard" in scatter
+
+
+def test_ranges_in_a_one_process_island_and_bad_ranges():
+    params = [_full(n) for n in SHAPES]
+    layout = CanonicalLayout(list(zip(SHAPES, params)))
+    cpu = torch.device("cpu")
+    want = torch.cat([p.reshape(-1) for p in params])
+    assert torch.equal(layout.gather_to_leader(params, params, cpu, start=4, stop=40), want[4:40])
+    into = [torch.zeros_like(p) for p in params]
+    layout.scatter_from_leader(want[10:33], params, cpu, start=10, stop=33, into=into)
+    got = torch.cat([t.reshape(-1) for t in into])
+    assert torch.equal(got[10:33], want[10:33]) and not got[:10].any() and not got[33:].any()
+    with pytest.raises(ValueError, match="needs `into`"):
+        layout.scatter_from_leader(want[:5], params, cpu, start=0, stop=5)
+    with pytest.raises(ValueError, match="outside"):
+        layout.gather_to_leader(params, params, cpu, start=5, stop=layout.numel + 1)
+    with pytest.raises(ValueError, match="holds 4 values"):
+        layout.scatter_from_leader(want[:4], params, cpu, start=0, stop=5, into=into)

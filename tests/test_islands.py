@@ -14,7 +14,7 @@ from conftest import SCRIPTS, launch, load_rounds
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_islands import IslandStrategy
-from lightning_islands.codecs import default_error_feedback
+from lightning_islands.codecs import default_error_feedback, make_codec
 from lightning_islands.launch import run_islands
 
 sys.path.insert(0, str(SCRIPTS))
@@ -274,6 +274,30 @@ def test_every_codec_keeps_global_state_bit_identical(tmp_path, codec):
     m = per_island[0][4]["metrics"]
     assert m["islands/compression_ratio"] > 1.0
     assert 0.0 < m["islands/quant_rel_error"] < 1.0
+
+
+def test_a_round_exchanged_in_chunks_equals_one_exchanged_whole(tmp_path):
+    # 9,002 values in chunks of 2,048 (1/128 MiB): the 5 chunk boundaries cut through parameters and
+    # through the two ranks' shards of island 0. With int4 (whole blocks and packing groups per chunk)
+    # and error feedback, every island must compute the same global state as with one chunk, bit for bit.
+    runs = {}
+    for name, mib in (("whole", 0), ("chunked", 2048 / (1 << 18))):
+        out = tmp_path / name
+        launch([2, 1], ["islands_regression.py", "--out", out, "--steps", 8, "--H", 2, "--codec", "int4",
+                        "--hidden", 1000, "--exchange-chunk-mib", mib], out / "logs")
+        runs[name] = assert_islands_equal(out, 4)
+    for r in range(1, 5):
+        whole, chunked = runs["whole"][0][r], runs["chunked"][0][r]
+        for name, t in whole["params"].items():
+            assert torch.equal(chunked["params"][name], t), f"round {r}: {name} differs from the one-chunk run"
+        assert whole["metrics"]["islands/exchange_chunks"] == 1 and chunked["metrics"]["islands/exchange_chunks"] == 5
+        # each chunk is one payload: the same values, a header (and a partial packing group) each
+        codec = make_codec("int4")
+        assert whole["metrics"]["islands/payload_bytes"] == codec.nbytes(9002)
+        assert chunked["metrics"]["islands/payload_bytes"] == sum(codec.nbytes(min(2048, 9002 - s))
+                                                                  for s in range(0, 9002, 2048))
+        for key in ("islands/quant_rel_error", "islands/pseudo_grad_norm", "islands/cosine", "islands/merged_norm"):
+            assert chunked["metrics"][key] == pytest.approx(whole["metrics"][key], rel=1e-6), key
 
 
 def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):

@@ -106,3 +106,30 @@ def test_expert_counts_nobody_routed_to_fall_back_to_equal_and_bad_counts_fail()
     torch.testing.assert_close(coefs[0], torch.tensor([0.5, 0.25]))
     with pytest.raises(ValueError, match="non-negative"):
         outer.expert_coefficients([[-1.0], [1.0]])
+
+
+def test_expert_rows_of_any_slice_merge_as_the_whole_parameter_does():
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(4, 3, 5, generator=g) for _ in range(3)]
+    coefs = outer.expert_coefficients([[10.0, 0.0, 5.0, 1.0], [0.0, 0.0, 5.0, 2.0], [30.0, 0.0, 1.0, 0.0]])
+    whole = outer.merge_experts(deltas, coefs).reshape(-1)
+    flat = [d.reshape(-1) for d in deltas]
+    assert torch.equal(outer.merge_expert_rows(flat, coefs, 15, 0), whole)
+    for a, b in ((0, 7), (7, 31), (29, 60), (44, 46), (59, 60)):  # slices that cut rows
+        assert torch.equal(outer.merge_expert_rows([f[a:b] for f in flat], coefs, 15, a), whole[a:b]), (a, b)
+    with pytest.raises(ValueError, match="row_numel"):
+        outer.merge_expert_rows(flat, coefs, 0, 0)
+
+
+def test_exchange_chunks_cover_the_vector_in_whole_units():
+    assert outer.exchange_chunk_numel(None, 2048) is None and outer.exchange_chunk_numel(0, 2048) is None
+    assert outer.exchange_chunk_numel(1024, 2048) == 1 << 28
+    assert outer.exchange_chunk_numel(1, 6400) == (1 << 18) // 6400 * 6400  # block 100: lcm(100, 2048)
+    assert outer.exchange_chunk_numel(1e-6, 2048) == 2048  # at least one unit
+    with pytest.raises(ValueError, match="MiB"):
+        outer.exchange_chunk_numel(-1, 2048)
+    assert outer.chunk_bounds(10, None) == [(0, 10)] and outer.chunk_bounds(10, 10) == [(0, 10)]
+    assert outer.chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert outer.chunk_bounds(0, 4) == [(0, 0)]
+    with pytest.raises(ValueError, match="chunk"):
+        outer.chunk_bounds(10, 0)

@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
     p.add_argument("--flush-subnormals", default="0", help="1: the island flushes subnormal floats (comma list)")
+    p.add_argument("--exchange-chunk-mib", type=float, default=1024.0, help="the strategy's exchange_chunk_mib")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -177,7 +178,8 @@ def main() -> None:
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=args.timeout_s,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               balance=args.balance, max_rounds=args.max_rounds or None,
-                              steps_per_round=per_island(args.steps_per_round) or None)
+                              steps_per_round=per_island(args.steps_per_round) or None,
+                              exchange_chunk_mib=args.exchange_chunk_mib)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
