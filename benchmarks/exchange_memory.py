@@ -8,11 +8,12 @@ does now (``to leader``: ``gather_to_leader``, then ``scatter_from_leader``), ea
 process, and reports how far the process's peak resident memory (``VmHWM``) rose above its level
 before the round, in MiB and in full fp32 copies of the model. Linux only.
 
-With ``--codec``, the leader also does a round's work on what it gathered, as
-``IslandStrategy._exchange_chunk`` does: error feedback (the residual, a whole-vector buffer, is
-allocated before the measurement, as it persists between rounds), encode, decode its own payload,
-decode a second island's (here its own payload again), merge; then two more rows run the same
-round a chunk of ``--chunk-mib`` MiB at a time (``exchange_chunk_mib``).
+With ``--codec``, a round also does the work of ``IslandStrategy._exchange``: every rank adds its
+shards of the error-feedback residual (allocated before the measurement: it persists between
+rounds) to its pseudo-gradient; the leader encodes what it gathered, decodes its own payload and a
+second island's (here its own payload again) and merges; the merged update and the new residual go
+back to the ranks as shards. Two rows: the whole vector at once, and chunks of ``--chunk-mib`` MiB
+(``exchange_chunk_mib``).
 
     PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2 [--codec int8 --chunk-mib 64]
 """
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 
 from lightning_islands import outer
 from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import ErrorFeedback, make_codec
+from lightning_islands.codecs import make_codec
 
 
 def _peak_rss() -> int:
@@ -50,26 +51,27 @@ def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_sp
     """One round with the leader's exchange work (see the module docstring), a chunk at a time:
     the outer step's gradients, and the resident size before the round."""
     cpu = torch.device("cpu")
-    codec, ef = make_codec(codec_spec), ErrorFeedback()
-    if dist.get_rank() == 0:  # last round's residual: it persists between rounds (written: resident)
-        ef.residual = torch.empty(layout.numel).fill_(0.0)
+    codec = make_codec(codec_spec)
+    # last round's residual, sharded like the model: it persists between rounds (written: resident)
+    residual = [torch.empty_like(loc).fill_(0.0) for loc in locals_]
     dist.barrier()
     _reset_peak()
     base = _peak_rss()
+    sent = [torch.add(loc, r) for loc, r in zip(locals_, residual)]
     chunks = outer.chunk_bounds(layout.numel, chunk)
     into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
     for start, stop in chunks:
-        part = layout.gather_to_leader(locals_, params, cpu, start=start, stop=stop)
-        merged = None
+        part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop)
+        merged = dropped = None
         if part is not None:
-            sent = ef.compensate(part, at=start, total=layout.numel)
-            payload = codec.encode(sent)
+            payload = codec.encode(part)
             own = codec.decode(payload)
-            ef.update(sent, own, at=start, total=layout.numel)
+            dropped = torch.sub(part, own)
             merged = outer.merge([own, codec.decode(payload)], [1.0, 1.0])
-            del part, sent, own, payload
+            del part, own, payload
         grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
-        del merged
+        layout.scatter_from_leader(dropped, params, cpu, start=start, stop=stop, into=residual)
+        del merged, dropped
     return grads, base
 
 

@@ -158,7 +158,7 @@ class CanonicalLayout:
         pieces = self._pieces(params, world, replicated_to_all=False)
         out_device, device = out_device or device, self._transfer_device(device) if world > 1 else device
         # what this rank holds, piece by piece: (parameter index, local tensor); rank 0 alone sends a plain tensor
-        held = [(i, local) for i, (local, p) in enumerate(zip(locals_, params)) if self._sharded(p) or rank == 0]
+        held = [(i, local) for i, (local, p) in enumerate(zip(locals_, params)) if self.is_sharded(p) or rank == 0]
         if world > 1:
             self._agree(next((f"holds {local.numel()} values of {self.entries[i].name}, the layout expects {n}"
                               for (i, local), (_, n) in zip(held, pieces[rank]) if local.numel() != n), None), device)
@@ -188,7 +188,9 @@ class CanonicalLayout:
         return full
 
     @staticmethod
-    def _sharded(param: Tensor) -> bool:
+    def is_sharded(param: Tensor) -> bool:
+        """Whether ``param`` is split over the island's ranks (a DTensor); a plain tensor is whole on
+        every rank."""
         from torch.distributed.tensor import DTensor
 
         return isinstance(param, DTensor)

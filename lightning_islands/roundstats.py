@@ -19,6 +19,11 @@ def _sq(t: Tensor) -> float:
     return float(torch.linalg.vector_norm(t.detach().to(torch.float64)) ** 2)
 
 
+def sum_sq(tensors: Sequence[Tensor]) -> float:
+    """The squared L2 norm of the concatenation of ``tensors`` (float64 sums)."""
+    return math.fsum(_sq(t) for t in tensors)
+
+
 def _dot(a: Tensor, b: Tensor) -> float:
     return float(torch.dot(a.detach().reshape(-1).double(), b.detach().reshape(-1).to(a.device).double()))
 
@@ -26,24 +31,24 @@ def _dot(a: Tensor, b: Tensor) -> float:
 class RoundStats:
     """Sums over the chunks of one round (call :meth:`add` per chunk, then :meth:`metrics`)."""
 
-    def __init__(self, num_islands: int) -> None:
+    def __init__(self, num_islands: int, delta_sq: float) -> None:
+        """``delta_sq``: the squared norm of this island's pseudo-gradient, taken where its shards
+        are (what the chunks carry also holds the error-feedback residual)."""
         self.numel = 0
         self.payload_bytes = 0
-        self.delta_sq = 0.0
+        self.delta_sq = delta_sq
         self.sent_sq = 0.0
         self.error_sq = 0.0
         self.merged_sq = 0.0
         self.decoded_sq = [0.0] * num_islands
         self.dots = {(i, j): 0.0 for i in range(num_islands) for j in range(i + 1, num_islands)}
 
-    def add(self, delta: Tensor, sent: Tensor, own: Tensor, payload_bytes: int, decoded: Sequence[Tensor],
-            merged: Tensor) -> None:
-        """One chunk: this island's pseudo-gradient ``delta``, what it encoded (``sent``, with the
+    def add(self, sent: Tensor, own: Tensor, payload_bytes: int, decoded: Sequence[Tensor], merged: Tensor) -> None:
+        """One chunk: what this island encoded (``sent``: its pseudo-gradient plus the
         error-feedback residual), its own payload decoded (``own``), the payload's size, every
         island's decoded chunk in island order, and the merged chunk."""
-        self.numel += delta.numel()
+        self.numel += sent.numel()
         self.payload_bytes += int(payload_bytes)
-        self.delta_sq += _sq(delta)
         self.sent_sq += _sq(sent)
         self.error_sq += _sq(sent.detach().to(torch.float64) - own.detach().to(device=sent.device, dtype=torch.float64))
         self.merged_sq += _sq(merged)

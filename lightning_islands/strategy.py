@@ -39,10 +39,10 @@ from typing_extensions import override
 
 from lightning_islands import floatenv, outer
 from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import ErrorFeedback, default_error_feedback, make_codec
+from lightning_islands.codecs import default_error_feedback, make_codec
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.parallel import local_view, reshard_all
-from lightning_islands.roundstats import RoundStats
+from lightning_islands.roundstats import RoundStats, sum_sq
 from lightning_islands.transport import (
     ENV_COORDINATOR,
     ENV_ISLAND,
@@ -54,7 +54,7 @@ from lightning_islands.transport import (
 
 _OUTER_DIR = "islands_outer"
 _PACK_GROUP = 2048  # values per packing group of the sub-byte codecs (lightning_islands.codecs.packing)
-_EF_FILE = "islands_error_feedback.pt"
+_EF_FILE = "islands_error_feedback.pt"  # the leader's whole residual, as checkpoints before chunking saved it
 
 
 def _env_int(name: str) -> int | None:
@@ -122,10 +122,11 @@ class IslandStrategy(FSDP2Strategy):
         steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
             slower island may run fewer, the merge stays token-weighted).
         lanes: parallel TCP streams between islands.
-        outer_device: where anchors, outer momentum and the round's exchange (error feedback,
-            encoding, decoding, merging) live: ``"cpu"`` offloads them. ``None``: anchors and momentum
-            on the training device; the exchange there too for an island of one process, on the
-            host for larger islands (see :meth:`_exchange_device`).
+        outer_device: where anchors, outer momentum, the error-feedback residual (each rank its
+            shards of all three) and the leader's round exchange (encoding, decoding, merging) live:
+            ``"cpu"`` offloads them. ``None``: anchors, momentum and residual on the training device;
+            the exchange there too for an island of one process, on the host for larger islands
+            (see :meth:`_exchange_device`).
         weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
         expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
             that expert in the round (the module must implement ``island_token_counts()`` and
@@ -144,9 +145,10 @@ class IslandStrategy(FSDP2Strategy):
         exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
             of fp32 (rounded down to whole codec blocks and packing groups), one after another:
             gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
-            back, so the leader holds one chunk's copies at a time (plus the error-feedback
-            residual, which is the whole vector). ``None`` or 0: one chunk. Top-k keeps its
-            fraction of each chunk. Part of the fingerprint.
+            back, so the leader holds one chunk's copies at a time (the error-feedback residual stays
+            sharded like the anchors: each rank adds its shards before the gather and gets its
+            shards of the new residual back). ``None`` or 0: one chunk. Top-k keeps its fraction
+            of each chunk. Part of the fingerprint.
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
 
@@ -237,7 +239,9 @@ class IslandStrategy(FSDP2Strategy):
         # whether island 0's initial state had to be broadcast (None until the islands have met)
         self.initial_state_broadcast: bool | None = None
         self._state_exchanges = 0
-        self.error_feedback = ErrorFeedback() if self.use_error_feedback else None
+        # this rank's shards of the error-feedback residual (what quantization dropped, for the next
+        # round), shaped and placed like the anchors; None before the first round or without it
+        self.residual: list[Tensor] | None = None
         self._params: list[Tensor] = []
         self._anchors: list[Tensor] = []
         self._stash: list[Tensor] | None = None
@@ -330,14 +334,14 @@ class IslandStrategy(FSDP2Strategy):
         return t.detach().to(device=device, dtype=torch.float32, copy=True)
 
     def _exchange_device(self) -> torch.device:
-        """Where the leader runs the round's exchange (error feedback, encode, decode, merge).
+        """Where the leader runs the round's exchange (encode, decode, merge).
 
         ``outer_device`` if set. Else the training device when the island is one process: on a GPU
         the codecs run their Triton kernels there and only payloads cross to the host. An island of
         several processes exchanges on the host, because the leader holds several unsharded fp32
-        copies of the whole model meanwhile (the error-feedback residual between rounds too), which
-        a model sharded to fit its GPUs may not leave room for. (The other ranks hold only their
-        shards: the round gathers to the leader and scatters from it.)
+        copies of a chunk (up to ``exchange_chunk_mib`` each) meanwhile, on top of its own shards,
+        which a model sharded to fit its GPUs may not leave room for. (The other ranks hold only
+        their shards: the round gathers to the leader and scatters from it.)
         """
         if self.outer_device:
             return torch.device(self.outer_device)
@@ -524,6 +528,15 @@ class IslandStrategy(FSDP2Strategy):
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
+        # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
+        delta_sq = self._island_sum(sum_sq([d for d, p in zip(deltas, self._params)
+                                            if self.layout.is_sharded(p) or self.global_rank == 0]))
+        sent = deltas
+        if self.use_error_feedback:  # each rank adds its shards of what the last rounds dropped
+            if self.residual is None:
+                self.residual = [torch.zeros_like(a) for a in self._anchors]
+            else:
+                sent = [torch.add(d, r.to(d.device)) for d, r in zip(deltas, self.residual)]
         tokens = self._island_sum(float(self.round_tokens))
         step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
         header = {"round": self.round, "tokens": tokens, "steps": self.round_steps, "step_seconds": step_seconds,
@@ -537,7 +550,7 @@ class IslandStrategy(FSDP2Strategy):
             # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
             return {}
-        grads, metrics = self._exchange(deltas, headers, coefs)
+        grads, metrics = self._exchange(sent, delta_sq, headers, coefs)
         next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
         for p, a in zip(self._params, self._anchors):
@@ -624,30 +637,35 @@ class IslandStrategy(FSDP2Strategy):
                 raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")
         return headers
 
-    def _exchange(self, deltas: Sequence[Tensor], headers: Sequence[dict[str, Any]],
+    def _exchange(self, sent: Sequence[Tensor], delta_sq: float, headers: Sequence[dict[str, Any]],
                   coefs: dict[str, list[Tensor]]) -> tuple[list[Tensor], dict[str, float]]:
         """Every rank: the merged pseudo-gradient's part for this rank's shards (the outer step's
-        gradients), one chunk of the flat vector at a time; the round's metrics on the leader."""
+        gradients), one chunk of the flat vector at a time, from this rank's shards of what the
+        island sends (``sent``: the pseudo-gradient plus the error-feedback residual); the new
+        residual goes back to the ranks the same way. The round's metrics on the leader."""
         assert self.layout is not None
         weights = [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
-        stats = RoundStats(len(headers))
+        stats = RoundStats(len(headers), delta_sq)
         link_sums = {key: 0.0 for key in self.totals}
         chunks = outer.chunk_bounds(self.layout.numel, self.exchange_chunk)
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
         into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in self._anchors]
         for start, stop in chunks:
-            part = self.layout.gather_to_leader(deltas, self._params, self.root_device, self._exchange_device(),
+            part = self.layout.gather_to_leader(sent, self._params, self.root_device, self._exchange_device(),
                                                 start, stop)
             box: dict[str, Tensor] = {}
 
             def leader_chunk(part: Tensor | None = part, start: int = start, box: dict[str, Tensor] = box) -> None:
                 assert part is not None
-                box["merged"] = self._exchange_chunk(part, start, weights, coefs, stats, link_sums)
+                box["merged"], box["residual"] = self._exchange_chunk(part, start, weights, coefs, stats, link_sums)
 
             self._agree(leader_chunk)
             del part, leader_chunk  # the leader's copies of this chunk go before the next one's
             got = self.layout.scatter_from_leader(box.pop("merged", None), self._params, self.root_device, start,
                                                   stop, into=into)
+            if self.residual is not None:
+                self.layout.scatter_from_leader(box.pop("residual", None), self._params, self.root_device, start,
+                                                stop, into=self.residual)
         grads = [g.to(a.device) for g, a in zip(got, self._anchors)]
         if not self.is_leader:
             return grads, {}
@@ -659,15 +677,13 @@ class IslandStrategy(FSDP2Strategy):
         return grads, metrics
 
     def _exchange_chunk(self, part: Tensor, start: int, weights: Sequence[float], coefs: dict[str, list[Tensor]],
-                        stats: RoundStats, link_sums: dict[str, float]) -> Tensor:
-        """Leader only: quantize this chunk once, exchange it, merge every island's in island order."""
-        assert self.layout is not None
-        ef = self.error_feedback
-        sent = ef.compensate(part, at=start, total=self.layout.numel) if ef is not None else part
-        payload = self.codec.encode(sent)
+                        stats: RoundStats, link_sums: dict[str, float]) -> tuple[Tensor, Tensor | None]:
+        """Leader only: quantize this chunk of what the island sends once, exchange it, merge every
+        island's in island order. Returns the merged chunk and, with error feedback, what
+        quantization dropped from it (the chunk of the next residual)."""
+        payload = self.codec.encode(part)
         own = self.codec.decode(payload)
-        if ef is not None:
-            ef.update(sent, own, at=start, total=self.layout.numel)
+        residual = torch.sub(part, own) if self.residual is not None else None
         decoded = [own]
         if self.link is not None:
             payloads = self.link.all_gather_bytes(payload)
@@ -679,8 +695,8 @@ class IslandStrategy(FSDP2Strategy):
                 link_sums[key] += getattr(link, key)
         merged = outer.merge(decoded, weights)
         self._merge_experts(merged, decoded, coefs, start)
-        stats.add(part, sent, own, payload.numel(), decoded, merged)
-        return merged
+        stats.add(part, own, payload.numel(), decoded, merged)
+        return merged, residual
 
     def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], coefs: dict[str, list[Tensor]],
                        start: int) -> None:
@@ -899,7 +915,8 @@ class IslandStrategy(FSDP2Strategy):
                 "stepped_batch": self._stepped_batch, "totals": dict(self.totals),
                 "steps_per_round": self.steps_per_round, "stopping": self._stopping,
                 "outer_steps": self.outer_opt.steps, "has_momentum": bool(self.outer_opt.buffers)
-                and all(b is not None for b in self.outer_opt.buffers), "island": self.island_index,
+                and all(b is not None for b in self.outer_opt.buffers), "has_residual": self.residual is not None,
+                "island": self.island_index,
                 "num_islands": self.num_islands,
                 "fingerprint": self.fingerprint() if self.layout is not None else None}
 
@@ -929,19 +946,36 @@ class IslandStrategy(FSDP2Strategy):
             state: dict[str, Any] = {"anchor": self._outer_dtensors(self._anchors)}
             if checkpoint["islands"]["has_momentum"]:
                 state["momentum"] = self._outer_dtensors(self.outer_opt.buffers)  # type: ignore[arg-type]
+            if self.residual is not None:
+                state["residual"] = self._outer_dtensors(self.residual)
             dcp_save(state, storage_writer=FileSystemWriter(path / _OUTER_DIR, overwrite=True))
-            if self.is_leader and self.error_feedback is not None:
-                torch.save(self.error_feedback.state_dict(), path / _EF_FILE)
             self.barrier()
 
-    def _load_outer(self, path: Path, like: Sequence[Tensor], momentum: bool) -> dict[str, Any]:
+    def _load_outer(self, path: Path, like: Sequence[Tensor], momentum: bool, residual: bool = False) -> dict[str, Any]:
         from torch.distributed.checkpoint import load as dcp_load
 
         state: dict[str, Any] = {"anchor": self._outer_dtensors([t.detach().float().clone() for t in like])}
-        if momentum:
-            state["momentum"] = self._outer_dtensors([torch.zeros_like(t, dtype=torch.float32) for t in like])
+        for key, wanted in (("momentum", momentum), ("residual", residual)):
+            if wanted:
+                state[key] = self._outer_dtensors([torch.zeros_like(t, dtype=torch.float32) for t in like])
         dcp_load(state, checkpoint_id=path / _OUTER_DIR)
         return state
+
+    def _load_leader_residual(self, path: Path) -> list[Tensor] | None:
+        """This rank's shards of the whole residual that an older checkpoint's leader saved
+        (``islands_error_feedback.pt``), or None if it holds none."""
+        assert self.layout is not None
+        found = self.broadcast((path / _EF_FILE).exists() if self.is_leader else False)
+        if not found:
+            return None
+        full = torch.load(path / _EF_FILE, weights_only=True)["residual"]
+        if full is None:
+            return None
+        if full.numel() != self.layout.numel:
+            raise ValueError(f"{path / _EF_FILE} holds a residual of {full.numel()} values but the model has "
+                             f"{self.layout.numel}; resume with the model that saved it")
+        return [self.layout.shard_of(full.reshape(-1), i, p).to(a.device).clone()
+                for i, (p, a) in enumerate(zip(self._params, self._anchors))]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -973,7 +1007,8 @@ class IslandStrategy(FSDP2Strategy):
                 f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
                 f"{self.island_index} of {self.num_islands}; give each island its own checkpoint (resume=[...])"
             )
-        state = self._load_outer(path, self._anchors, meta["has_momentum"])
+        has_residual = bool(meta.get("has_residual")) and self.use_error_feedback
+        state = self._load_outer(path, self._anchors, meta["has_momentum"], has_residual)
         assert self.layout is not None
         for a, e in zip(self._anchors, self.layout.entries):
             a.copy_(local_view(state["anchor"][e.name]))
@@ -981,8 +1016,12 @@ class IslandStrategy(FSDP2Strategy):
             self.outer_opt.buffers = [local_view(state["momentum"][e.name]).to(a.device).clone()
                                       for e, a in zip(self.layout.entries, self._anchors)]
         self.outer_opt.steps = meta["outer_steps"]
-        if self.error_feedback is not None and self.is_leader and (path / _EF_FILE).exists():
-            self.error_feedback.load_state_dict(torch.load(path / _EF_FILE, weights_only=True))
+        self.residual = None
+        if has_residual:
+            self.residual = [local_view(state["residual"][e.name]).to(a.device).clone()
+                             for e, a in zip(self.layout.entries, self._anchors)]
+        elif self.use_error_feedback:
+            self.residual = self._load_leader_residual(path)
         self.round, self.inner_steps, self.round_steps = meta["round"], meta["inner_steps"], meta["round_steps"]
         self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
         self.total_tokens = meta["total_tokens"]

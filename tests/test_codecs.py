@@ -1085,35 +1085,6 @@ def test_error_feedback_state_roundtrip_and_reset():
         ef.load_state_dict({})
 
 
-def test_error_feedback_a_chunk_at_a_time_equals_the_whole_vector():
-    """A round that compensates and stores its residual chunk by chunk (the strategy's chunked
-    exchange) carries the same residual, bit for bit, as one that does it for the whole vector."""
-    codec = make_codec("int2")
-    g = torch.Generator().manual_seed(5)
-    whole, chunked = ErrorFeedback(), ErrorFeedback()
-    n, bounds = 10_000, [(0, 4096), (4096, 8192), (8192, 10_000)]
-    for _ in range(3):
-        x = torch.randn(n, generator=g)
-        c = whole.compensate(x)
-        whole.update(c, codec.decode(codec.encode(c)))
-        for a, b in bounds:
-            part = chunked.compensate(x[a:b], at=a, total=n)
-            chunked.update(part, codec.decode(codec.encode(part)), at=a, total=n)
-        assert torch.equal(chunked.residual, whole.residual)
-    with pytest.raises(ValueError, match="range"):
-        chunked.compensate(torch.randn(10), at=n - 5, total=n)
-    with pytest.raises(ValueError, match="reset"):
-        chunked.compensate(torch.randn(10), at=0, total=n + 1)  # a residual of another model
-    with pytest.raises(ValueError, match="outside"):
-        chunked.update(torch.zeros(10), torch.zeros(10), at=n - 5, total=n)
-    # a residual loaded from a checkpoint (on the host) is taken over when a chunk updates it
-    restored = ErrorFeedback()
-    restored.load_state_dict(whole.state_dict())
-    restored.update(torch.ones(4096, dtype=torch.float64), torch.zeros(4096, dtype=torch.float64), at=0, total=n)
-    assert restored.residual.dtype == torch.float64
-    assert torch.equal(restored.residual[4096:], whole.residual[4096:].double())
-
-
 def test_default_error_feedback():
     for spec in ["int4", "int2", "int4/64", "sign", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
         assert default_error_feedback(spec) is True, spec

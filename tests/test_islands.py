@@ -279,12 +279,13 @@ def test_every_codec_keeps_global_state_bit_identical(tmp_path, codec):
 def test_a_round_exchanged_in_chunks_equals_one_exchanged_whole(tmp_path):
     # 9,002 values in chunks of 2,048 (1/128 MiB): the 5 chunk boundaries cut through parameters and
     # through the two ranks' shards of island 0. With int4 (whole blocks and packing groups per chunk)
-    # and error feedback, every island must compute the same global state as with one chunk, bit for bit.
+    # and error feedback (each rank's shards of the residual come back chunk by chunk), every island
+    # must compute the same global state as with one chunk, bit for bit.
     runs = {}
     for name, mib in (("whole", 0), ("chunked", 2048 / (1 << 18))):
         out = tmp_path / name
         launch([2, 1], ["islands_regression.py", "--out", out, "--steps", 8, "--H", 2, "--codec", "int4",
-                        "--hidden", 1000, "--exchange-chunk-mib", mib], out / "logs")
+                        "--inner", "adamw", "--hidden", 1000, "--exchange-chunk-mib", mib], out / "logs")
         runs[name] = assert_islands_equal(out, 4)
     for r in range(1, 5):
         whole, chunked = runs["whole"][0][r], runs["chunked"][0][r]
@@ -366,6 +367,24 @@ def test_where_the_leader_runs_the_exchange(devices, outer_device, expected):
     strategy.cluster_environment = env
     strategy.parallel_devices = [torch.device(d) for d in devices]
     assert strategy._exchange_device() == torch.device(expected)
+
+
+def test_a_residual_saved_whole_by_an_older_leader_is_cut_into_this_ranks_shards(tmp_path):
+    # checkpoints from before the chunked exchange hold the leader's whole residual in one file
+    from lightning_islands.canonical import CanonicalLayout
+    from lightning_islands.strategy import _EF_FILE
+
+    strategy = IslandStrategy(sync_every=2, codec="int4")
+    params = [torch.zeros(3, 2), torch.zeros(4)]
+    strategy._params, strategy._anchors = params, [torch.zeros_like(p) for p in params]
+    strategy.layout = CanonicalLayout([("w", params[0]), ("b", params[1])])
+    assert strategy._load_leader_residual(tmp_path) is None  # no file: no residual
+    torch.save({"residual": torch.arange(10.0)}, tmp_path / _EF_FILE)
+    shards = strategy._load_leader_residual(tmp_path)
+    assert torch.equal(shards[0], torch.arange(6.0).view(3, 2)) and torch.equal(shards[1], torch.arange(6.0, 10.0))
+    torch.save({"residual": torch.arange(11.0)}, tmp_path / _EF_FILE)
+    with pytest.raises(ValueError, match="residual of 11 values but the model has 10"):
+        strategy._load_leader_residual(tmp_path)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,17 +9,17 @@ import torch
 
 from lightning_islands import outer
 from lightning_islands.codecs import make_codec, quantization_error
-from lightning_islands.roundstats import RoundStats
+from lightning_islands.roundstats import RoundStats, sum_sq
 
 
 def _round(bounds, delta, others, codec):
-    stats = RoundStats(1 + len(others))
+    stats = RoundStats(1 + len(others), sum_sq([delta[:100], delta[100:]]))
     for a, b in bounds:
         sent = delta[a:b] + 0.5
         payload = codec.encode(sent)
         own = codec.decode(payload)
         decoded = [own] + [o[a:b] for o in others]
-        stats.add(delta[a:b], sent, own, payload.numel(), decoded, outer.merge(decoded, [1.0] * len(decoded)))
+        stats.add(sent, own, payload.numel(), decoded, outer.merge(decoded, [1.0] * len(decoded)))
     return stats
 
 
@@ -51,14 +51,14 @@ def test_chunked_sums_give_the_whole_vector_metrics():
 
 
 def test_one_island_and_zero_vectors():
-    stats = RoundStats(1)
+    stats = RoundStats(1, 0.0)
     z = torch.zeros(8)
-    stats.add(z, z, z, 40, [z], z)
+    stats.add(z, z, 40, [z], z)
     assert stats.cosine() == 1.0
     m = stats.metrics()
     assert m["islands/quant_rel_error"] == 0.0 and m["islands/pseudo_grad_norm"] == 0.0
-    stats.add(z, z, torch.ones(8), 40, [z], z)  # something decoded from nothing: an infinite error
+    stats.add(z, torch.ones(8), 40, [z], z)  # something decoded from nothing: an infinite error
     assert math.isinf(stats.metrics()["islands/quant_rel_error"])
-    pair = RoundStats(2)
-    pair.add(z, z, z, 40, [z, torch.ones(8)], z)
+    pair = RoundStats(2, 0.0)
+    pair.add(z, z, 40, [z, torch.ones(8)], z)
     assert pair.cosine() == 0.0

@@ -26,59 +26,33 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self.residual: Tensor | None = None
 
-    def compensate(self, x: Tensor, at: int = 0, total: int | None = None) -> Tensor:
-        """``x + residual`` (a new tensor); ``x`` itself while there is no residual yet.
-
-        ``at`` and ``total``: ``x`` is the range ``[at, at + numel)`` of a vector of ``total``
-        values (default: ``x`` is the whole vector), when a round compensates its pseudo-gradient
-        a chunk at a time.
-        """
+    def compensate(self, x: Tensor) -> Tensor:
+        """``x + residual`` (a new tensor); ``x`` itself while there is no residual yet."""
         if self.residual is None:
             return x
-        r, n = self.residual, x.numel()
-        if total is None:
-            if r.shape != x.shape:
-                raise ValueError(f"error-feedback residual has shape {tuple(r.shape)} but the pseudo-gradient "
-                                 f"has shape {tuple(x.shape)}; call reset() after changing the model")
-            return x + r.to(device=x.device, dtype=x.dtype)
-        if r.numel() != total or not 0 <= at <= at + n <= total:
-            raise ValueError(f"error-feedback residual has {r.numel()} values but the pseudo-gradient is the "
-                             f"range [{at}, {at + n}) of {total}; call reset() after changing the model")
-        return x + r.view(-1)[at : at + n].view(x.shape).to(device=x.device, dtype=x.dtype)
+        if self.residual.shape != x.shape:
+            raise ValueError(
+                f"error-feedback residual has shape {tuple(self.residual.shape)} but the pseudo-gradient "
+                f"has shape {tuple(x.shape)}; call reset() after changing the model"
+            )
+        return x + self.residual.to(device=x.device, dtype=x.dtype)
 
-    def update(self, compensated: Tensor, decoded: Tensor, at: int = 0, total: int | None = None) -> None:
-        """Store ``compensated - decoded`` as the residual for the next round.
-
-        ``at`` and ``total``: ``compensated`` is the range ``[at, at + numel)`` of a vector of
-        ``total`` values (default: the whole vector); the residual holds the whole vector, zeros
-        where no range has been stored yet.
-        """
+    def update(self, compensated: Tensor, decoded: Tensor) -> None:
+        """Store ``compensated - decoded`` as the residual for the next round."""
         if compensated.shape != decoded.shape:
             raise ValueError(
                 f"shape mismatch: compensated {tuple(compensated.shape)} vs decoded {tuple(decoded.shape)}"
             )
-        n = compensated.numel()
-        total = n if total is None else total
-        if at < 0 or at + n > total:
-            raise ValueError(f"range [{at}, {at + n}) is outside a vector of {total} values")
-        whole = (at, n) == (0, total)
-        r = self.residual
-        if r is not None and r.numel() == total and r.device == compensated.device and r.dtype == compensated.dtype:
-            if whole and r.shape == compensated.shape and r.data_ptr() not in (compensated.data_ptr(),
-                                                                              decoded.data_ptr()):
-                torch.sub(compensated, decoded, out=r)
-                return
-            if not whole:
-                torch.sub(compensated.reshape(-1), decoded.reshape(-1), out=r.view(-1)[at : at + n])
-                return
-        if whole:
+        if (
+            self.residual is not None
+            and self.residual.shape == compensated.shape
+            and self.residual.device == compensated.device
+            and self.residual.dtype == compensated.dtype
+            and self.residual.data_ptr() not in (compensated.data_ptr(), decoded.data_ptr())
+        ):
+            torch.sub(compensated, decoded, out=self.residual)
+        else:
             self.residual = compensated - decoded
-            return
-        residual = torch.zeros(total, dtype=compensated.dtype, device=compensated.device)
-        if r is not None and r.numel() == total:
-            residual.copy_(r.reshape(-1))
-        torch.sub(compensated.reshape(-1), decoded.reshape(-1), out=residual[at : at + n])
-        self.residual = residual
 
     def reset(self) -> None:
         """Drop the residual (e.g. after a model change or a divergence restart)."""

@@ -188,8 +188,7 @@ def main() -> None:
             torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
                         "inner_steps": s.inner_steps, "initial_state_broadcast": s.initial_state_broadcast,
                         "buffers": {n: b.detach().cpu().clone() for n, b in s.lightning_module.named_buffers()},
-                        "ef_device": str(s.error_feedback.residual.device)
-                        if s.error_feedback is not None and s.error_feedback.residual is not None else None},
+                        "ef_device": str(s.residual[0].device) if s.residual else None},
                        out / f"island{s.island_index}_round{s.round}.pt")
 
     strategy.round_callbacks.append(save_round)
