@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -81,12 +82,18 @@ class RunRecord:
         return d
 
 
+def _natural_key(path: Path) -> list[tuple[int, int | str]]:
+    """Sort key that orders digit runs by value: a multirun's job 2 before job 10."""
+    return [(0, int(tok)) if tok.isdigit() else (1, tok) for tok in re.split(r"(\d+)", str(path)) if tok]
+
+
 def find_summaries(runs_dir: str | Path) -> list[Path]:
-    """Every ``summary.json`` under ``runs_dir`` (recursively), sorted by path."""
+    """Every ``summary.json`` under ``runs_dir`` (recursively), sorted by path (numbers by value,
+    so a multirun's jobs come in job order)."""
     root = Path(runs_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a folder")
-    return sorted(root.rglob("summary.json"))
+    return sorted(root.rglob("summary.json"), key=_natural_key)
 
 
 def _members(job: Any, strategy: str) -> tuple[str, int | None]:

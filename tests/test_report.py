@@ -288,3 +288,11 @@ def test_quality_benchmark_compares_each_seed_with_its_own_baselines():
     assert row["vs_centralized_mean"] == pytest.approx(1.025)
     assert (row["val_loss_min"], row["val_loss_max"]) == (2.1, 2.2)
     assert "islands_H10_int4 | 2 | 2.1500 (2.1000 – 2.2000) | 1.025 (1.000 – 1.050)" in md
+
+
+def test_a_multiruns_jobs_are_found_in_job_order(tmp_path):
+    for job in ("10", "2", "1"):
+        (tmp_path / "multirun_2026-12-01_04-46-25" / job).mkdir(parents=True)
+        (tmp_path / "multirun_2026-12-01_04-46-25" / job / "summary.json").write_text("{}")
+    found = [p.parent.name for p in report.find_summaries(tmp_path)]
+    assert found == ["1", "2", "10"]
