@@ -3,8 +3,9 @@
 Islands shard the same parameters differently (2 ranks here, 1 there). They meet in this layout:
 gather the local shards of the island into the full flat vector, and cut the island's own shards
 back out of a full flat vector. Each round's exchange gathers to the island's leader and scatters
-from it (:meth:`CanonicalLayout.gather_to_leader`, :meth:`CanonicalLayout.scatter_from_leader`),
-so that only the leader ever holds the whole vector. Only torch.distributed and DTensor plumbing
+from it (:meth:`CanonicalLayout.gather_to_leader`, :meth:`CanonicalLayout.scatter_from_leader`), a
+range of the flat vector at a time, so that only the leader holds values beyond its own shards,
+and only those of the range. Only torch.distributed and DTensor plumbing
 lives here.
 """
 
@@ -203,8 +204,9 @@ class CanonicalLayout:
         ``flat``, that only the island's rank 0 holds (``None`` elsewhere). The leader sends each
         rank only its own part, one rank at a time from a reused buffer.
 
-        ``into``: tensors shaped like this rank's shards to write the range's values into (the rest
-        is left as it is); returned. Needed for a partial range. A collective inside the island:
+        ``into``: tensors shaped like this rank's shards (any device and float dtype) to write the
+        range's values into, the rest left as it is; they are returned instead. Needed for a
+        partial range. A collective inside the island:
         every rank must call it, with the same range."""
         start, stop = self._range(start, stop)
         if into is None and (start, stop) != (0, self.numel):

@@ -9,23 +9,36 @@ values come out as if taken over the whole vector (up to float64 rounding). Plai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+_SLAB = 1 << 20  # values per float64 temporary: the sums never copy a whole chunk to float64
+
+
+def _slabs(*tensors: Tensor) -> Iterator[list[Tensor]]:
+    """Matching float64 slabs of flat views of ``tensors`` (all of one length), on the first's device."""
+    flat = [t.detach().reshape(-1) for t in tensors]
+    for s in range(0, flat[0].numel(), _SLAB):
+        yield [f[s : s + _SLAB].to(device=flat[0].device, dtype=torch.float64) for f in flat]
+
 
 def _sq(t: Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach().to(torch.float64)) ** 2)
+    return math.fsum(float(torch.dot(a, a)) for (a,) in _slabs(t))
+
+
+def _dot(a: Tensor, b: Tensor) -> float:
+    return math.fsum(float(torch.dot(x, y)) for x, y in _slabs(a, b))
+
+
+def _diff_sq(a: Tensor, b: Tensor) -> float:
+    return math.fsum(_sq(x - y) for x, y in _slabs(a, b))
 
 
 def sum_sq(tensors: Sequence[Tensor]) -> float:
     """The squared L2 norm of the concatenation of ``tensors`` (float64 sums)."""
     return math.fsum(_sq(t) for t in tensors)
-
-
-def _dot(a: Tensor, b: Tensor) -> float:
-    return float(torch.dot(a.detach().reshape(-1).double(), b.detach().reshape(-1).to(a.device).double()))
 
 
 class RoundStats:
@@ -50,7 +63,7 @@ class RoundStats:
         self.numel += sent.numel()
         self.payload_bytes += int(payload_bytes)
         self.sent_sq += _sq(sent)
-        self.error_sq += _sq(sent.detach().to(torch.float64) - own.detach().to(device=sent.device, dtype=torch.float64))
+        self.error_sq += _diff_sq(sent, own)
         self.merged_sq += _sq(merged)
         for i, d in enumerate(decoded):
             self.decoded_sq[i] += _sq(d)

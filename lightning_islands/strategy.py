@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +52,6 @@ from lightning_islands.transport import (
 )
 
 _OUTER_DIR = "islands_outer"
-_PACK_GROUP = 2048  # values per packing group of the sub-byte codecs (lightning_islands.codecs.packing)
 _EF_FILE = "islands_error_feedback.pt"  # the leader's whole residual, as checkpoints before chunking saved it
 
 
@@ -208,8 +206,8 @@ class IslandStrategy(FSDP2Strategy):
         self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum,
                                         nesterov=nesterov and outer_momentum > 0)
         self.codec = make_codec(codec, block_size=block_size)
-        # whole blocks and whole packing groups per chunk: a chunked round encodes what one chunk would
-        self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, math.lcm(block_size, _PACK_GROUP))
+        # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
+        self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, self.codec.alignment)
         self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
         self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
         self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
@@ -968,7 +966,7 @@ class IslandStrategy(FSDP2Strategy):
         found = self.broadcast((path / _EF_FILE).exists() if self.is_leader else False)
         if not found:
             return None
-        full = torch.load(path / _EF_FILE, weights_only=True)["residual"]
+        full = torch.load(path / _EF_FILE, map_location="cpu", weights_only=True)["residual"]
         if full is None:
             return None
         if full.numel() != self.layout.numel:

@@ -1085,6 +1085,26 @@ def test_error_feedback_state_roundtrip_and_reset():
         ef.load_state_dict({})
 
 
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "fp8", "int8/96", "int4/100", "int2", "sign/64", "topk:0.1+int4/96"])
+def test_pieces_at_the_alignment_decode_to_what_the_whole_vector_does(spec):
+    # the islands' chunked exchange cuts its vector at multiples of the codec's alignment
+    codec = make_codec(spec)
+    g = torch.Generator().manual_seed(9)
+    n = 3 * codec.alignment + 777
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)
+    whole = codec.decode(codec.encode(x))
+    bounds = [0, codec.alignment, 3 * codec.alignment, n]
+    pieces = torch.cat([codec.decode(codec.encode(x[a:b])) for a, b in zip(bounds, bounds[1:])])
+    if spec.startswith("topk"):  # it keeps its fraction of each piece
+        assert codec.alignment == make_codec("int4/96").alignment
+        return
+    assert torch.equal(pieces, whole)
+    if codec.alignment > 1:  # and a cut inside a block (or packing group) changes what is sent
+        cut = codec.alignment // 2 + 1
+        shifted = torch.cat([codec.decode(codec.encode(x[:cut])), codec.decode(codec.encode(x[cut:]))])
+        assert not torch.equal(shifted, whole)
+
+
 def test_default_error_feedback():
     for spec in ["int4", "int2", "int4/64", "sign", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
         assert default_error_feedback(spec) is True, spec

@@ -112,6 +112,14 @@ class Codec:
             raise ValueError(f"n must be >= 0, got {n}")
         return HEADER_BYTES + self._body_nbytes(n)
 
+    @property
+    def alignment(self) -> int:
+        """Values per unit of the encoding: a vector encoded in pieces that start at multiples of
+        this many values decodes to the same values as the vector encoded whole (1 for an
+        element-wise codec; whole blocks, and packing groups, for a blockwise one). Top-k selects
+        within each piece regardless; its alignment is its quantizer's."""
+        return 1
+
     def spec(self) -> dict[str, Any]:
         """Everything that determines the wire format, for run fingerprints."""
         return {

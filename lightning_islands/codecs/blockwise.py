@@ -236,6 +236,11 @@ class BlockCodec(Codec):
         """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
         return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
+    @property
+    def alignment(self) -> int:
+        """Whole blocks and (packed values) whole packing groups: see :attr:`Codec.alignment`."""
+        return self._native_unit()
+
     def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> tuple[bool, int | None]:
         """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
         the kernels did not take it)``; ``(False, None)`` (nothing done) to use the torch path."""

@@ -53,6 +53,11 @@ class TopKCodec(Codec):
         frac_text = _fmt_fraction(frac)
         self.name = f"topk:{frac_text}" if isinstance(inner, Float32Codec) else f"topk:{frac_text}+{inner.name}"
 
+    @property
+    def alignment(self) -> int:
+        """The quantizer's (see :attr:`Codec.alignment`)."""
+        return self.inner.alignment
+
     def _count(self, n: int) -> int:
         return min(n, ceil_div(n * self.fraction.numerator, self.fraction.denominator))
 
