@@ -149,12 +149,6 @@ class CanonicalLayout:
         call it, with the same range."""
         start, stop = self._range(start, stop)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1:
-            if (start, stop) == (0, self.numel):
-                return self.gather(locals_, params).to(out_device or device)
-            from torch.distributed.tensor import DTensor
-
-            locals_ = [loc.to_local() if isinstance(loc, DTensor) else loc for loc in locals_]
         rank = dist.get_rank() if world > 1 else 0
         pieces = self._pieces(params, world, replicated_to_all=False)
         out_device, device = out_device or device, self._transfer_device(device) if world > 1 else device
@@ -165,25 +159,26 @@ class CanonicalLayout:
                               for (i, local), (_, n) in zip(held, pieces[rank]) if local.numel() != n), None), device)
         parts = [self._clip(ps, start, stop) for ps in pieces]
         sizes = [sum(n for *_, n in ps) for ps in parts]
-        mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
-        at = 0
-        for k, local_at, _, n in parts[rank]:
-            mine[at : at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
-            at += n
         if rank != 0:
+            mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
+            at = 0
+            for k, local_at, _, n in parts[rank]:
+                mine[at : at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
+                at += n
             if sizes[rank]:  # every rank knows every size: nothing is sent for empty parts
                 dist.send(mine, dst=0)
             return None
         full = torch.empty(stop - start, dtype=torch.float32, device=out_device)
-        buf = torch.empty(max(sizes), dtype=torch.float32, device=device)
-        for r, ps in enumerate(parts):
-            src = mine
-            if r:
-                src = buf[: sizes[r]]
-                if sizes[r]:
-                    dist.recv(src, src=r)
+        for k, local_at, range_at, n in parts[0]:  # the leader's own part, straight into place
+            full[range_at : range_at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
+        buf = torch.empty(max(sizes[1:], default=0), dtype=torch.float32, device=device)
+        for r in range(1, world):
+            if not sizes[r]:
+                continue
+            src = buf[: sizes[r]]
+            dist.recv(src, src=r)
             at = 0
-            for _, _, range_at, n in ps:
+            for _, _, range_at, n in parts[r]:
                 full[range_at : range_at + n].copy_(src[at : at + n])
                 at += n
         return full
