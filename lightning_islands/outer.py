@@ -63,19 +63,16 @@ def expert_coefficients(counts: Sequence[Sequence[float]]) -> list[Tensor]:
 
 def merge_experts(deltas: Sequence[Tensor], coefs: Sequence[Tensor]) -> Tensor:
     """Merge one expert parameter ``[n_experts, ...]`` with per-expert coefficients, in island order."""
-    out: Tensor | None = None
-    for delta, c in zip(deltas, coefs):
-        shape = (delta.shape[0],) + (1,) * (delta.dim() - 1)
-        term = torch.mul(delta, c.to(delta.device).view(shape))
-        out = term if out is None else out.add_(term)
-    assert out is not None
-    return out
+    shape = deltas[0].shape
+    row_numel = max(1, deltas[0].numel() // max(1, shape[0]))
+    return merge_expert_rows([d.reshape(-1) for d in deltas], coefs, row_numel, 0).view(shape)
 
 
 def merge_expert_rows(deltas: Sequence[Tensor], coefs: Sequence[Tensor], row_numel: int, first: int) -> Tensor:
     """Merge a flat slice of one expert parameter ``[n_experts, ...]`` with per-expert coefficients,
     in island order: element ``first + j`` of the flattened parameter belongs to expert row
-    ``(first + j) // row_numel``. Bit-identical to :func:`merge_experts` on the same elements."""
+    ``(first + j) // row_numel``: what :func:`merge_experts` does to the whole parameter, so a
+    chunk of the flat vector merges exactly as the parameter would."""
     if row_numel < 1:
         raise ValueError(f"row_numel must be >= 1, got {row_numel}")
     n = deltas[0].numel()

@@ -629,7 +629,7 @@ class IslandStrategy(FSDP2Strategy):
             self.link.stats.seconds_waiting += time.perf_counter() - t0
         assert self.layout is not None
         by_name = {e.name: e for e in self.layout.entries}
-        for name in (headers[0]["experts"] or {}) if self.expert_weighting else {}:
+        for name in headers[0]["experts"] or {}:  # None without expert weighting
             coefs[name] = outer.expert_coefficients([h["experts"][name] for h in headers])
             if by_name[name].shape[0] != coefs[name][0].numel():
                 raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")

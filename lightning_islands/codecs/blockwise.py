@@ -87,7 +87,7 @@ class BlockCodec(Codec):
 
     def _slab_elems(self, device: torch.device, m: int) -> int:
         """Slab length: a multiple of the block size and (if packed) of the packing group."""
-        unit = self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
+        unit = self.alignment
         if device.type != "cpu":
             return max(unit, m)  # one slab: no cache blocking needed, fewer kernel launches
         return max(1, _CPU_SLAB_ELEMS // unit) * unit
@@ -232,14 +232,11 @@ class BlockCodec(Codec):
         for span, scale, packed, work in self._slabs(v.device, v.numel(), scales, values):
             self._encode_slab(v[span], scale, packed, work)
 
-    def _native_unit(self) -> int:
-        """Alignment of the ranges handed to the fused kernels: whole blocks and packing groups."""
-        return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
-
     @property
     def alignment(self) -> int:
-        """Whole blocks and (packed values) whole packing groups: see :attr:`Codec.alignment`."""
-        return self._native_unit()
+        """Whole blocks and (packed values) whole packing groups: see :attr:`Codec.alignment`. Also
+        the alignment of the slabs and of the ranges handed to the fused kernels."""
+        return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
     def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> tuple[bool, int | None]:
         """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
@@ -264,7 +261,7 @@ class BlockCodec(Codec):
             return False, None
         bsz, pack = self.block_size, self.pack
         failed, crc = run_checksummed(
-            vector.numel(), self._native_unit(), lambda s, e, c: call(lib, s, e, c),
+            vector.numel(), self.alignment, lambda s, e, c: call(lib, s, e, c),
             lambda s, e: (scales[s // bsz : ceil_div(e, bsz)], values[s // pack : ceil_div(e, pack)]))
         if any(failed):
             raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")

@@ -75,7 +75,7 @@ class SignCodec(BlockCodec):
         if device.type == "cpu":
             return super()._slab_elems(device, m)
         # GPUs: slabs of ~16M values bound the float64 temporaries of the scale tree (~0.5 GB)
-        unit = self._native_unit()
+        unit = self.alignment
         return max(1, (1 << 24) // unit) * unit
 
     def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
