@@ -10,6 +10,8 @@ see the same machine state), this measures:
 * ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header; on the fused
   CPU path this includes the CRC-32 the kernel threads take of each piece while it is in cache
   (``crc ms`` is one separate CRC-32 of the whole payload: what the torch path pays per direction);
+* ``2pass/copy`` (CUDA, blockwise codecs): ``kern`` with the Triton encoder reading the input twice
+  (``LI_TRITON_ONE_PASS=0``: block scales, then values) instead of once, side by side;
 * ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
   a machine without a C compiler (or a GPU without triton) runs, side by side with the fused kernels
   that the other columns use when available: the C kernels of ``lightning_islands/native.py`` on
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -45,7 +48,7 @@ import torch
 
 from lightning_islands import codecs as C
 from lightning_islands import native
-from lightning_islands.codecs import blockwise, checksum
+from lightning_islands.codecs import blockwise, checksum, paths
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
 
@@ -101,6 +104,15 @@ def _reference(fn) -> None:
         fn()
 
 
+def _two_pass(fn) -> None:
+    """``fn()`` with the Triton blockwise encoder in its two-pass form (scales, then values)."""
+    os.environ["LI_TRITON_ONE_PASS"] = "0"
+    try:
+        fn()
+    finally:
+        del os.environ["LI_TRITON_ONE_PASS"]
+
+
 def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> dict:
     codec = C.make_codec(spec, block_size=args.block_size)
     n = x.numel()
@@ -124,6 +136,9 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf)),
         "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf)),
     }
+    two_pass = isinstance(codec, blockwise.BlockCodec) and paths.triton_module(x) is not None
+    if two_pass:
+        ops["kern_enc_2pass"] = lambda: _two_pass(lambda: codec._encode_body(x, kbody))
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
@@ -155,6 +170,7 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "kernel_roundtrip_over_copy": over_copy("kern_enc", "kern_dec"),
         "alloc_roundtrip_over_copy": over_copy("enc_alloc", "dec_alloc"),
         "torch_roundtrip_over_copy": over_copy("enc_ref", "dec_ref"),
+        "kernel_two_pass_over_copy": over_copy("kern_enc_2pass", "kern_dec") if two_pass else None,
         "crc_ms": med["crc"] * 1e3,
     }
 
@@ -199,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     for spec in [s.strip() for s in args.codecs.split(",") if s.strip()]:
         results.append(bench_codec(spec, x, args, timed))
 
+    triton_columns = paths.triton_module(x) is not None
     cols = (
         f"{'codec':<20} {'B/elem':>7} {'ratio':>7} {'rel.err':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
         f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} "
-        f"{'torch rt/copy':>13} {'crc ms':>7}"
+        f"{'torch rt/copy':>13} {'crc ms':>7}" + (f" {'2pass/copy':>10}" if triton_columns else "")
     )
     print(cols)
     print("-" * len(cols))
@@ -214,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['kernel_roundtrip_over_copy']:>9.2f} {r['alloc_roundtrip_over_copy']:>10.2f} "
             f"{r['torch_roundtrip_over_copy']:>13.2f} "
             f"{r['crc_ms']:>7.2f}"
+            + (f" {r['kernel_two_pass_over_copy'] or float('nan'):>10.2f}" if triton_columns else "")
         )
 
     if device.type == "cuda":

@@ -40,13 +40,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["compile_ptx", "decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "ptx",
-           "scale_tiling"]
+__all__ = ["compile_ptx", "decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "one_pass_unit",
+           "ptx", "scale_tiling"]
 
 # Globals used inside kernels must be constexpr (compiled Triton refuses other globals).
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + _ROUND) - _ROUND rounds half to even for |t| < 2**22
 _SCALE_TILE = 2048  # elements per program of the scales kernel
+_UNIT_TARGET = 4096  # values per program of the one-pass encoder, at least
+_MAX_UNIT = 16384  # larger blocks take the two-pass encoder (a program holds a whole unit)
 
 
 def _block_scales(x_ptr, scale_ptr, inv_ptr, count, nblocks, qmax,  # noqa: ANN001, ANN202
@@ -87,15 +89,9 @@ def _group_layout(count, BITS: tl.constexpr, GROUP: tl.constexpr):  # noqa: ANN0
     return g, i, width, pos, (j < width) & (pos < start + size)
 
 
-def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
-                  BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
-                  GROUP: tl.constexpr):
-    """One packing group: quantize with the block multipliers and pack group-planar (codecs/wire.py)."""
-    PER: tl.constexpr = GROUP // (8 // BITS)
-    g, i, width, pos, valid = _group_layout(count, BITS, GROUP)
-    x = tl.load(x_ptr + pos, mask=valid, other=0.0)
-    r = tl.load(inv_ptr + pos // BLOCK, mask=valid, other=0.0)
-    t = x * r
+@triton.jit
+def _codes(t, i, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr):  # noqa: ANN001, ANN202
+    """The codes of scaled values ``t`` (``x * inv``), each in its bit field ``i`` of a packed byte."""
     if FP8:
         u = t.to(tl.uint32, bitcast=True)
         a = u & 0x7FFFFFFF
@@ -108,9 +104,44 @@ def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
             code = q & 0xFF
         else:
             code = (q + OFFSET) << (i * BITS)  # offset binary, bit field i
-    byte = tl.sum(code, axis=0)  # disjoint bit fields: the sum is their OR
+    return code
+
+
+def _encode_group(x_ptr, inv_ptr, out_ptr, count,  # noqa: ANN001, ANN202
+                  BLOCK: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """One packing group: quantize with the block multipliers and pack group-planar (codecs/wire.py)."""
+    PER: tl.constexpr = GROUP // (8 // BITS)
+    g, i, width, pos, valid = _group_layout(count, BITS, GROUP)
+    x = tl.load(x_ptr + pos, mask=valid, other=0.0)
+    r = tl.load(inv_ptr + pos // BLOCK, mask=valid, other=0.0)
+    byte = tl.sum(_codes(x * r, i, BITS, OFFSET, FP8), axis=0)  # disjoint bit fields: the sum is their OR
     jj = tl.arange(0, PER)
     tl.store(out_ptr + g * PER + jj, byte.to(tl.uint8), mask=jj < width)
+
+
+def _encode_units(x_ptr, scale_ptr, out_ptr, qmax,  # noqa: ANN001, ANN202
+                  BLOCK: tl.constexpr, UNIT: tl.constexpr, BITS: tl.constexpr, OFFSET: tl.constexpr,
+                  FP8: tl.constexpr, GROUP: tl.constexpr):
+    """One pass over one whole unit of ``UNIT`` values (whole blocks and whole packing groups, powers
+    of two): the block scales, then the values quantized with them and packed, from one read of
+    the input. The same operations as :func:`_block_scales` and :func:`_encode_group`, so the same
+    bytes; only whole units (a partial last group has another layout)."""
+    PACK: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = UNIT // BLOCK
+    u = tl.program_id(0).to(tl.int64)
+    x = tl.reshape(tl.load(x_ptr + u * UNIT + tl.arange(0, UNIT)), [NB, BLOCK])
+    amax = tl.max(tl.abs(x), axis=1)  # a max may drop NaNs: they go to nans
+    nans = tl.sum(tl.where(x != x, x, 0.0), axis=1)  # NaN if the block holds one, else +0.0
+    scale = tl.math.div_rn(amax, tl.full([NB], qmax, tl.float32)) + nans
+    inv = tl.minimum(tl.math.div_rn(tl.full([NB], 1.0, tl.float32), scale), _FLT_MAX)
+    tl.store(scale_ptr + u * NB + tl.arange(0, NB), scale)
+    # the unit as packing groups [groups, bit field i, byte j]: value i * (GROUP // PACK) + j of a
+    # group goes to bit field i of its byte j (group-planar, codecs/wire.py)
+    t = tl.reshape(x * inv[:, None], [UNIT // GROUP, PACK, GROUP // PACK])
+    i = tl.arange(0, PACK)[None, :, None]
+    byte = tl.sum(_codes(t, i, BITS, OFFSET, FP8), axis=1)  # disjoint bit fields: the sum is their OR
+    tl.store(out_ptr + u * (UNIT // PACK) + tl.arange(0, UNIT // PACK), tl.reshape(byte, [UNIT // PACK]).to(tl.uint8))
 
 
 def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
@@ -136,11 +167,13 @@ def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
     tl.store(out_ptr + pos, v * s, mask=valid)
 
 
-_SOURCES = {"scales": _block_scales, "encode": _encode_group, "decode": _decode_group}
+_SOURCES = {"scales": _block_scales, "encode": _encode_group, "units": _encode_units,
+            "decode": _decode_group}
 _SIGNATURES = {  # argument types, for compiling ahead of time (see :func:`ptx`)
     "scales": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "count": "i64", "nblocks": "i64",
                "qmax": "fp32"},
     "encode": {"x_ptr": "*fp32", "inv_ptr": "*fp32", "out_ptr": "*u8", "count": "i64"},
+    "units": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "qmax": "fp32"},
     "decode": {"val_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "count": "i64"},
 }
 
@@ -176,25 +209,54 @@ def offset(bits: int) -> int:
     return {4: 8, 2: 1}.get(bits, 0)
 
 
+def one_pass_unit(block: int, group: int) -> int | None:
+    """Values per program of the one-pass encoder for a block size: whole blocks and whole packing
+    groups, at least :data:`_UNIT_TARGET`; None where the block is not a power of two or larger
+    than :data:`_MAX_UNIT` (those blocks take the two-pass encoder). ``LI_TRITON_ONE_PASS=0``
+    switches the one-pass encoder off (the benchmark compares the two)."""
+    if os.environ.get("LI_TRITON_ONE_PASS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if block & (block - 1) or group & (group - 1) or block > _MAX_UNIT:
+        return None
+    return max(block, group, _UNIT_TARGET)
+
+
 def encode_blockwise(x: Tensor, scales: Tensor, values: Tensor, block: int, bits: int, fp8: bool,
                      qmax: float, group: int) -> None:
     """Write the block scales (fp32) and the packed values (uint8) of the flat fp32 ``x``.
 
     ``bits`` is 8, 4 or 2 (8 for fp8); ``group`` is the planar packing group (``codecs.PACK_GROUP``).
     A block holding a NaN gets a NaN scale (and an Inf an Inf scale), which the caller rejects.
+    Whole units of :func:`one_pass_unit` values are encoded in one pass over ``x``; the rest (a
+    partial last unit, or every value where the block size has no unit) reads ``x`` twice, once
+    for the scales and once for the values. Both give the same bytes.
     """
     count = x.numel()
     if count == 0:
         return
+    k = kernels()
+    unit = one_pass_unit(block, group)
+    done = count // unit * unit if unit else 0
+    with _on_device(x):
+        if done:
+            k.units[(done // unit,)](x, scales, values, float(qmax), BLOCK=block, UNIT=unit, BITS=bits,
+                                     OFFSET=offset(bits), FP8=fp8, GROUP=group, **_OPTIONS)
+        if done < count:
+            _encode_two_pass(k, x[done:], scales[done // block :], values[done // (8 // bits) :], block, bits, fp8,
+                             qmax, group)
+
+
+def _encode_two_pass(k: SimpleNamespace, x: Tensor, scales: Tensor, values: Tensor, block: int, bits: int,
+                     fp8: bool, qmax: float, group: int) -> None:
+    """The scales kernel, then the packing kernel: any block size, any length."""
+    count = x.numel()
     nblocks = -(-count // block)
     inv = torch.empty(nblocks, dtype=torch.float32, device=x.device)
     rows, chunk = scale_tiling(block)
-    k = kernels()
-    with _on_device(x):
-        k.scales[(math.ceil(nblocks / rows),)](x, scales, inv, count, nblocks, float(qmax),
-                                               BLOCK=block, ROWS=rows, CHUNK=chunk, **_OPTIONS)
-        k.encode[(math.ceil(count / group),)](x, inv, values, count, BLOCK=block, BITS=bits, OFFSET=offset(bits),
-                                              FP8=fp8, GROUP=group, **_OPTIONS)
+    k.scales[(math.ceil(nblocks / rows),)](x, scales, inv, count, nblocks, float(qmax),
+                                           BLOCK=block, ROWS=rows, CHUNK=chunk, **_OPTIONS)
+    k.encode[(math.ceil(count / group),)](x, inv, values, count, BLOCK=block, BITS=bits, OFFSET=offset(bits),
+                                          FP8=fp8, GROUP=group, **_OPTIONS)
 
 
 def decode_blockwise(values: Tensor, scales: Tensor, out: Tensor, block: int, bits: int, fp8: bool,

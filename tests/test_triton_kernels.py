@@ -122,6 +122,69 @@ print("warned", [str(w.message) for w in caught])
     assert expected in proc.stdout and "uses the slower torch path" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("one_pass", ["1", "0"])
+def test_the_one_pass_encoder_gives_the_reference_bytes(one_pass):
+    """Whole units (power-of-two blocks up to 16384 values, with a packing group or several per
+    unit, or several blocks per group) go through the one-pass encoder, the rest through the
+    two-pass one; on each codec's probe (ties, rounded ties, subnormal and near-overflow blocks),
+    whole and cut short, both give the torch path's bytes. A NaN or an Inf in a block shows in
+    that block's scale (the codec then refuses the input). ``LI_TRITON_ONE_PASS=0`` keeps every
+    value on the two-pass encoder."""
+    code = """
+import math, torch
+from lightning_islands import codec_probe, native, triton_kernels as tk
+from lightning_islands.codecs import PACK_GROUP, make_codec
+launched = []
+real = tk.kernels()
+class Spy:
+    def __init__(self, name):
+        self.name = name
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            launched.append(self.name)
+            return getattr(real, self.name)[grid](*args, **kwargs)
+        return launch
+spy = type("K", (), {n: Spy(n) for n in ("scales", "encode", "units", "decode")})()
+tk.kernels = lambda: spy
+for spec in ["int8/64", "int4", "int2/2048", "fp8/4096", "int4/16384", "int2/96", "int8/32768"]:
+    codec = make_codec(spec)
+    bits, block = int(codec.bits), codec.block_size
+    whole = codec_probe.probe(block, codec.qmax, codec.fp8)
+    for x in (whole, whole[: whole.numel() - 5]):
+        n = x.numel()
+        nb = -(-n // block)
+        scales = torch.empty(nb)
+        values = torch.empty(-(-n // codec.pack), dtype=torch.uint8)
+        launched.clear()
+        tk.encode_blockwise(x, scales, values, block, bits, codec.fp8, codec.qmax, PACK_GROUP)
+        ref = torch.zeros(4 * nb + values.numel(), dtype=torch.uint8)
+        with native.disabled():
+            codec._torch_encode(x, *codec._body_parts(ref, n))
+        assert torch.equal(scales.view(torch.uint8), ref[: 4 * nb]), spec
+        assert torch.equal(values, ref[4 * nb :]), spec
+        print(codec.name, n, tk.one_pass_unit(block, PACK_GROUP), sorted(set(launched)))
+    bad = torch.randn(5 * max(block, 16384))
+    bad[3 * block + 1], bad[2 * block + 7] = float("nan"), float("-inf")
+    scales = torch.empty(-(-bad.numel() // block))
+    tk.encode_blockwise(bad, scales, torch.empty(-(-bad.numel() // codec.pack), dtype=torch.uint8), block, bits,
+                        codec.fp8, codec.qmax, PACK_GROUP)
+    assert math.isnan(scales[3]) and scales[2] == math.inf and torch.isfinite(scales[4:]).all(), spec
+"""
+    proc = _python(code, LI_TRITON_ONE_PASS=one_pass)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 14, proc.stdout
+    for line in lines:
+        spec, n, unit = line.split()[:3]
+        block = int(spec.split("/")[1])
+        if one_pass == "0" or block in (96, 32768):
+            assert unit == "None" and "'units'" not in line, line
+            continue
+        assert int(unit) == max(4096, block), line
+        tail = int(n) % int(unit)
+        assert ("'units'" in line) == (int(n) >= int(unit)) and ("'scales'" in line) == (tail > 0), line
+
+
 def test_the_gpu_crc_kernel_gives_zlibs_crc32():
     """lightning_islands/triton_crc.py: the fold tree gives zlib's CRC-32 for lengths that fill,
     straddle and miss its groups, over one to six levels (small fan-ins make deep trees cheap under
@@ -192,6 +255,10 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
         const = {"BLOCK": block, "BITS": bits, "OFFSET": tk.offset(bits), "FP8": fp8, "GROUP": PACK_GROUP}
         programs[f"encode/{bits}/{fp8}/{block}"] = tk.ptx("encode", arch, **const)
         programs[f"decode/{bits}/{fp8}/{block}"] = tk.ptx("decode", arch, **const)
+    for (bits, fp8), block in zip(_VARIANTS, (4096, 128, 64, 16384)):
+        const = {"BLOCK": block, "UNIT": tk.one_pass_unit(block, PACK_GROUP), "BITS": bits, "OFFSET": tk.offset(bits),
+                 "FP8": fp8, "GROUP": PACK_GROUP}
+        programs[f"units/{bits}/{fp8}/{block}"] = tk.ptx("units", arch, **const)
     for name, text in programs.items():
         ops = [line.split()[0] for line in text.splitlines() if line.strip() and not line.strip().startswith("//")]
         float_ops = {op for op in ops if ".f32" in op or ".f16" in op}
@@ -199,7 +266,7 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
             name, sorted(float_ops))
         arithmetic = {op for op in float_ops if op.split(".")[0] in ("add", "sub", "mul", "div")}
         assert arithmetic and all(".rn." in op for op in arithmetic), (name, sorted(arithmetic))
-        if name.startswith("scales"):
+        if name.startswith(("scales", "units")):
             assert "div.rn.f32" in float_ops, sorted(float_ops)
 
 
@@ -245,10 +312,10 @@ def test_every_launch_switches_fp_fusion_off(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.name, kwargs))
 
-    fake = SimpleNamespace(**{name: Recorder(name) for name in ("scales", "encode", "decode")})
+    fake = SimpleNamespace(**{name: Recorder(name) for name in ("scales", "encode", "units", "decode")})
     monkeypatch.setattr(tk, "kernels", lambda: fake)
     x = torch.randn(5000)
     tk.encode_blockwise(x, torch.empty(40), torch.empty(2500, dtype=torch.uint8), 128, 4, False, 7.0, 2048)
     tk.decode_blockwise(torch.empty(2500, dtype=torch.uint8), torch.empty(40), x, 128, 4, False, 2048)
-    assert [name for name, _ in launches] == ["scales", "encode", "decode"]
+    assert [name for name, _ in launches] == ["units", "scales", "encode", "decode"]  # 4096 values in one pass
     assert all(kwargs.get("enable_fp_fusion") is False for _, kwargs in launches), launches
