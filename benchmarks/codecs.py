@@ -10,6 +10,8 @@ see the same machine state), this measures:
 * ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header; on the fused
   CPU path this includes the CRC-32 the kernel threads take of each piece while it is in cache
   (``crc ms`` is one separate CRC-32 of the whole payload: what the torch path pays per direction);
+* ``own/copy`` (CPU, where the fused kernels run on torch's OpenMP threads): the round trip with
+  the kernel calls on the library's own threads instead (``native.own_threads()``), side by side;
 * ``2pass/copy`` (CUDA, blockwise codecs): ``kern`` with the Triton encoder reading the input twice
   (``LI_TRITON_ONE_PASS=0``: block scales, then values) instead of once, side by side;
 * ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
@@ -104,6 +106,11 @@ def _reference(fn) -> None:
         fn()
 
 
+def _own_threads(fn) -> None:
+    with native.own_threads():
+        fn()
+
+
 def _two_pass(fn) -> None:
     """``fn()`` with the Triton blockwise encoder in its two-pass form (scales, then values)."""
     os.environ["LI_TRITON_ONE_PASS"] = "0"
@@ -139,6 +146,10 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
     two_pass = isinstance(codec, blockwise.BlockCodec) and paths.triton_module(x) is not None
     if two_pass:
         ops["kern_enc_2pass"] = lambda: _two_pass(lambda: codec._encode_body(x, kbody))
+    own = x.device.type == "cpu" and native.openmp()
+    if own:
+        ops["enc_own"] = lambda: _own_threads(lambda: codec.encode(x, out=pbuf))
+        ops["dec_own"] = lambda: _own_threads(lambda: codec.decode(payload, out=dbuf))
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
@@ -171,6 +182,7 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "alloc_roundtrip_over_copy": over_copy("enc_alloc", "dec_alloc"),
         "torch_roundtrip_over_copy": over_copy("enc_ref", "dec_ref"),
         "kernel_two_pass_over_copy": over_copy("kern_enc_2pass", "kern_dec") if two_pass else None,
+        "own_threads_roundtrip_over_copy": over_copy("enc_own", "dec_own") if own else None,
         "crc_ms": med["crc"] * 1e3,
     }
 
@@ -207,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
         f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
         f"scrub={args.scrub_mib} MiB "
-        f"fused_cpu_kernels={native.available()} crc32={checksum.IMPLEMENTATION} "
+        f"fused_cpu_kernels={native.available()} openmp={native.openmp()} crc32={checksum.IMPLEMENTATION} "
         f"triton={_triton_version()}"
     )
 
@@ -216,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_codec(spec, x, args, timed))
 
     triton_columns = paths.triton_module(x) is not None
+    own_columns = device.type == "cpu" and native.openmp()
     cols = (
         f"{'codec':<20} {'B/elem':>7} {'ratio':>7} {'rel.err':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
         f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} "
         f"{'torch rt/copy':>13} {'crc ms':>7}" + (f" {'2pass/copy':>10}" if triton_columns else "")
+        + (f" {'own/copy':>8}" if own_columns else "")
     )
     print(cols)
     print("-" * len(cols))
@@ -232,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['torch_roundtrip_over_copy']:>13.2f} "
             f"{r['crc_ms']:>7.2f}"
             + (f" {r['kernel_two_pass_over_copy'] or float('nan'):>10.2f}" if triton_columns else "")
+            + (f" {r['own_threads_roundtrip_over_copy']:>8.2f}" if own_columns else "")
         )
 
     if device.type == "cuda":
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_size": args.block_size,
         "format_version": C.FORMAT_VERSION,
         "fused_cpu_kernels": native.available(),
+        "kernels_on_torch_openmp": native.openmp(),
         "crc32": checksum.IMPLEMENTATION,
         "triton": _triton_version(),
         "triton_trusted": {f"{dev} {name}": ok for (dev, name), ok in blockwise.TRITON_TRUSTED.items()},

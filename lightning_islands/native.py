@@ -11,6 +11,11 @@ runs and cached under ``$LI_NATIVE_CACHE`` (default ``~/.cache/lightning_islands
 hash of the source, flags and machine, and written atomically so concurrent processes are safe.
 If there is no compiler (or ``LI_NATIVE=0``), the codecs use the torch path and say so once.
 Work is split across ``torch.get_num_threads()`` threads; ctypes releases the GIL during calls.
+Where torch computes with GNU OpenMP (libgomp, as the Linux wheels do), the library is built with
+``-fopenmp`` against that same runtime and :func:`run_jobs` runs the per-thread calls on torch's own
+OpenMP threads: they are still spinning from torch's last parallel operation, and threads of our
+own would have to wait for their cores. ``LI_NATIVE_OPENMP=0`` builds without it (the calls then
+run on :func:`thread_pool`, as they do where torch uses another runtime).
 """
 
 from __future__ import annotations
@@ -34,11 +39,13 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["available", "disabled", "enabled", "kernel_checksums", "library", "parallel_ranges", "ptr", "run_each",
-           "run_parallel", "run_ranges", "split", "thread_pool"]
+__all__ = ["Job", "available", "disabled", "enabled", "kernel_checksums", "library", "openmp", "own_threads",
+           "parallel_ranges", "ptr", "run_each", "run_jobs", "run_parallel", "run_ranges", "split", "thread_pool"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "liq_kernels.c"  # includes the other files of csrc/
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_OPENMP_FLAGS = ["-fopenmp"]
+_OPENMP_RUNTIME = "libgomp.so.1"  # the runtime -fopenmp links (GCC's); torch's Linux wheels load one of this name
 T = TypeVar("T")
 A = TypeVar("A")
 _I64, _I32, _U32, _P = ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p
@@ -62,15 +69,21 @@ _SIGNATURES = {
     "liq_streaming": [],
     "liq_crc32": [_U32, _P, _I64],
     "liq_crc_fast": [],
+    "liq_job_id": [ctypes.c_char_p],
+    "liq_run_jobs": [_P, _I64],
+    "liq_openmp": [],
 }
+Job = tuple[str, Sequence[int]]  #: a kernel call: the kernel's name and its arguments (ints: pointers, sizes)
 # these return an int64 count, liq_crc32 a CRC, the rest a status
 _RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_bits", "liq_topk_keep"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _fast_crc = False  # liq_crc_fast() of the loaded library
+_openmp = False  # liq_openmp() of the loaded library
+_job_ids: dict[str, int] = {}
 _tried = False
-_off = threading.local()  # .depth: nesting of disabled() in this thread
+_off = threading.local()  # .depth: nesting of disabled() in this thread; .own: of own_threads()
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 
@@ -82,10 +95,23 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _compile(compiler: str) -> Path:
+def _openmp_wanted() -> bool:
+    """Whether to build with OpenMP: GCC's runtime is already loaded in this process (by torch), so
+    the library shares torch's threads instead of bringing a second runtime, and
+    ``LI_NATIVE_OPENMP`` is not 0."""
+    if os.environ.get("LI_NATIVE_OPENMP", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        ctypes.CDLL(_OPENMP_RUNTIME, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only finds one already loaded
+    except (OSError, AttributeError):  # not loaded, or no RTLD_NOLOAD on this platform
+        return False
+    return True
+
+
+def _compile(compiler: str, flags: Sequence[str]) -> Path:
     source = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("*.[ch]")))
     key = hashlib.sha256(
-        source + " ".join(_FLAGS).encode() + platform.machine().encode() + platform.system().encode()
+        source + " ".join(flags).encode() + platform.machine().encode() + platform.system().encode()
         + compiler.encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"liq_kernels-{key}.so"
@@ -95,7 +121,7 @@ def _compile(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -108,7 +134,7 @@ def _compile(compiler: str) -> Path:
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, compiling it on first use; None if unavailable (see module doc)."""
-    global _lib, _tried, _fast_crc
+    global _lib, _tried, _fast_crc, _openmp
     if not enabled():
         return None
     if _tried:  # set only once _lib holds the outcome, so a caller racing the first compile waits below
@@ -118,6 +144,7 @@ def library() -> ctypes.CDLL | None:
             return _lib
         _lib = _load()
         _fast_crc = _lib is not None and bool(_lib.liq_crc_fast())
+        _openmp = _lib is not None and bool(_lib.liq_openmp())
         _tried = True
         return _lib
 
@@ -131,15 +158,21 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn(f"lightning_islands: no C compiler ({compiler!r}) found; codecs use the slower torch "
                       "path (install gcc, or set CC, to get the fused CPU kernels)", stacklevel=4)
         return None
-    try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        print(f"lightning_islands: fused codec kernels unavailable, using the torch path: {e}", file=sys.stderr)
-        return None
+    builds = [[*_FLAGS, *_OPENMP_FLAGS], _FLAGS] if _openmp_wanted() else [_FLAGS]
+    for i, flags in enumerate(builds):
+        try:
+            lib = ctypes.CDLL(str(_compile(compiler, flags)))
+            break
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            if i + 1 < len(builds):  # no OpenMP for this compiler: the kernels run on threads of our own
+                continue
+            print(f"lightning_islands: fused codec kernels unavailable, using the torch path: {e}", file=sys.stderr)
+            return None
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = args
-        fn.restype = _I64 if name in _RETURNS_COUNT else _U32 if name == "liq_crc32" else ctypes.c_int
+        fn.restype = (_I64 if name in _RETURNS_COUNT else _U32 if name == "liq_crc32"
+                      else None if name == "liq_run_jobs" else ctypes.c_int)
     return lib
 
 
@@ -158,6 +191,22 @@ def disabled() -> Iterator[None]:
 def enabled() -> bool:
     """False inside :func:`disabled` (in this thread): no fused kernels, CPU or GPU, are to be used."""
     return not getattr(_off, "depth", 0)
+
+
+@contextlib.contextmanager
+def own_threads() -> Iterator[None]:
+    """Within the block, :func:`run_jobs` in this thread runs its calls on :func:`thread_pool`
+    even where the library could run them on torch's OpenMP threads (to compare the two)."""
+    _off.own = getattr(_off, "own", 0) + 1
+    try:
+        yield
+    finally:
+        _off.own -= 1
+
+
+def openmp() -> bool:
+    """Whether :func:`run_jobs` runs on torch's OpenMP threads in this thread (see the module doc)."""
+    return library() is not None and _openmp and not getattr(_off, "own", 0)
 
 
 def kernel_checksums() -> bool:
@@ -212,6 +261,36 @@ def run_each(items: Sequence[A], call: Callable[[A], T]) -> list[T]:
     futures = [pool.submit(call, item) for item in items[1:]]
     first = call(items[0])
     return [first, *(f.result() for f in futures)]
+
+
+class _JobStruct(ctypes.Structure):
+    _fields_ = [("kernel", ctypes.c_int64), ("arg", ctypes.c_int64 * 9), ("result", ctypes.c_int64)]  # liq_job
+
+
+def _job_id(lib: ctypes.CDLL, name: str) -> int:
+    if name not in _job_ids:
+        kid = lib.liq_job_id(name.encode())
+        if kid < 0:
+            raise ValueError(f"{name} cannot run as a job (not in liq_job_names of csrc/liq_kernels.c)")
+        _job_ids[name] = kid
+    return _job_ids[name]
+
+
+def run_jobs(jobs: Sequence[Job]) -> list[int]:
+    """Run kernel calls ``(name, args)`` of the loaded library concurrently, one per thread; their
+    return values in order. On torch's OpenMP threads where :func:`openmp` says so (one foreign
+    call for all of them), else each on :func:`thread_pool` (the first on the calling thread)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("run_jobs needs the fused kernel library (see native.available())")
+    if not openmp() or len(jobs) <= 1:
+        return run_each(jobs, lambda job: int(getattr(lib, job[0])(*job[1])))
+    table = (_JobStruct * len(jobs))()
+    for slot, (name, args) in zip(table, jobs):
+        slot.kernel = _job_id(lib, name)
+        slot.arg[: len(args)] = [int(a) for a in args]
+    lib.liq_run_jobs(table, len(jobs))
+    return [slot.result for slot in table]
 
 
 def run_ranges(ranges: Sequence[tuple[int, int]], call: Callable[[int, int], T]) -> list[T]:

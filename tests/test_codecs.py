@@ -33,7 +33,6 @@ from lightning_islands.codecs import (
     default_error_feedback,
     elias_fano,
     make_codec,
-    paths,
     quantization_error,
     selection,
     wire,
@@ -919,6 +918,65 @@ def test_concurrent_first_use_waits_for_the_compile_and_disabled_is_per_thread(t
     assert "other thread while disabled here [True] this thread False" in proc.stdout, proc.stdout
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_the_kernels_run_on_torchs_own_openmp_runtime(tmp_path, setting):
+    """Where torch computes with GCC's OpenMP (libgomp, loaded by ``import torch``), the library is
+    built with -fopenmp against that same runtime: no second runtime is mapped, and the kernel
+    calls run on torch's thread team. ``LI_NATIVE_OPENMP=0`` builds without it; the payloads are
+    the same either way."""
+    code = ("import torch, hashlib; "
+            "gomp = lambda: sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l});"
+            "before = gomp(); from lightning_islands import native; from lightning_islands.codecs import make_codec;"
+            "torch.set_num_threads(3); x = torch.randn(3 << 17, generator=torch.Generator().manual_seed(5));"
+            "h = hashlib.sha256(); [h.update(make_codec(s).encode(x).numpy().tobytes()) "
+            "for s in ('int4', 'fp8', 'bf16', 'fp32', 'sign', 'topk:0.01+int2')];"
+            "print('runtime', bool(before), 'openmp', native.openmp(), 'same', gomp() == before, h.hexdigest())")
+    env = {**os.environ, "LI_NATIVE_CACHE": str(tmp_path), "LI_NATIVE_OPENMP": setting}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    runtime = "runtime True" in proc.stdout
+    assert f"openmp {runtime and setting == '1'} same True" in proc.stdout, proc.stdout
+    digests = {setting: proc.stdout.split()[-1]}
+    if setting == "1":  # the other build, same inputs: same bytes
+        env["LI_NATIVE_OPENMP"] = "0"
+        other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert other.returncode == 0, other.stderr
+        assert other.stdout.split()[-1] == digests["1"], (proc.stdout, other.stdout)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("spec", ["fp32", "bf16", "fp8", "int8/96", "int4", "int2", "sign", "topk:0.01",
+                                  "topk:0.3+int4"])
+def test_jobs_on_openmp_and_on_own_threads_give_the_same_bytes(spec):
+    """native.run_jobs on torch's OpenMP threads and on the library's own threads: same payload and
+    same decode, over uneven per-thread ranges (three threads), whole and cut short."""
+    codec = make_codec(spec)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        for n in ((3 << 17) + 4096, (3 << 17) + 77):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            assert len(native.split(n, codec.alignment)) == 3
+            payload = codec.encode(x)
+            with native.own_threads():
+                assert not native.openmp()
+                assert torch.equal(codec.encode(x), payload), (spec, n)
+                mine = codec.decode(payload)
+            assert torch.equal(codec.decode(payload), mine), (spec, n)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_run_jobs_refuses_a_kernel_it_cannot_dispatch():
+    x = torch.zeros(8)
+    if not native.openmp():
+        pytest.skip("the library runs its calls on its own threads here (no OpenMP runtime shared with torch)")
+    with pytest.raises(ValueError, match="liq_crc32 cannot run as a job"):
+        native.run_jobs([("liq_crc32", (0, native.ptr(x), 32))] * 2)
+
+
 def test_topk_selection_ignores_the_flush_to_zero_mode(path):
     # subnormal magnitudes rank above zeros on every path, whatever the CPU's denormal mode
     x = torch.zeros(1000)
@@ -1267,18 +1325,13 @@ def test_fused_topk_needs_one_pass_when_the_large_entries_sit_in_one_range(monke
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(4))
     x[-(1 << 17):] *= 10  # the last eighth dominates
     topk_calls = []
-    real_kernels = paths.kernels
+    real_run_jobs = native.run_jobs
 
-    class Counting:
-        def __init__(self, lib):
-            self._lib = lib
+    def counting(jobs):
+        topk_calls.extend(name for name, _ in jobs if name.startswith("liq_topk_"))
+        return real_run_jobs(jobs)
 
-        def __getattr__(self, name):
-            if name.startswith("liq_topk_"):
-                topk_calls.append(name)
-            return getattr(self._lib, name)
-
-    monkeypatch.setattr(paths, "kernels", lambda t: None if real_kernels(t) is None else Counting(real_kernels(t)))
+    monkeypatch.setattr(native, "run_jobs", counting)
     before = torch.get_num_threads()
     torch.set_num_threads(8)
     try:

@@ -242,37 +242,36 @@ class BlockCodec(Codec):
         """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
         the kernels did not take it)``; ``(False, None)`` (nothing done) to use the torch path."""
         return self._run_native(v, scales, values, "encode",
-                                lambda lib, s, e, c: self._encode_range(lib, v, scales, values, s, e, c))
+                                lambda s, e, c: self._encode_job(v, scales, values, s, e, c))
 
     def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> tuple[bool, int | None]:
         """Decode with the fused CPU kernel if there is one; returns as :meth:`_native_encode`."""
         return self._run_native(out, scales, values, "decode",
-                                lambda lib, s, e, c: self._decode_range(lib, values, scales, out, s, e, c))
+                                lambda s, e, c: self._decode_job(values, scales, out, s, e, c))
 
     def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
-                    call: Callable[[Any, int, int, int], int]) -> tuple[bool, int | None]:
-        """Run ``call(lib, start, stop, crc)`` over unit-aligned ranges of the fp32 ``vector`` on the
-        kernel threads, the kernel checksumming the matching pieces of ``scales`` and ``values``
+                    job: Callable[[int, int, int], native.Job]) -> tuple[bool, int | None]:
+        """Run the kernel calls ``job(start, stop, crc)`` over unit-aligned ranges of the fp32
+        ``vector`` on the kernel threads, the kernel checksumming the matching pieces of ``scales`` and ``values``
         while they are in cache (:func:`run_checksummed`). Returns ``(True, the CRC-32 of scales +
         values, i.e. the body, or None if the kernels did not take it)``, or ``(False, None)``
         (nothing run) if there are no fused kernels."""
-        lib = paths.kernels(vector)
-        if lib is None:
+        if paths.kernels(vector) is None:
             return False, None
         bsz, pack = self.block_size, self.pack
         failed, crc = run_checksummed(
-            vector.numel(), self.alignment, lambda s, e, c: call(lib, s, e, c),
+            vector.numel(), self.alignment, job,
             lambda s, e: (scales[s // bsz : ceil_div(e, bsz)], values[s // pack : ceil_div(e, pack)]))
         if any(failed):
             raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
         return True, crc
 
-    # one kernel call on the unit-aligned value range [s, e), advancing the two CRC-32s at address
-    # crc (scales, values); returns the kernel's status (0 = ok)
-    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
+    # the kernel call (native.Job) on the unit-aligned value range [s, e), advancing the two CRC-32s
+    # at address crc (scales, values); the kernel returns its status (0 = ok)
+    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
         raise NotImplementedError
 
-    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> int:
+    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
         raise NotImplementedError
 
     def _check_scales(self, v: Tensor, scales: Tensor) -> bool:
@@ -316,14 +315,14 @@ class Float8Codec(BlockCodec):
     bits = 8.0
     fp8 = True
 
-    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
+    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_fp8_encode(native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s),
+        return "liq_fp8_encode", (native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s),
                                   crc)
 
-    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> int:
+    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_fp8_decode(native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(out, s),
+        return "liq_fp8_decode", (native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(out, s),
                                   crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
@@ -358,14 +357,14 @@ class IntCodec(BlockCodec):
         self.pack = 8 // bits
         super().__init__(block_size)
 
-    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
+    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_int_encode(native.ptr(v, s), e - s, bsz, int(self.bits), native.ptr(scales, s // bsz),
+        return "liq_int_encode", (native.ptr(v, s), e - s, bsz, int(self.bits), native.ptr(scales, s // bsz),
                                   native.ptr(values, s // self.pack), crc)
 
-    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> int:
+    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_int_decode(native.ptr(values, s // self.pack), native.ptr(scales, s // bsz), e - s, bsz,
+        return "liq_int_decode", (native.ptr(values, s // self.pack), native.ptr(scales, s // bsz), e - s, bsz,
                                   int(self.bits), native.ptr(out, s), crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:

@@ -111,12 +111,13 @@ def crc_piece(t: Tensor) -> tuple[int, int]:
     return _CRC32(data), data.shape[0]
 
 
-def run_checksummed(count: int, unit: int, call: Callable[[int, int, int], int],
-                     parts: Callable[[int, int], tuple[Tensor, ...]]) -> tuple[list[int], int]:
+def run_checksummed(count: int, unit: int, job: Callable[[int, int, int], native.Job],
+                    parts: Callable[[int, int], tuple[Tensor, ...]]) -> tuple[list[int], int]:
     """Run a fused kernel over ``[0, count)`` on the kernel threads, checksumming the body as it goes.
 
-    Each thread takes one unit-aligned range ``[start, stop)`` and calls ``call(start, stop, crc)``,
-    where ``crc`` is the address of one running CRC-32 (uint32, starting at 0) per body part
+    Each thread takes one unit-aligned range ``[start, stop)`` and runs the kernel call
+    ``job(start, stop, crc)`` (see :func:`native.run_jobs`), where ``crc`` is the address of one
+    running CRC-32 (uint32, starting at 0) per body part
     (``parts(start, stop)`` are the range's pieces of each part, say its scales and its values).
     The kernel advances each over its piece of that part while the bytes are in cache: right after
     writing them (encode) or right before reading them (decode). Returns the kernel statuses and
@@ -126,14 +127,10 @@ def run_checksummed(count: int, unit: int, call: Callable[[int, int, int], int],
     """
     ranges = native.split(count, unit)
     if not native.kernel_checksums():
-        return native.run_each(range(len(ranges)), lambda i: call(*ranges[i], 0)), None
+        return native.run_jobs([job(s, e, 0) for s, e in ranges]), None
     nparts = len(parts(0, 0))
-    crcs = (ctypes.c_uint32 * max(1, len(ranges) * nparts))()
-
-    def run(i: int, crcs: ctypes.Array = crcs) -> int:  # holds crcs while a kernel may write to it
-        return call(*ranges[i], ctypes.addressof(crcs) + 4 * nparts * i)
-
-    statuses = native.run_each(range(len(ranges)), run)
+    crcs = (ctypes.c_uint32 * max(1, len(ranges) * nparts))()  # alive until the kernels are done
+    statuses = native.run_jobs([job(s, e, ctypes.addressof(crcs) + 4 * nparts * i) for i, (s, e) in enumerate(ranges)])
     sizes = [[t.numel() * t.element_size() for t in parts(s, e)] for s, e in ranges]
     crc = crc32.join([(crcs[i * nparts + p], sizes[i][p]) for p in range(nparts) for i in range(len(ranges))])
     return statuses, crc

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,12 +16,11 @@ from lightning_islands.codecs.wire import CODEC_IDS
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
-def _run_elementwise(kernel: Callable[..., int], count: int, src: Tensor, dst: Tensor,
-                     body: Tensor) -> tuple[list[int], int | None]:
-    """``kernel(src, n, dst, crc)`` over ``count`` elements on the kernel threads, in pieces of
-    multiples of 16, checksumming ``body`` (``src`` when decoding, ``dst`` when encoding) as it
-    goes: the kernel statuses and the body's CRC-32 (see :func:`run_checksummed`)."""
-    return run_checksummed(count, 16, lambda s, e, c: kernel(native.ptr(src, s), e - s, native.ptr(dst, s), c),
+def _run_elementwise(kernel: str, count: int, src: Tensor, dst: Tensor, body: Tensor) -> tuple[list[int], int | None]:
+    """The fused kernel ``kernel(src, n, dst, crc)`` over ``count`` elements on the kernel threads,
+    in pieces of multiples of 16, checksumming ``body`` (``src`` when decoding, ``dst`` when
+    encoding) as it goes: the kernel statuses and the body's CRC-32 (see :func:`run_checksummed`)."""
+    return run_checksummed(count, 16, lambda s, e, c: (kernel, (native.ptr(src, s), e - s, native.ptr(dst, s), c)),
                            lambda s, e: (body[s:e],))
 
 
@@ -38,25 +36,23 @@ class Float32Codec(Codec):
 
     def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         dst = body.view(torch.float32)
-        lib = paths.kernels(v)
-        if lib is None:
+        if paths.kernels(v) is None:
             raise_if_nonfinite_sum(v)
             dst.copy_(v)
             return None
 
-        bad, crc = _run_elementwise(lib.liq_f32_copy_checked, v.numel(), v, dst, body=dst)
+        bad, crc = _run_elementwise("liq_f32_copy_checked", v.numel(), v, dst, body=dst)
         if any(bad):
             raise nonfinite_error(v)  # type: ignore[misc]  # a bad flag means a non-finite value
         return crc
 
     def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         src = body.view(torch.float32)
-        lib = paths.kernels(body)
-        if lib is None:
+        if paths.kernels(body) is None:
             out.copy_(src)
             return None
         # the finiteness flag is ignored: what the payload holds is what it decodes to
-        return _run_elementwise(lib.liq_f32_copy_checked, m, src, out, body=src)[1]
+        return _run_elementwise("liq_f32_copy_checked", m, src, out, body=src)[1]
 
 
 class BFloat16Codec(Codec):
@@ -74,9 +70,8 @@ class BFloat16Codec(Codec):
 
     def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
         y = body.view(torch.bfloat16)
-        lib = paths.kernels(v)
-        if lib is not None:
-            bad, crc = _run_elementwise(lib.liq_bf16_encode, v.numel(), v, y, body=y)
+        if paths.kernels(v) is not None:
+            bad, crc = _run_elementwise("liq_bf16_encode", v.numel(), v, y, body=y)
             if any(bad):
                 raise nonfinite_error(v)  # type: ignore[misc]
             return crc
@@ -93,8 +88,7 @@ class BFloat16Codec(Codec):
 
     def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
         y = body.view(torch.bfloat16)
-        lib = paths.kernels(body)
-        if lib is None:
+        if paths.kernels(body) is None:
             out.copy_(y)
             return None
-        return _run_elementwise(lib.liq_bf16_decode, m, y, out, body=y)[1]
+        return _run_elementwise("liq_bf16_decode", m, y, out, body=y)[1]

@@ -83,8 +83,8 @@ def native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         if found is not None:
             return found
     hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
-    status = native.run_each(range(len(ranges)), lambda r: lib.liq_topk_hist(
-        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], native.ptr(hist[r])))
+    status = native.run_jobs([("liq_topk_hist", (native.ptr(x, s), e - s, native.ptr(hist[r])))
+                              for r, (s, e) in enumerate(ranges)])
     if any(st < 0 for st in status):
         raise MemoryError("fused top-k could not allocate its histogram")
     if any(status):
@@ -130,9 +130,9 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     idx_all = torch.empty(starts[-1], dtype=torch.int64)
     val_all = torch.empty(starts[-1], dtype=torch.float32)
     above = torch.zeros(len(ranges), dtype=torch.int64)
-    got = native.run_each(each, lambda r: lib.liq_topk_pick(
-        native.ptr(x, ranges[r][0]), ranges[r][1] - ranges[r][0], ranges[r][0], lo, hi,
-        native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), caps[r], native.ptr(above, r)))
+    got = native.run_jobs([("liq_topk_pick", (native.ptr(x, s), e - s, s, lo, hi, native.ptr(idx_all, starts[r]),
+                                              native.ptr(val_all, starts[r]), caps[r], native.ptr(above, r)))
+                           for r, (s, e) in enumerate(ranges)])
     if any(g == -2 for g in got):
         raise_if_nonfinite_sum(x)  # raises: the kernel saw a NaN/Inf
     n_above = int(above.sum())

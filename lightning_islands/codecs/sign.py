@@ -78,14 +78,14 @@ class SignCodec(BlockCodec):
         unit = self.alignment
         return max(1, (1 << 24) // unit) * unit
 
-    def _encode_range(self, lib: Any, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> int:
+    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_sign_encode(native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz),
+        return "liq_sign_encode", (native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz),
                                    native.ptr(values, s // 8), crc)
 
-    def _decode_range(self, lib: Any, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> int:
+    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
         bsz = self.block_size
-        return lib.liq_sign_decode(native.ptr(values, s // 8), native.ptr(scales, s // bsz), e - s, bsz,
+        return "liq_sign_decode", (native.ptr(values, s // 8), native.ptr(scales, s // bsz), e - s, bsz,
                                    native.ptr(out, s), crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:

@@ -107,9 +107,9 @@ class TopKCodec(Codec):
             return
         ranges = native.split(n, 1)
         cuts = torch.searchsorted(idx, torch.tensor([s for s, _ in ranges] + [n])).tolist()
-        native.run_each(range(len(ranges)), lambda r: lib.liq_topk_scatter(
-            native.ptr(idx, cuts[r]), native.ptr(values, cuts[r]), cuts[r + 1] - cuts[r], ranges[r][0], ranges[r][1],
-            native.ptr(out)))
+        native.run_jobs([("liq_topk_scatter", (native.ptr(idx, cuts[r]), native.ptr(values, cuts[r]),
+                                               cuts[r + 1] - cuts[r], s, e, native.ptr(out)))
+                         for r, (s, e) in enumerate(ranges)])
 
     def spec(self) -> dict[str, Any]:
         """Wire-format description including the top-k fraction and index encoding."""

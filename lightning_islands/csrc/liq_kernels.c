@@ -1132,3 +1132,78 @@ int liq_topk_scatter(const int64_t *restrict idx, const float *restrict vals, in
     if (stop > at) memset(out + at, 0, sizeof(float) * (size_t)(stop - at));
     return 0;
 }
+
+/*
+ * Jobs: several kernel calls run concurrently from one foreign call.
+ *
+ * The Python side splits a vector into one range per thread. Where this library is built with
+ * OpenMP against the runtime torch already computes with (GNU libgomp, loaded before this library
+ * is), liq_run_jobs runs the ranges on that runtime's thread team: the same threads that finished
+ * torch's last parallel operation and are still spinning for more work. Ranges handed instead to
+ * threads of our own had to wait for those spinning threads to give up their cores (on the 2-core
+ * VM of docs/BENCHMARKS.md, for milliseconds after every torch operation). Each job names a kernel
+ * by its index in liq_job_names and passes its arguments as int64 values (pointers, sizes); the
+ * kernel is called with its own argument types, and its return value is stored in the job.
+ */
+typedef struct {
+    int64_t kernel;
+    int64_t arg[9];
+    int64_t result;
+} liq_job;
+
+static const char *const liq_job_names[] = {
+    "liq_int_encode", "liq_int_decode", "liq_fp8_encode", "liq_fp8_decode", "liq_sign_encode", "liq_sign_decode",
+    "liq_bf16_encode", "liq_bf16_decode", "liq_f32_copy_checked", "liq_topk_hist", "liq_topk_pick",
+    "liq_topk_scatter",
+};
+#define LIQ_JOB_KINDS ((int)(sizeof(liq_job_names) / sizeof(liq_job_names[0])))
+#define LIQ_JOB_UNKNOWN ((int64_t)-1000) /* result of a job whose kernel index is out of range */
+
+/* The index of kernel `name` for liq_job.kernel; -1 if it cannot run as a job. */
+int liq_job_id(const char *name) {
+    for (int i = 0; i < LIQ_JOB_KINDS; i++)
+        if (strcmp(name, liq_job_names[i]) == 0) return i;
+    return -1;
+}
+
+#define P(i, T) ((T)(intptr_t)a[i])
+static int64_t liq_job_call(int64_t kernel, const int64_t *a) {
+    switch (kernel) {
+    case 0: return liq_int_encode(P(0, const float *), a[1], a[2], (int)a[3], P(4, float *), P(5, uint8_t *),
+                                  P(6, uint32_t *));
+    case 1: return liq_int_decode(P(0, const uint8_t *), P(1, const float *), a[2], a[3], (int)a[4], P(5, float *),
+                                  P(6, uint32_t *));
+    case 2: return liq_fp8_encode(P(0, const float *), a[1], a[2], P(3, float *), P(4, uint8_t *), P(5, uint32_t *));
+    case 3: return liq_fp8_decode(P(0, const uint8_t *), P(1, const float *), a[2], a[3], P(4, float *),
+                                  P(5, uint32_t *));
+    case 4: return liq_sign_encode(P(0, const float *), a[1], a[2], P(3, float *), P(4, uint8_t *), P(5, uint32_t *));
+    case 5: return liq_sign_decode(P(0, const uint8_t *), P(1, const float *), a[2], a[3], P(4, float *),
+                                   P(5, uint32_t *));
+    case 6: return liq_bf16_encode(P(0, const float *), a[1], P(2, uint16_t *), P(3, uint32_t *));
+    case 7: return liq_bf16_decode(P(0, const uint16_t *), a[1], P(2, float *), P(3, uint32_t *));
+    case 8: return liq_f32_copy_checked(P(0, const float *), a[1], P(2, float *), P(3, uint32_t *));
+    case 9: return liq_topk_hist(P(0, const float *), a[1], P(2, int64_t *));
+    case 10: return liq_topk_pick(P(0, const float *), a[1], a[2], a[3], a[4], P(5, int64_t *), P(6, float *), a[7],
+                                  P(8, int64_t *));
+    case 11: return liq_topk_scatter(P(0, const int64_t *), P(1, const float *), a[2], a[3], a[4], P(5, float *));
+    default: return LIQ_JOB_UNKNOWN;
+    }
+}
+#undef P
+
+/* Run jobs[0:n], concurrently where built with OpenMP (one thread per job), else one after another. */
+void liq_run_jobs(liq_job *jobs, int64_t n) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static, 1) num_threads((int)(n > 1 ? n : 1)) if (n > 1)
+#endif
+    for (int64_t i = 0; i < n; i++) jobs[i].result = liq_job_call(jobs[i].kernel, jobs[i].arg);
+}
+
+/* 1 if liq_run_jobs runs its jobs concurrently (built with OpenMP). */
+int liq_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
