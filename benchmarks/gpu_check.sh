@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU checks in one run, for a machine with one NVIDIA GPU and a CUDA build of torch (with triton):
 # the codec tests (CPU and CUDA: C, Triton and CRC kernels) beside the GPU island tests, then the
-# CUDA codec benchmark and a short two-island training job of the 149M MoE on the GPU.
+# CUDA and CPU codec benchmarks and a short two-island training job of the 149M MoE on the GPU.
 #
 #   OUT=results/gpu_check bash benchmarks/gpu_check.sh        # from the repository root
 #
@@ -45,6 +45,9 @@ wait
 # timings, one at a time
 step bench_cuda 90 "$PY" benchmarks/codecs.py --device cuda --numel 67108864 --repeats 5 --warmup 2 \
   --out "$OUT/codecs_cuda.json"
+# the CPU kernels on every core, on torch's OpenMP threads and (own/copy) on threads of their own
+step bench_cpu 75 "$PY" benchmarks/codecs.py --device cpu --threads "$(nproc)" --numel 67108864 --repeats 5 \
+  --warmup 1 --out "$OUT/codecs_cpu.json"
 step train_gpu 120 "$PY" -m lightning_islands.cli train trainer=gpu model=moe_gpu \
   'islands.members=[{devices:1,batch_size:8},{devices:1,batch_size:16}]' trainer.max_steps=60 \
   islands.sync_every=20 islands.codec=int4 trainer.val_check_interval=60 trainer.limit_val_batches=4 \
@@ -56,6 +59,6 @@ if [ "${QUALITY_STEPS:-0}" -gt 0 ]; then
     --codecs topk:0.1+int2,fp32 --parallel 4 --out "$OUT/quality"
 fi
 echo "=== total $(( $(date +%s) - START ))s" >> "$LOG"
-cat "$LOG"; tail -n 15 "$OUT"/test_codecs.log; tail -n 30 "$OUT"/test_gpu_islands.log; tail -n 16 "$OUT"/bench_cuda.log
+cat "$LOG"; tail -n 15 "$OUT"/test_codecs.log; tail -n 30 "$OUT"/test_gpu_islands.log; tail -n 16 "$OUT"/bench_cuda.log; tail -n 12 "$OUT"/bench_cpu.log
 grep -E "outer_step|step_seconds|val loss|exchang" "$OUT"/train_gpu.log | head -30
 [ -f "$OUT"/quality_gpu.log ] && tail -n 20 "$OUT"/quality_gpu.log
