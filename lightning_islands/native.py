@@ -62,9 +62,10 @@ _SIGNATURES = {
     "liq_topk_hist": [_P, _I64, _P],
     "liq_topk_pick": [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P],
     "liq_topk_band_bits": [_P, _I64, _I64, _P],
-    "liq_topk_keep": [_P, _P, _I64, _I64, _P, _P, _P],
-    "liq_ef_encode": [_P, _I64, _I32, _P, _I64, _P, _I64],
-    "liq_ef_decode": [_P, _I64, _I64, _I32, _I64, _I64, _P],
+    "liq_topk_keep": [_P, _P, _I64, _I64, _P, _I64, _P, _P],
+    "liq_ef_encode_part": [_P, _I64, _I32, _P, _I64, _P, _I64, _I64, _I64],
+    "liq_popcount": [_P, _I64],
+    "liq_ef_decode_part": [_P, _I64, _I64, _I32, _I64, _I64, _I64, _I64, _P],
     "liq_topk_scatter": [_P, _P, _I64, _I64, _I64, _P],
     "liq_streaming": [],
     "liq_crc32": [_U32, _P, _I64],
@@ -75,7 +76,7 @@ _SIGNATURES = {
 }
 Job = tuple[str, Sequence[int]]  #: a kernel call: the kernel's name and its arguments (ints: pointers, sizes)
 # these return an int64 count, liq_crc32 a CRC, the rest a status
-_RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_bits", "liq_topk_keep"}
+_RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_bits", "liq_topk_keep", "liq_popcount", "liq_ef_decode_part"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

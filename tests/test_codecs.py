@@ -458,6 +458,82 @@ def test_elias_fano_roundtrip(n, k, path):
     assert (low_bytes + high_bytes) * 8 <= k * (low + 2) + n / 2**low + 16
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("n,k", [(1000, 10), (1 << 20, 1 << 4), (1 << 33, 2), (1 << 40, 5), (10**6, 10**4),
+                                 (1 << 62, 3), ((1 << 62) + 12345, 7), (3 << 20, 3 << 13), (1 << 24, 200_003),
+                                 (10**7, 10**6)])
+def test_elias_fano_native_bytes_are_the_torch_paths(n, k, threads3):
+    """The C encoder streams the low bits through a 64-bit word (values that straddle words, low
+    parts of 2 to 60 bits, words filled exactly) and writes every byte, padding included, over
+    whatever the buffer held, in up to three parts at once: the same bytes as the torch path,
+    which both decoders (the C one in parts too) read back."""
+    g = torch.Generator().manual_seed(k)
+    idx = torch.unique(torch.randint(0, n, (4 * k,), generator=g, dtype=torch.int64))[:k]
+    idx[-1] = n - 1  # the largest high part
+    idx = idx.unique()
+    k = idx.numel()
+    low, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
+    fused = torch.full((low_bytes + high_bytes,), 0xA5, dtype=torch.uint8)
+    elias_fano.ef_encode(idx, n, fused)
+    ref = torch.full_like(fused, 0x5A)
+    with native.disabled():
+        elias_fano.ef_encode(idx, n, ref)
+        assert torch.equal(elias_fano.ef_decode(fused, n, k), idx)
+    assert torch.equal(fused, ref), (n, k, low)
+    assert torch.equal(elias_fano.ef_decode(ref, n, k), idx)
+
+
+@pytest.fixture
+def threads3():
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_elias_fano_parts_check_the_indices_across_their_joins(threads3):
+    """The C decoder decodes parts of the high part at once, each checking its own indices; two
+    indices that decrease exactly where one part ends and the next begins are refused too, like a
+    decrease inside a part, a mark too many, and a mark missing."""
+    n, k = 1 << 22, 300_000
+    low, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
+    assert low == 3
+    parts = native.split(high_bytes, 8, min_per_thread=1 << 13)
+    assert len(parts) == 3
+    for shift in range(6):  # pairs of indices share a high part; find a pairing that straddles a join
+        i = torch.arange(k, dtype=torch.int64)
+        high = (i + shift) // 2 * 3  # the marks: high + i, so where the parts begin depends on shift
+        lows = (i + shift) % 2 + 2  # 2 then 3 within a pair: increasing
+        block = torch.zeros(low_bytes + high_bytes, dtype=torch.uint8)
+        elias_fano.ef_encode(high << low | lows, n, block)
+        marks = [sum(bin(v).count("1") for v in block[low_bytes + b0 : low_bytes + b1].tolist()) for b0, b1 in parts]
+        join = marks[0]
+        if (join + shift) % 2 == 1:  # indices join - 1 and join are one pair
+            break
+    else:
+        pytest.fail("no pairing put a pair across the first join")
+    assert torch.equal(elias_fano.ef_decode(block, n, k), high << low | lows)
+    for at in (join, k // 7 * 2 + 1 - shift):  # across the join, then inside a part
+        swapped = lows.clone()
+        swapped[at - 1], swapped[at] = lows[at], lows[at - 1]
+        bad = torch.zeros_like(block)
+        with native.disabled():  # the torch encoder does not look at the order
+            elias_fano.ef_encode(high << low | swapped, n, bad)
+        with pytest.raises(ValueError, match="not strictly increasing"):
+            elias_fano.ef_decode(bad, n, k)
+    pos = low_bytes + high_bytes // 2
+    byte = int(block[pos])
+    marked = [b for b in range(8) if byte >> b & 1]
+    free = [b for b in range(8) if not byte >> b & 1]
+    assert marked and free
+    for b in (free[0], marked[0]):  # a mark more, a mark fewer
+        bad = block.clone()
+        bad[pos] = byte ^ (1 << b)
+        with pytest.raises(ValueError, match="corrupt top-k index block"):
+            elias_fano.ef_decode(bad, n, k)
+
+
 def test_elias_fano_rejects_corrupt_blocks(path):
     n, k = 10_000, 100
     idx = torch.arange(0, n, n // k)[:k]

@@ -6,6 +6,8 @@ length stays an exact formula.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -44,10 +46,12 @@ def ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
     low, low_bytes, high_bytes = ef_layout(n, k)
     if k == 0:
         return
-    lib = paths.kernels(out)
-    if lib is not None:
+    if paths.kernels(out) is not None:  # in parts, on the kernel threads
         idx = idx.contiguous()
-        lib.liq_ef_encode(native.ptr(idx), k, low, native.ptr(out), low_bytes, native.ptr(out, low_bytes), high_bytes)
+        parts = max(1, len(native.split(k, 8)))
+        native.run_jobs([("liq_ef_encode_part", (native.ptr(idx), k, low, native.ptr(out), low_bytes,
+                                                 native.ptr(out, low_bytes), high_bytes, part, parts))
+                         for part in range(parts)])
         return
     if low:
         shifts = torch.arange(low, dtype=torch.int64, device=idx.device)
@@ -65,16 +69,8 @@ def ef_decode(data: Tensor, n: int, k: int) -> Tensor:
     low, low_bytes, high_bytes = ef_layout(n, k)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
-    lib = paths.kernels(data)
-    if lib is not None:
-        data = data.contiguous()
-        idx = torch.empty(k, dtype=torch.int64)
-        status = lib.liq_ef_decode(native.ptr(data), n, k, low, low_bytes, high_bytes, native.ptr(idx))
-        if status == -1:
-            raise ValueError(f"corrupt top-k index block: the index marks do not number k={k}")
-        if status:
-            raise ValueError(f"corrupt top-k index block: indices not strictly increasing below n={n}")
-        return idx
+    if paths.kernels(data) is not None:
+        return _native_decode(data.contiguous(), n, k, low, low_bytes, high_bytes)
     positions = torch.nonzero(_unpack_bits(data[low_bytes : low_bytes + high_bytes])).view(-1)
     if positions.numel() != k:
         raise ValueError(f"corrupt top-k index block: {positions.numel()} index marks, expected {k}")
@@ -84,5 +80,26 @@ def ef_decode(data: Tensor, n: int, k: int) -> Tensor:
         shifts = torch.arange(low, dtype=torch.int64, device=data.device)
         idx |= (bits << shifts).sum(dim=1)
     if int(idx[-1]) >= n or (k > 1 and not bool((idx[1:] > idx[:-1]).all())):
+        raise ValueError(f"corrupt top-k index block: indices not strictly increasing below n={n}")
+    return idx
+
+
+def _native_decode(data: Tensor, n: int, k: int, low: int, low_bytes: int, high_bytes: int) -> Tensor:
+    """:func:`ef_decode` with the fused kernels, in parts of the high part on the kernel threads: the
+    marks before each part are counted first (so each part knows the number of its first index),
+    then every part decodes its indices into place."""
+    parts = native.split(high_bytes, 8, min_per_thread=1 << 13)
+    high = native.ptr(data, low_bytes)
+    marks = native.run_jobs([("liq_popcount", (high + b0, b1 - b0)) for b0, b1 in parts])
+    if sum(marks) != k:
+        raise ValueError(f"corrupt top-k index block: {sum(marks)} index marks, expected k={k}")
+    first = [0, *itertools.accumulate(marks)]
+    idx = torch.empty(k, dtype=torch.int64)
+    got = native.run_jobs([("liq_ef_decode_part", (native.ptr(data), n, k, low, low_bytes, b0, b1, first[r],
+                                                   native.ptr(idx)))
+                           for r, (b0, b1) in enumerate(parts)])
+    joins = [first[r] for r in range(1, len(parts)) if 0 < first[r] < k]
+    increasing = not joins or bool((idx[joins] > idx[[j - 1 for j in joins]]).all())
+    if got != marks or not increasing:
         raise ValueError(f"corrupt top-k index block: indices not strictly increasing below n={n}")
     return idx

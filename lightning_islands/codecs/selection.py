@@ -139,19 +139,38 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     if any(g < 0 for g in got) or not n_above < k <= sum(got):
         return None
     band = torch.empty(sum(got) - n_above + 1, dtype=torch.int32)  # their bits (+1: stored branch-free)
-    off = 0
+    cuts = [0]
     for r in each:
-        off += lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi, native.ptr(band, off))
+        cuts.append(cuts[-1] + lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi,
+                                                      native.ptr(band, cuts[-1])))
     rank = k - n_above  # the threshold is the rank-th largest entry inside the band
-    inside = band[:off].numpy()
+    inside = band[: cuts[-1]].numpy()
     threshold = int(np.partition(inside, inside.size - rank)[inside.size - rank])
-    ties = torch.tensor([k - n_above - int(np.count_nonzero(inside > threshold))])  # ties go to the lowest indices
+    ties, want = _shares([inside[cuts[r] : cuts[r + 1]] for r in each], above.tolist(), k, threshold)
+    out = [0, *itertools.accumulate(want)]
     idx = torch.empty(k, dtype=torch.int64)
     vals = torch.empty(k, dtype=torch.float32)
-    off = 0
-    for r in each:  # in index order
-        off += lib.liq_topk_keep(native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r], threshold,
-                                 native.ptr(ties), native.ptr(idx, off), native.ptr(vals, off))
-    if off != k:  # pragma: no cover - would be a kernel bug
-        raise RuntimeError(f"fused top-k kept {off} entries, expected {k}")
+    left = torch.tensor(ties, dtype=torch.int64)  # the kernels count them down
+    kept = native.run_jobs([("liq_topk_keep", (native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r],
+                                               threshold, native.ptr(left, r), want[r], native.ptr(idx, out[r]),
+                                               native.ptr(vals, out[r]))) for r in each])
+    if kept != want:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k kept {kept} entries per range, expected {want} (k={k})")
     return idx, vals
+
+
+def _shares(band: list[np.ndarray], above: list[int], k: int, threshold: int) -> tuple[list[int], list[int]]:
+    """Per range, in index order: how many entries equal to the threshold it keeps, and how many
+    entries in all (every entry above the threshold, then ties while the k are not complete: ties
+    go to the lowest indices, so to the earlier ranges first). ``band`` holds each range's |x|
+    bits inside the band, ``above`` its count of entries above the band. So each range can keep
+    its entries into its own part of the output, concurrently with the others."""
+    greater = [a + int(np.count_nonzero(b > threshold)) for a, b in zip(above, band)]
+    left = k - sum(greater)
+    ties = []
+    for b in band:
+        ties.append(min(int(np.count_nonzero(b == threshold)), left))
+        left -= ties[-1]
+    if left:  # pragma: no cover - the threshold is the k-th largest by construction
+        raise RuntimeError(f"fused top-k: {left} of k={k} entries are missing at threshold {threshold:#x}")
+    return ties, [g + t for g, t in zip(greater, ties)]

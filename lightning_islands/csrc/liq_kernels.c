@@ -1021,18 +1021,28 @@ int64_t liq_topk_band_bits(const float *restrict vals, int64_t m, int64_t hi, ui
 }
 
 /* Of m picked entries, in order: those with |x| bits > thr, and those == thr while *ties > 0
- * (decremented for each), copied to out_idx / out_vals; returns how many. */
+ * (decremented for each), the first cap of them copied to out_idx / out_vals; returns how many
+ * there are (more than cap: the caller's count was wrong). Branch-free: whether an entry is kept is
+ * data, not a branch the CPU would mispredict; nothing is stored at or beyond out[cap], so ranges
+ * can keep into adjacent parts of one output concurrently. */
 int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, int64_t m, int64_t thr,
-                      int64_t *restrict ties, int64_t *restrict out_idx, float *restrict out_vals) {
+                      int64_t *restrict ties, int64_t cap, int64_t *restrict out_idx, float *restrict out_vals) {
     const uint32_t *vb = (const uint32_t *)vals;
     uint32_t t = (uint32_t)thr;
-    int64_t n = 0, left = *ties;
-    for (int64_t i = 0; i < m; i++) {
+    int64_t n = 0, left = *ties, i = 0;
+    for (; i < m && n < cap; i++) {
         uint32_t a = vb[i] & LIQ_ABS_MASK;
-        if (a < t || (a == t && left <= 0)) continue;
-        left -= a == t;
+        int64_t tie = a == t, keep = (a > t) | (tie & (left > 0));
+        left -= tie & keep;
         out_idx[n] = idx[i];
-        out_vals[n++] = vals[i];
+        out_vals[n] = vals[i];
+        n += keep;
+    }
+    for (; i < m; i++) { /* only counts */
+        uint32_t a = vb[i] & LIQ_ABS_MASK;
+        int64_t tie = a == t, keep = (a > t) | (tie & (left > 0));
+        left -= tie & keep;
+        n += keep;
     }
     *ties = left;
     return n;
@@ -1041,64 +1051,114 @@ int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, i
 /*
  * Elias-Fano code of k strictly increasing indices below n (layout in codecs/wire.py): the low `low`
  * bits of each index as a little-endian bit stream (low_bytes), then the high parts in unary
- * (bit (idx >> low) + i set, high_bytes). Outputs are fully written (padding bits zero).
+ * (bit (idx >> low) + i set, high_bytes). Encode and decode come in parts that run concurrently
+ * (as jobs): each writes bytes or indices no other part writes.
  */
-int liq_ef_encode(const int64_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
-                  int64_t high_bytes) {
-    memset(low_out, 0, (size_t)low_bytes);
-    memset(high_out, 0, (size_t)high_bytes);
-    uint64_t mask = low ? (~(uint64_t)0 >> (64 - low)) : 0;
-    for (int64_t i = 0; i < k; i++) {
-        uint64_t v = (uint64_t)idx[i];
-        if (low) {
-            uint64_t lo = v & mask;
-            int64_t bit = i * (int64_t)low;
-            for (int done = 0; done < low;) { /* at most 9 bytes touched per value */
-                int64_t byte = (bit + done) >> 3;
-                int off = (int)((bit + done) & 7), take = 8 - off < low - done ? 8 - off : low - done;
-                low_out[byte] |= (uint8_t)(((lo >> done) & ((1u << take) - 1u)) << off);
-                done += take;
+
+/* Position of index i's mark in the high part. Strictly increasing in i. */
+static inline int64_t ef_mark(const int64_t *idx, int64_t i, int low) { return (int64_t)((uint64_t)idx[i] >> low) + i; }
+
+/* The first i in [0, k) whose mark is at or after bit `bit` (k if none). */
+static int64_t ef_first_mark_from(const int64_t *idx, int64_t k, int low, int64_t bit) {
+    int64_t a = 0, b = k;
+    while (a < b) {
+        int64_t m = a + (b - a) / 2;
+        if (ef_mark(idx, m, low) < bit) a = m + 1; else b = m;
+    }
+    return a;
+}
+
+/* Part `part` of `parts` of the code of idx[0:k]: the low bits of a run of indices (a multiple of 8
+ * of them, so the run starts on a byte), through a 64-bit accumulator written a word at a time, and
+ * one share of the high part's bytes, zeroed and then marked. Together the parts write every byte,
+ * padding included. Returns 0. */
+int liq_ef_encode_part(const int64_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
+                       int64_t high_bytes, int64_t part, int64_t parts) {
+    int64_t run = (k + parts - 1) / parts;
+    run = (run + 7) / 8 * 8;
+    int64_t i0 = part * run, i1 = i0 + run < k ? i0 + run : k;
+    if (low && i0 < k) {
+        uint64_t mask = ~(uint64_t)0 >> (64 - low), acc = 0;
+        int fill = 0; /* bits of acc in use, < 64 */
+        int64_t at = i0 * low / 8; /* exact: i0 is a multiple of 8 */
+        for (int64_t i = i0; i < i1; i++) {
+            uint64_t lo = (uint64_t)idx[i] & mask;
+            acc |= lo << fill;
+            if (fill + low >= 64) {
+                for (int b = 0; b < 8; b++) low_out[at + b] = (uint8_t)(acc >> (8 * b));
+                at += 8;
+                acc = fill ? lo >> (64 - fill) : 0; /* the bits of lo that did not fit */
+                fill += low - 64;
+            } else {
+                fill += low;
             }
         }
-        int64_t pos = (int64_t)(v >> low) + i;
-        high_out[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+        int64_t end = i1 == k ? low_bytes : i1 * low / 8; /* the last run also writes the zero padding */
+        for (; at < end; at++, acc >>= 8) low_out[at] = (uint8_t)acc;
+    }
+    int64_t share = (high_bytes + parts - 1) / parts;
+    int64_t b0 = part * share < high_bytes ? part * share : high_bytes;
+    int64_t b1 = b0 + share < high_bytes ? b0 + share : high_bytes;
+    if (b0 < b1) {
+        memset(high_out + b0, 0, (size_t)(b1 - b0));
+        for (int64_t i = ef_first_mark_from(idx, k, low, 8 * b0); i < k; i++) {
+            int64_t pos = ef_mark(idx, i, low);
+            if (pos >= 8 * b1) break;
+            high_out[pos >> 3] |= (uint8_t)(1u << (pos & 7));
+        }
     }
     return 0;
 }
 
-/* Inverse of liq_ef_encode into idx[k]. Returns 0; -1 if the high part does not hold exactly k
- * marks; -2 if the indices are not strictly increasing or not below n. */
-int liq_ef_decode(const uint8_t *data, int64_t n, int64_t k, int low, int64_t low_bytes, int64_t high_bytes,
-                  int64_t *idx) {
+/* Number of set bits in p[0:n]: the index marks before a part of the high part. */
+int64_t liq_popcount(const uint8_t *p, int64_t n) {
+    int64_t c = 0, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8); /* the count does not depend on the byte order */
+        c += __builtin_popcountll(w);
+    }
+    for (; i < n; i++) c += __builtin_popcount(p[i]);
+    return c;
+}
+
+/* Bits [bit, bit + low) of the little-endian bit stream p[0:nbytes] (low <= 62). */
+static inline uint64_t ef_low_bits(const uint8_t *p, int64_t nbytes, int64_t bit, int low) {
+    int64_t byte = bit >> 3;
+    int off = (int)(bit & 7), need = (off + low + 7) >> 3; /* bytes touched, at most 9 */
+    uint64_t w = 0;
+    if (byte + 8 <= nbytes) {
+        for (int j = 0; j < 8; j++) w |= (uint64_t)p[byte + j] << (8 * j);
+    } else {
+        for (int j = 0; j < need && j < 8; j++) w |= (uint64_t)p[byte + j] << (8 * j);
+    }
+    w >>= off;
+    if (need == 9) w |= (uint64_t)p[byte + 8] << (64 - off);
+    return w & (~(uint64_t)0 >> (64 - low));
+}
+
+/* The indices whose marks lie in high-part bytes [b0, b1), the first of them index number i0 (the
+ * marks before b0), into idx[i0:]. Returns how many; -1 if that would pass k; -2 if they do not
+ * increase strictly or one is not below n (the caller checks across parts). */
+int64_t liq_ef_decode_part(const uint8_t *data, int64_t n, int64_t k, int low, int64_t low_bytes, int64_t b0,
+                           int64_t b1, int64_t i0, int64_t *idx) {
     const uint8_t *high = data + low_bytes;
-    int64_t i = 0;
-    for (int64_t byte = 0; byte < high_bytes; byte++) {
+    int64_t i = i0, prev = -1;
+    for (int64_t byte = b0; byte < b1; byte++) {
         unsigned w = high[byte];
         while (w) {
             int b = __builtin_ctz(w);
             w &= w - 1;
             if (i == k) return -1;
-            idx[i] = ((byte << 3) + b - i) << low;
-            i++;
+            int64_t high_part = (byte << 3) + b - i;
+            if (high_part < 0) return -2; /* more marks than a strictly increasing sequence can make */
+            int64_t v = high_part << low;
+            if (low) v |= (int64_t)ef_low_bits(data, low_bytes, i * (int64_t)low, low);
+            if (v <= prev || v >= n) return -2;
+            idx[i++] = prev = v;
         }
     }
-    if (i != k) return -1;
-    if (low) {
-        for (int64_t j = 0; j < k; j++) {
-            int64_t bit = j * (int64_t)low;
-            uint64_t lo = 0;
-            for (int done = 0; done < low;) {
-                int64_t byte = (bit + done) >> 3;
-                int off = (int)((bit + done) & 7), take = 8 - off < low - done ? 8 - off : low - done;
-                lo |= (uint64_t)((data[byte] >> off) & ((1u << take) - 1u)) << done;
-                done += take;
-            }
-            idx[j] |= (int64_t)lo;
-        }
-    }
-    for (int64_t j = 0; j < k; j++)
-        if (idx[j] >= n || (j && idx[j] <= idx[j - 1])) return -2;
-    return 0;
+    return i - i0;
 }
 
 /* out[start:stop] = 0 except out[idx[i]] = vals[i] for the k increasing indices idx[0:k], all in
@@ -1154,7 +1214,7 @@ typedef struct {
 static const char *const liq_job_names[] = {
     "liq_int_encode", "liq_int_decode", "liq_fp8_encode", "liq_fp8_decode", "liq_sign_encode", "liq_sign_decode",
     "liq_bf16_encode", "liq_bf16_decode", "liq_f32_copy_checked", "liq_topk_hist", "liq_topk_pick",
-    "liq_topk_scatter",
+    "liq_topk_scatter", "liq_topk_keep", "liq_ef_encode_part", "liq_popcount", "liq_ef_decode_part",
 };
 #define LIQ_JOB_KINDS ((int)(sizeof(liq_job_names) / sizeof(liq_job_names[0])))
 #define LIQ_JOB_UNKNOWN ((int64_t)-1000) /* result of a job whose kernel index is out of range */
@@ -1186,6 +1246,13 @@ static int64_t liq_job_call(int64_t kernel, const int64_t *a) {
     case 10: return liq_topk_pick(P(0, const float *), a[1], a[2], a[3], a[4], P(5, int64_t *), P(6, float *), a[7],
                                   P(8, int64_t *));
     case 11: return liq_topk_scatter(P(0, const int64_t *), P(1, const float *), a[2], a[3], a[4], P(5, float *));
+    case 12: return liq_topk_keep(P(0, const int64_t *), P(1, const float *), a[2], a[3], P(4, int64_t *), a[5],
+                                  P(6, int64_t *), P(7, float *));
+    case 13: return liq_ef_encode_part(P(0, const int64_t *), a[1], (int)a[2], P(3, uint8_t *), a[4], P(5, uint8_t *),
+                                       a[6], a[7], a[8]);
+    case 14: return liq_popcount(P(0, const uint8_t *), a[1]);
+    case 15: return liq_ef_decode_part(P(0, const uint8_t *), a[1], a[2], (int)a[3], a[4], a[5], a[6], a[7],
+                                       P(8, int64_t *));
     default: return LIQ_JOB_UNKNOWN;
     }
 }
