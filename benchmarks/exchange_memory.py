@@ -12,8 +12,11 @@ With ``--codec``, a round also does the work of ``IslandStrategy._exchange``: ev
 shards of the error-feedback residual (allocated before the measurement: it persists between
 rounds) to its pseudo-gradient; the leader encodes what it gathered, decodes its own payload and a
 second island's (here its own payload again) and merges; the merged update and the new residual go
-back to the ranks as shards. Two rows: the whole vector at once, and chunks of ``--chunk-mib`` MiB
-(``exchange_chunk_mib``).
+back to the ranks as shards. Three rows: the whole vector at once, chunks of ``--chunk-mib`` MiB
+(``exchange_chunk_mib``) with the leader's chunk-sized temporaries reused from chunk to chunk
+(``lightning_islands.buffers.Buffers``, as the strategy does), and the same chunks with fresh
+temporaries for every chunk (as it did until session 14). Every row also gives each rank's wall
+time for the round.
 
     PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2 [--codec int8 --chunk-mib 64]
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_islands import outer
+from lightning_islands.buffers import Buffers
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import make_codec
 
@@ -47,9 +52,10 @@ def _reset_peak() -> None:
 
 
 def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_spec: str,
-                  chunk: int | None) -> tuple[list, int]:
-    """One round with the leader's exchange work (see the module docstring), a chunk at a time:
-    the outer step's gradients, and the resident size before the round."""
+                  chunk: int | None, reuse: bool) -> tuple[list, int]:
+    """One round with the leader's exchange work (see the module docstring), a chunk at a time,
+    its temporaries reused from chunk to chunk or not: the outer step's gradients, and the
+    resident size before the round."""
     cpu = torch.device("cpu")
     codec = make_codec(codec_spec)
     # last round's residual, sharded like the model: it persists between rounds (written: resident)
@@ -60,15 +66,23 @@ def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_sp
     sent = [torch.add(loc, r) for loc, r in zip(locals_, residual)]
     chunks = outer.chunk_bounds(layout.numel, chunk)
     into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
+    scratch = Buffers()
+    leader = dist.get_rank() == 0
     for start, stop in chunks:
-        part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop)
+        m = stop - start
+        take = scratch.take if reuse else (lambda name, numel, dtype=torch.float32: torch.empty(numel, dtype=dtype))
+        part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop,
+                                       into=take("part", m) if leader else None)
         merged = dropped = None
         if part is not None:
-            payload = codec.encode(part)
-            own = codec.decode(payload)
-            dropped = torch.sub(part, own)
-            merged = outer.merge([own, codec.decode(payload)], [1.0, 1.0])
-            del part, own, payload
+            payload = codec.encode(part, out=take("payload", codec.nbytes(m), torch.uint8))
+            own = codec.decode(payload, out=take("own", m))
+            dropped = torch.sub(part, own, out=take("residual", m))
+            other = codec.decode(payload.clone(), out=take("decoded1", m))  # the other island's, as received
+            merged = outer.merge([own, other], [1.0, 1.0], out=take("merged", m), scratch=take("term", m))
+            del part, own, payload, other
+            if stop == chunks[-1][1]:
+                scratch.clear()  # as the strategy does: the last chunk's scatters get the room
         grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
         layout.scatter_from_leader(dropped, params, cpu, start=start, stop=stop, into=residual)
         del merged, dropped
@@ -91,8 +105,10 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, 
         dist.barrier()
         _reset_peak()
         base = _peak_rss()
+        t0 = time.perf_counter()
         if mode.startswith("exchange"):
-            grads, base = _leader_round(layout, locals_, params, codec, chunk if "chunk" in mode else None)
+            grads, base = _leader_round(layout, locals_, params, codec, chunk if "chunk" in mode else None,
+                                        reuse="fresh" not in mode)
             grads[0].reshape(-1)[:1] = 0.5  # (the merged value itself depends on the codec)
         elif mode == "all-gather":
             full = layout.gather(locals_, params)
@@ -105,8 +121,10 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, 
             full = None  # as the strategy does once the leader has encoded it
             grads = layout.scatter_from_leader(merged, params, cpu)
         assert float(grads[0].reshape(-1)[0]) == 0.5 if grads[0].numel() else True
+        seconds = time.perf_counter() - t0
         rise = _peak_rss() - base
-        Path(f"{out}.{rank}").write_text(json.dumps({"rise": rise, "model_bytes": 4 * layout.numel}))
+        got = {"rise": rise, "model_bytes": 4 * layout.numel, "seconds": seconds}
+        Path(f"{out}.{rank}").write_text(json.dumps(got))
         # no rank tears the group down while another may still be in a collective: without this
         # barrier, about one run in ten aborted a rank ("terminate called without an active
         # exception") after the all-gather round
@@ -126,7 +144,8 @@ def main() -> None:
     chunk = outer.exchange_chunk_numel(args.chunk_mib, 2048)
     modes = ["all-gather", "to leader"]
     if args.codec:
-        modes += [f"exchange {args.codec}", f"exchange {args.codec}, chunks of {args.chunk_mib:g} MiB"]
+        chunked = f"exchange {args.codec}, chunks of {args.chunk_mib:g} MiB"
+        modes += [f"exchange {args.codec}", chunked, f"{chunked}, fresh buffers"]
     rows = []
     for mode in modes:
         with tempfile.TemporaryDirectory() as tmp:
@@ -135,12 +154,13 @@ def main() -> None:
             for rank in range(args.world):
                 got = json.loads(Path(tmp, f"out.{rank}").read_text())
                 rows.append({"mode": mode, "rank": rank, "rise_mib": got["rise"] / 2**20,
-                             "copies": got["rise"] / got["model_bytes"], "model_mib": got["model_bytes"] / 2**20})
+                             "copies": got["rise"] / got["model_bytes"], "model_mib": got["model_bytes"] / 2**20,
+                             "seconds": got["seconds"]})
     print(f"island of {args.world} gloo processes, model of {rows[0]['model_mib']:.0f} MiB fp32")
     width = max(len(m) for m in modes) + 2
-    print(f"{'round':<{width}}{'rank':>5}{'peak rise MiB':>15}{'full copies':>13}")
+    print(f"{'round':<{width}}{'rank':>5}{'peak rise MiB':>15}{'full copies':>13}{'seconds':>9}")
     for r in rows:
-        print(f"{r['mode']:<{width}}{r['rank']:>5}{r['rise_mib']:>15.0f}{r['copies']:>13.2f}")
+        print(f"{r['mode']:<{width}}{r['rank']:>5}{r['rise_mib']:>15.0f}{r['copies']:>13.2f}{r['seconds']:>9.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"world": args.world, "params": args.params, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

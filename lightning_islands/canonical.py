@@ -140,13 +140,14 @@ class CanonicalLayout:
 
     def gather_to_leader(self, locals_: Sequence[Tensor], params: Sequence[Tensor], device: torch.device,
                          out_device: torch.device | None = None, start: int = 0,
-                         stop: int | None = None) -> Tensor | None:
+                         stop: int | None = None, into: Tensor | None = None) -> Tensor | None:
         """The fp32 values ``[start, stop)`` (default: all) of the flat vector on the island's rank 0
         (on ``out_device``, default ``device``), ``None`` on the other ranks, which send only their
         shards' values in the range: one flat buffer each, on ``device`` (the GPU for NCCL),
         received by the leader one rank at a time into a reused buffer, so the leader holds the
-        range and one rank's part of it at most. A collective inside the island: every rank must
-        call it, with the same range."""
+        range and one rank's part of it at most. ``into`` (leader, optional): a flat fp32 tensor of
+        ``stop - start`` values on ``out_device`` to gather into and return, instead of a new one.
+        A collective inside the island: every rank must call it, with the same range."""
         start, stop = self._range(start, stop)
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
@@ -168,7 +169,9 @@ class CanonicalLayout:
             if sizes[rank]:  # every rank knows every size: nothing is sent for empty parts
                 dist.send(mine, dst=0)
             return None
-        full = torch.empty(stop - start, dtype=torch.float32, device=out_device)
+        if into is not None and (into.numel() != stop - start or into.dtype != torch.float32):
+            raise ValueError(f"into holds {into.numel()} {into.dtype} values for the range [{start}, {stop})")
+        full = torch.empty(stop - start, dtype=torch.float32, device=out_device) if into is None else into
         for k, local_at, range_at, n in parts[0]:  # the leader's own part, straight into place
             full[range_at : range_at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
         buf = torch.empty(max(sizes[1:], default=0), dtype=torch.float32, device=device)

@@ -32,18 +32,26 @@ def merge_weights(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def merge(deltas: Sequence[Tensor], weights: Sequence[float]) -> Tensor:
-    """Weighted average of the islands' pseudo-gradients (one weight per island), in island order."""
+def merge(deltas: Sequence[Tensor], weights: Sequence[float], out: Tensor | None = None,
+          scratch: Tensor | None = None) -> Tensor:
+    """Weighted average of the islands' pseudo-gradients (one weight per island), in island order.
+
+    ``out`` and ``scratch`` (optional, shaped like the deltas): where to write the result and each
+    later island's weighted term, instead of new tensors; the same operations, so the same values.
+    """
     if not deltas:
         raise ValueError("merge needs at least one pseudo-gradient")
     if len(deltas) != len(weights):
         raise ValueError(f"{len(deltas)} pseudo-gradients but {len(weights)} weights")
-    out: Tensor | None = None
+    result: Tensor | None = None
     for delta, coef in zip(deltas, merge_weights([float(w) for w in weights])):
-        term = torch.mul(delta, torch.tensor(coef, dtype=delta.dtype, device=delta.device))
-        out = term if out is None else out.add_(term)
-    assert out is not None
-    return out
+        c = torch.tensor(coef, dtype=delta.dtype, device=delta.device)
+        if result is None:
+            result = torch.mul(delta, c) if out is None else torch.mul(delta, c, out=out)
+        else:
+            result.add_(torch.mul(delta, c) if scratch is None else torch.mul(delta, c, out=scratch))
+    assert result is not None
+    return result
 
 
 def expert_coefficients(counts: Sequence[Sequence[float]]) -> list[Tensor]:

@@ -37,6 +37,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_islands import floatenv, outer
+from lightning_islands.buffers import Buffers
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import default_error_feedback, make_codec
 from lightning_islands.fsdp import FSDP2Strategy
@@ -648,17 +649,22 @@ class IslandStrategy(FSDP2Strategy):
         chunks = outer.chunk_bounds(self.layout.numel, self.exchange_chunk)
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
         into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in self._anchors]
+        scratch = Buffers()  # the leader's chunk-sized temporaries, reused by every chunk of this round
         for start, stop in chunks:
+            gathered = scratch.take("part", stop - start, device=self._exchange_device()) if self.is_leader else None
             part = self.layout.gather_to_leader(sent, self._params, self.root_device, self._exchange_device(),
-                                                start, stop)
+                                                start, stop, into=gathered)
             box: dict[str, Tensor] = {}
 
             def leader_chunk(part: Tensor | None = part, start: int = start, box: dict[str, Tensor] = box) -> None:
                 assert part is not None
-                box["merged"], box["residual"] = self._exchange_chunk(part, start, weights, coefs, stats, link_sums)
+                box["merged"], box["residual"] = self._exchange_chunk(part, start, weights, coefs, stats, link_sums,
+                                                                      scratch)
 
             self._agree(leader_chunk)
-            del part, leader_chunk  # the leader's copies of this chunk go before the next one's
+            del part, gathered, leader_chunk  # the next chunk reuses the leader's buffers
+            if stop == chunks[-1][1]:
+                scratch.clear()  # nothing left to reuse: the scatters get their room (merged and residual stay)
             got = self.layout.scatter_from_leader(box.pop("merged", None), self._params, self.root_device, start,
                                                   stop, into=into)
             if self.residual is not None:
@@ -675,23 +681,28 @@ class IslandStrategy(FSDP2Strategy):
         return grads, metrics
 
     def _exchange_chunk(self, part: Tensor, start: int, weights: Sequence[float], coefs: dict[str, list[Tensor]],
-                        stats: RoundStats, link_sums: dict[str, float]) -> tuple[Tensor, Tensor | None]:
+                        stats: RoundStats, link_sums: dict[str, float],
+                        scratch: Buffers) -> tuple[Tensor, Tensor | None]:
         """Leader only: quantize this chunk of what the island sends once, exchange it, merge every
         island's in island order. Returns the merged chunk and, with error feedback, what
-        quantization dropped from it (the chunk of the next residual)."""
-        payload = self.codec.encode(part)
-        own = self.codec.decode(payload)
-        residual = torch.sub(part, own) if self.residual is not None else None
+        quantization dropped from it (the chunk of the next residual): both in ``scratch``, valid
+        until the next chunk."""
+        m, dev = part.numel(), part.device
+        payload = self.codec.encode(part, out=scratch.take("payload", self.codec.nbytes(m), torch.uint8, dev))
+        own = self.codec.decode(payload, out=scratch.take("own", m, device=dev))
+        residual = None if self.residual is None else torch.sub(part, own, out=scratch.take("residual", m, device=dev))
         decoded = [own]
         if self.link is not None:
             payloads = self.link.all_gather_bytes(payload)
-            decoded = [own if i == self.island_index else self.codec.decode(p.to(part.device))
+            decoded = [own if i == self.island_index else
+                       self.codec.decode(p.to(dev), out=scratch.take(f"decoded{i}", m, device=dev))
                        for i, p in enumerate(payloads)]
             link = self.link.take_stats()
             for key in self.totals:
                 self.totals[key] += getattr(link, key)
                 link_sums[key] += getattr(link, key)
-        merged = outer.merge(decoded, weights)
+        merged = outer.merge(decoded, weights, out=scratch.take("merged", m, device=dev),
+                             scratch=scratch.take("term", m, device=dev))
         self._merge_experts(merged, decoded, coefs, start)
         stats.add(part, own, payload.numel(), decoded, merged)
         return merged, residual

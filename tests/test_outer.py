@@ -133,3 +133,17 @@ def test_exchange_chunks_cover_the_vector_in_whole_units():
     assert outer.chunk_bounds(0, 4) == [(0, 0)]
     with pytest.raises(ValueError, match="chunk"):
         outer.chunk_bounds(10, 0)
+
+
+def test_merge_into_given_buffers_gives_the_same_bits():
+    """``out`` and ``scratch`` change where the merge writes, not what: bit for bit the merge of new
+    tensors, for one, two and three islands, with the buffers holding garbage first."""
+    g = torch.Generator().manual_seed(9)
+    deltas = [torch.randn(1001, generator=g) * 10.0 ** e for e in (-3, 0, 2)]
+    weights = [8192.0, 16384.0, 3.0]
+    for count in (1, 2, 3):
+        want = outer.merge(deltas[:count], weights[:count])
+        out, scratch = torch.full((1001,), float("nan")), torch.full((1001,), 7.0)
+        got = outer.merge(deltas[:count], weights[:count], out=out, scratch=scratch)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), count
