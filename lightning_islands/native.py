@@ -33,6 +33,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TypeVar
 
@@ -178,15 +179,20 @@ def _load() -> ctypes.CDLL | None:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Within the block, :func:`library` returns None and :func:`enabled` False in this thread: the
-    codecs that this thread runs use their torch reference path, on every device (other threads
-    keep the kernels)."""
-    _off.depth = getattr(_off, "depth", 0) + 1
+def _nested(counter: str) -> Iterator[None]:
+    """Count one more level of ``counter`` (a field of :data:`_off`) in this thread for the block."""
+    setattr(_off, counter, getattr(_off, counter, 0) + 1)
     try:
         yield
     finally:
-        _off.depth -= 1
+        setattr(_off, counter, getattr(_off, counter) - 1)
+
+
+def disabled() -> AbstractContextManager[None]:
+    """Within the block, :func:`library` returns None and :func:`enabled` False in this thread: the
+    codecs that this thread runs use their torch reference path, on every device (other threads
+    keep the kernels)."""
+    return _nested("depth")
 
 
 def enabled() -> bool:
@@ -194,15 +200,10 @@ def enabled() -> bool:
     return not getattr(_off, "depth", 0)
 
 
-@contextlib.contextmanager
-def own_threads() -> Iterator[None]:
+def own_threads() -> AbstractContextManager[None]:
     """Within the block, :func:`run_jobs` in this thread runs its calls on :func:`thread_pool`
     even where the library could run them on torch's OpenMP threads (to compare the two)."""
-    _off.own = getattr(_off, "own", 0) + 1
-    try:
-        yield
-    finally:
-        _off.own -= 1
+    return _nested("own")
 
 
 def openmp() -> bool:

@@ -1029,19 +1029,15 @@ int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, i
                       int64_t *restrict ties, int64_t cap, int64_t *restrict out_idx, float *restrict out_vals) {
     const uint32_t *vb = (const uint32_t *)vals;
     uint32_t t = (uint32_t)thr;
-    int64_t n = 0, left = *ties, i = 0;
-    for (; i < m && n < cap; i++) {
+    int64_t n = 0, left = *ties;
+    for (int64_t i = 0; i < m; i++) {
         uint32_t a = vb[i] & LIQ_ABS_MASK;
         int64_t tie = a == t, keep = (a > t) | (tie & (left > 0));
         left -= tie & keep;
-        out_idx[n] = idx[i];
-        out_vals[n] = vals[i];
-        n += keep;
-    }
-    for (; i < m; i++) { /* only counts */
-        uint32_t a = vb[i] & LIQ_ABS_MASK;
-        int64_t tie = a == t, keep = (a > t) | (tie & (left > 0));
-        left -= tie & keep;
+        if (n < cap) { /* false only past a wrong count: predictable */
+            out_idx[n] = idx[i];
+            out_vals[n] = vals[i];
+        }
         n += keep;
     }
     *ties = left;
