@@ -4,7 +4,8 @@ For every codec, in the same run and interleaved with a ``copy_`` of the same fp
 see the same machine state), this measures:
 
 * ``enc`` / ``dec``: :meth:`Codec.encode` / :meth:`Codec.decode` with reused output buffers
-  (``out=``), i.e. the steady state of an outer loop that keeps its buffers;
+  (``out=``) and temporaries (``scratch=``), i.e. the steady state of an outer loop that keeps
+  its buffers (as a round's chunks do);
 * ``alloc``: the same with fresh outputs (on CPU, page-faulting fresh multi-MiB allocations can cost
   more than the codec itself);
 * ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header; on the fused
@@ -50,6 +51,7 @@ import torch
 
 from lightning_islands import codecs as C
 from lightning_islands import native
+from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import blockwise, checksum, paths
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
@@ -131,25 +133,26 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
     dbuf = torch.empty_like(x)
     kbody = torch.empty_like(body)
     y = torch.empty_like(x)
+    sbuf = Buffers()
     ops = {
         "copy": lambda: y.copy_(x),
-        "enc": lambda: codec.encode(x, out=pbuf),
-        "dec": lambda: codec.decode(payload, out=dbuf),
+        "enc": lambda: codec.encode(x, out=pbuf, scratch=sbuf),
+        "dec": lambda: codec.decode(payload, out=dbuf, scratch=sbuf),
         "enc_alloc": lambda: codec.encode(x),
         "dec_alloc": lambda: codec.decode(payload),
-        "kern_enc": lambda: codec._encode_body(x, kbody),
-        "kern_dec": lambda: codec._decode_body(body, n, k, dbuf),
+        "kern_enc": lambda: codec._encode_body(x, kbody, sbuf),
+        "kern_dec": lambda: codec._decode_body(body, n, k, dbuf, sbuf),
         "crc": lambda: checksum.crc32_of(b"", body),
-        "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf)),
-        "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf)),
+        "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf, scratch=sbuf)),
+        "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf, scratch=sbuf)),
     }
     two_pass = isinstance(codec, blockwise.BlockCodec) and paths.triton_module(x) is not None
     if two_pass:
-        ops["kern_enc_2pass"] = lambda: _two_pass(lambda: codec._encode_body(x, kbody))
+        ops["kern_enc_2pass"] = lambda: _two_pass(lambda: codec._encode_body(x, kbody, sbuf))
     own = x.device.type == "cpu" and native.openmp()
     if own:
-        ops["enc_own"] = lambda: _own_threads(lambda: codec.encode(x, out=pbuf))
-        ops["dec_own"] = lambda: _own_threads(lambda: codec.decode(payload, out=dbuf))
+        ops["enc_own"] = lambda: _own_threads(lambda: codec.encode(x, out=pbuf, scratch=sbuf))
+        ops["dec_own"] = lambda: _own_threads(lambda: codec.decode(payload, out=dbuf, scratch=sbuf))
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():

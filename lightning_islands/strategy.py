@@ -688,14 +688,15 @@ class IslandStrategy(FSDP2Strategy):
         quantization dropped from it (the chunk of the next residual): both in ``scratch``, valid
         until the next chunk."""
         m, dev = part.numel(), part.device
-        payload = self.codec.encode(part, out=scratch.take("payload", self.codec.nbytes(m), torch.uint8, dev))
-        own = self.codec.decode(payload, out=scratch.take("own", m, device=dev))
+        payload = self.codec.encode(part, out=scratch.take("payload", self.codec.nbytes(m), torch.uint8, dev),
+                                    scratch=scratch)
+        own = self.codec.decode(payload, out=scratch.take("own", m, device=dev), scratch=scratch)
         residual = None if self.residual is None else torch.sub(part, own, out=scratch.take("residual", m, device=dev))
         decoded = [own]
         if self.link is not None:
             payloads = self.link.all_gather_bytes(payload)
             decoded = [own if i == self.island_index else
-                       self.codec.decode(p.to(dev), out=scratch.take(f"decoded{i}", m, device=dev))
+                       self.codec.decode(p.to(dev), out=scratch.take(f"decoded{i}", m, device=dev), scratch=scratch)
                        for i, p in enumerate(payloads)]
             link = self.link.take_stats()
             for key in self.totals:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from lightning_islands import codecs as C
 from lightning_islands import crc32, native
+from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import (
     ErrorFeedback,
     blockwise,
@@ -532,6 +533,30 @@ def test_elias_fano_parts_check_the_indices_across_their_joins(threads3):
         bad[pos] = byte ^ (1 << b)
         with pytest.raises(ValueError, match="corrupt top-k index block"):
             elias_fano.ef_decode(bad, n, k)
+
+
+@pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.1+int2", "topk:0.3+fp8", "int4"])
+def test_scratch_buffers_change_no_byte(spec, path):
+    """Temporaries taken from one Buffers across calls of different sizes (as a round's chunks
+    do): the same payloads and decodes as fresh temporaries, and the results do not move when
+    the buffers are reused by the next call."""
+    codec = make_codec(spec)
+    scratch = Buffers()
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        outs = []
+        for n in (600_001, 300_007, 600_001):
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            payload = codec.encode(x, scratch=scratch)
+            assert torch.equal(payload, codec.encode(x)), (spec, n)
+            decoded = codec.decode(payload, scratch=scratch)
+            assert torch.equal(decoded, codec.decode(payload)), (spec, n)
+            outs.append((payload.clone(), decoded.clone(), payload, decoded))
+        for kept, dec, payload, decoded in outs:
+            assert torch.equal(kept, payload) and torch.equal(dec, decoded)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_elias_fano_rejects_corrupt_blocks(path):

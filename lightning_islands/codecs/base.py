@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands import native
+from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.checksum import payload_crc
 from lightning_islands.codecs.wire import (
@@ -94,10 +95,11 @@ class Codec:
     def _body_nbytes(self, n: int) -> int:
         return self._values_nbytes(n)
 
-    def _encode_body(self, x: Tensor, body: Tensor) -> int | None:
+    # scratch: where a body format may take large temporaries from (see Codec.encode)
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> int | None:
         return self._encode_values(x, body)
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> int | None:
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> int | None:
         return self._decode_values(body, n, out)
 
     def _checksums_while_decoding(self, body: Tensor) -> bool:
@@ -131,13 +133,15 @@ class Codec:
             "format_version": FORMAT_VERSION,
         }
 
-    def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+    def encode(self, x: Tensor, out: Tensor | None = None, scratch: Buffers | None = None) -> Tensor:
         """Quantize a flat float32 tensor into a 1-D uint8 payload on the same device.
 
         ``out`` (optional): a contiguous uint8 tensor of exactly ``nbytes(x.numel())`` bytes on
         ``x``'s device to write the payload into (reusing a buffer avoids page-faulting fresh
-        memory on every call). Raises ``ValueError`` if ``x`` contains NaN/Inf. Identical input
-        gives identical bytes.
+        memory on every call). ``scratch`` (optional): a :class:`~lightning_islands.buffers.Buffers`
+        that a codec with large temporaries (top-k) takes them from, for a caller that encodes
+        many times. Raises ``ValueError`` if ``x`` contains NaN/Inf. Identical input gives
+        identical bytes.
         """
         x = check_input(x)
         n = x.numel()
@@ -159,7 +163,7 @@ class Codec:
                 )
             payload = out
         body = payload[HEADER_BYTES:]
-        body_crc = self._encode_body(x, body)
+        body_crc = self._encode_body(x, body, scratch)
         header = HEADER.pack(
             MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
         )[:CRC_OFFSET]
@@ -167,12 +171,13 @@ class Codec:
         payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return payload
 
-    def decode(self, payload: Tensor, out: Tensor | None = None) -> Tensor:
+    def decode(self, payload: Tensor, out: Tensor | None = None, scratch: Buffers | None = None) -> Tensor:
         """Validate a payload and reconstruct the float32 tensor (same device as the payload).
 
         ``out`` (optional): a contiguous float32 tensor of the original length on the payload's
         device to decode into, avoiding a fresh allocation (large fresh CPU allocations cost
-        page faults that can exceed the decode itself). Raises ``ValueError`` on any mismatch
+        page faults that can exceed the decode itself); ``scratch`` as for :meth:`encode`.
+        Raises ``ValueError`` on any mismatch
         (wrong codec, truncation, corruption) with expected vs. got values. Where the fused CPU
         kernels checksum the body while decoding it, a corrupted payload is detected after ``out``
         was written: its contents are then unspecified (the error is raised all the same).
@@ -197,7 +202,7 @@ class Codec:
                 f"out must be a contiguous 1-D float32 tensor of {n} elements on {payload.device}, got "
                 f"{out.dtype} shape {tuple(out.shape)} on {out.device}"
             )
-        body_crc = self._decode_body(body, n, k, out)
+        body_crc = self._decode_body(body, n, k, out, scratch)
         if late:
             if body_crc is None:  # pragma: no cover - a codec that claims to checksum must do so
                 raise RuntimeError(f"codec {self.name!r} did not checksum the body while decoding")

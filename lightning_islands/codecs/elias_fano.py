@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands import native
+from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.wire import ceil_div
 
@@ -63,14 +64,15 @@ def ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
     out[low_bytes:].copy_(_pack_bits(unary, high_bytes))
 
 
-def ef_decode(data: Tensor, n: int, k: int) -> Tensor:
+def ef_decode(data: Tensor, n: int, k: int, scratch: Buffers | None = None) -> Tensor:
     """The k int64 indices below n that :func:`ef_encode` wrote into ``data``; ValueError naming the
-    fault if the block does not hold k strictly increasing indices below n."""
+    fault if the block does not hold k strictly increasing indices below n. On the fused path the
+    result comes from ``scratch`` if given (valid until it is asked for it again)."""
     low, low_bytes, high_bytes = ef_layout(n, k)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     if paths.kernels(data) is not None:
-        return _native_decode(data.contiguous(), n, k, low, low_bytes, high_bytes)
+        return _native_decode(data.contiguous(), n, k, low, low_bytes, high_bytes, scratch)
     positions = torch.nonzero(_unpack_bits(data[low_bytes : low_bytes + high_bytes])).view(-1)
     if positions.numel() != k:
         raise ValueError(f"corrupt top-k index block: {positions.numel()} index marks, expected {k}")
@@ -84,7 +86,8 @@ def ef_decode(data: Tensor, n: int, k: int) -> Tensor:
     return idx
 
 
-def _native_decode(data: Tensor, n: int, k: int, low: int, low_bytes: int, high_bytes: int) -> Tensor:
+def _native_decode(data: Tensor, n: int, k: int, low: int, low_bytes: int, high_bytes: int,
+                   scratch: Buffers | None) -> Tensor:
     """:func:`ef_decode` with the fused kernels, in parts of the high part on the kernel threads: the
     marks before each part are counted first (so each part knows the number of its first index),
     then every part decodes its indices into place."""
@@ -94,7 +97,7 @@ def _native_decode(data: Tensor, n: int, k: int, low: int, low_bytes: int, high_
     if sum(marks) != k:
         raise ValueError(f"corrupt top-k index block: {sum(marks)} index marks, expected k={k}")
     first = [0, *itertools.accumulate(marks)]
-    idx = torch.empty(k, dtype=torch.int64)
+    idx = take(scratch, "ef.idx", k, torch.int64)
     got = native.run_jobs([("liq_ef_decode_part", (native.ptr(data), n, k, low, low_bytes, b0, b1, first[r],
                                                    native.ptr(idx)))
                            for r, (b0, b1) in enumerate(parts)])

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands import native
+from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs.base import raise_if_nonfinite_sum
 from lightning_islands.codecs.wire import ceil_div
 
@@ -65,12 +66,13 @@ def topk_indices(a: Tensor, k: int) -> Tensor:
     return torch.cat([above, ties]).sort().values
 
 
-def native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> tuple[Tensor, Tensor]:
     """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
     :func:`topk_indices`. Usually one pass over ``x``, split across the kernel threads, that
     picks every entry at or above a band of magnitudes guessed from a sample (with the band's
     count, the threshold follows); a poor guess costs a histogram pass that finds the band
-    exactly, and a second pick."""
+    exactly, and a second pick. Temporaries, and the results, come from ``scratch`` if given
+    (valid until it is asked for them again)."""
     n = x.numel()
     ranges = native.split(n, 1)
     guess = _sampled_band(x, k)
@@ -79,7 +81,7 @@ def native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         # a range may hold any share of the k largest and of the band (layers differ in scale): room for
         # all of both (the pages of unused room are never touched)
         caps = [min(e - s, k + expected + 256) + _TOPK_SLACK for s, e in ranges]
-        found = _band_pick(lib, x, k, ranges, lo, hi, caps)
+        found = _band_pick(lib, x, k, ranges, lo, hi, caps, scratch)
         if found is not None:
             return found
     hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
@@ -93,7 +95,7 @@ def native_topk(lib: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     bucket = _TOPK_BUCKETS - 1 - int(torch.searchsorted(from_top, k))  # first bucket reaching k
     shift = _TOPK_BUCKET_SHIFT
     caps = (hist[:, bucket:].sum(1) + _TOPK_SLACK).tolist()  # exactly the entries >= the bucket, per range
-    found = _band_pick(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps)
+    found = _band_pick(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps, scratch)
     if found is None:  # pragma: no cover - the bucket holds the k-th largest by construction
         raise RuntimeError("fused top-k: the histogram bucket does not hold the threshold")
     return found
@@ -122,13 +124,13 @@ def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
 
 
 def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
-               caps: list[int]) -> tuple[Tensor, Tensor] | None:
+               caps: list[int], scratch: Buffers | None) -> tuple[Tensor, Tensor] | None:
     """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
     and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None."""
     each = range(len(ranges))
     starts = [0, *itertools.accumulate(caps)]
-    idx_all = torch.empty(starts[-1], dtype=torch.int64)
-    val_all = torch.empty(starts[-1], dtype=torch.float32)
+    idx_all = take(scratch, "topk.picked_idx", starts[-1], torch.int64)
+    val_all = take(scratch, "topk.picked_val", starts[-1])
     above = torch.zeros(len(ranges), dtype=torch.int64)
     got = native.run_jobs([("liq_topk_pick", (native.ptr(x, s), e - s, s, lo, hi, native.ptr(idx_all, starts[r]),
                                               native.ptr(val_all, starts[r]), caps[r], native.ptr(above, r)))
@@ -138,7 +140,7 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     n_above = int(above.sum())
     if any(g < 0 for g in got) or not n_above < k <= sum(got):
         return None
-    band = torch.empty(sum(got) - n_above + 1, dtype=torch.int32)  # their bits (+1: stored branch-free)
+    band = take(scratch, "topk.band", sum(got) - n_above + 1, torch.int32)  # their bits (+1: stored branch-free)
     cuts = [0]
     for r in each:
         cuts.append(cuts[-1] + lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi,
@@ -148,8 +150,8 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     threshold = int(np.partition(inside, inside.size - rank)[inside.size - rank])
     ties, want = _shares([inside[cuts[r] : cuts[r + 1]] for r in each], above.tolist(), k, threshold)
     out = [0, *itertools.accumulate(want)]
-    idx = torch.empty(k, dtype=torch.int64)
-    vals = torch.empty(k, dtype=torch.float32)
+    idx = take(scratch, "topk.idx", k, torch.int64)
+    vals = take(scratch, "topk.vals", k)
     left = torch.tensor(ties, dtype=torch.int64)  # the kernels count them down
     kept = native.run_jobs([("liq_topk_keep", (native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r],
                                                threshold, native.ptr(left, r), want[r], native.ptr(idx, out[r]),

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands import native
+from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.base import Codec, raise_if_nonfinite_sum
 from lightning_islands.codecs.checksum import crc_piece
@@ -66,12 +67,12 @@ class TopKCodec(Codec):
         _, low_bytes, high_bytes = ef_layout(n, k)
         return self.inner._values_nbytes(k) + low_bytes + high_bytes
 
-    def _encode_body(self, x: Tensor, body: Tensor) -> int | None:
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> int | None:
         n = x.numel()
         k = self._count(n)
         lib = paths.kernels(x)
         if k < n and lib is not None:
-            idx, values = native_topk(lib, x, k)  # refuses NaN/Inf in its first pass
+            idx, values = native_topk(lib, x, k, scratch)  # refuses NaN/Inf in its first pass
         elif k == n:
             raise_if_nonfinite_sum(x)
             idx = torch.arange(n, dtype=torch.int64, device=x.device)
@@ -91,12 +92,12 @@ class TopKCodec(Codec):
     def _checksums_while_decoding(self, body: Tensor) -> bool:
         return False  # the body is index-decoded first: verify it before trusting its indices
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor) -> None:
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> None:
         inner_bytes = self.inner._values_nbytes(k)
-        values = torch.empty(k, dtype=torch.float32, device=body.device)
+        values = take(scratch, "topk.values", k, device=body.device)
         if k:
             self.inner._decode_values(body[:inner_bytes], k, values)
-        idx = ef_decode(body[inner_bytes:], n, k)
+        idx = ef_decode(body[inner_bytes:], n, k, scratch)
         if k == n:
             out.copy_(values)
             return
