@@ -15,7 +15,10 @@ Where torch computes with GNU OpenMP (libgomp, as the Linux wheels do), the libr
 ``-fopenmp`` against that same runtime and :func:`run_jobs` runs the per-thread calls on torch's own
 OpenMP threads: they are still spinning from torch's last parallel operation, and threads of our
 own would have to wait for their cores. ``LI_NATIVE_OPENMP=0`` builds without it (the calls then
-run on :func:`thread_pool`, as they do where torch uses another runtime).
+run on :func:`thread_pool`, as they do where torch uses another runtime). Like torch's own parallel
+operations, the kernels then cannot run in a process forked after the parent used them (GNU
+OpenMP is not fork-safe: the child waits forever); start such children with ``spawn``, or set
+``LI_NATIVE_OPENMP=0``.
 """
 
 from __future__ import annotations
