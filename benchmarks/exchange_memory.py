@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_islands import outer
-from lightning_islands.buffers import Buffers
+from lightning_islands.buffers import Buffers, take
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import make_codec
 
@@ -66,22 +66,23 @@ def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_sp
     sent = [torch.add(loc, r) for loc, r in zip(locals_, residual)]
     chunks = outer.chunk_bounds(layout.numel, chunk)
     into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
-    scratch = Buffers()
+    scratch = Buffers() if reuse else None  # None: every take is a fresh tensor
     leader = dist.get_rank() == 0
     for start, stop in chunks:
         m = stop - start
-        take = scratch.take if reuse else (lambda name, numel, dtype=torch.float32: torch.empty(numel, dtype=dtype))
         part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop,
-                                       into=take("part", m) if leader else None)
+                                       into=take(scratch, "part", m) if leader else None)
         merged = dropped = None
         if part is not None:
-            payload = codec.encode(part, out=take("payload", codec.nbytes(m), torch.uint8))
-            own = codec.decode(payload, out=take("own", m))
-            dropped = torch.sub(part, own, out=take("residual", m))
-            other = codec.decode(payload.clone(), out=take("decoded1", m))  # the other island's, as received
-            merged = outer.merge([own, other], [1.0, 1.0], out=take("merged", m), scratch=take("term", m))
+            payload = codec.encode(part, out=take(scratch, "payload", codec.nbytes(m), torch.uint8), scratch=scratch)
+            own = codec.decode(payload, out=take(scratch, "own", m), scratch=scratch)
+            dropped = torch.sub(part, own, out=take(scratch, "residual", m))
+            other = codec.decode(payload.clone(), out=take(scratch, "decoded1", m),  # the other island's, as received
+                                 scratch=scratch)
+            merged = outer.merge([own, other], [1.0, 1.0], out=take(scratch, "merged", m),
+                                 scratch=take(scratch, "term", m))
             del part, own, payload, other
-            if stop == chunks[-1][1]:
+            if scratch is not None and stop == chunks[-1][1]:
                 scratch.clear()  # as the strategy does: the last chunk's scatters get the room
         grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
         layout.scatter_from_leader(dropped, params, cpu, start=start, stop=stop, into=residual)
