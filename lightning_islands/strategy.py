@@ -651,9 +651,10 @@ class IslandStrategy(FSDP2Strategy):
         into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in self._anchors]
         scratch = Buffers()  # the leader's chunk-sized temporaries, reused by every chunk of this round
         for start, stop in chunks:
-            gathered = scratch.take("part", stop - start, device=self._exchange_device()) if self.is_leader else None
+            into_part = scratch.take("part", stop - start, device=self._exchange_device()) if self.is_leader else None
             part = self.layout.gather_to_leader(sent, self._params, self.root_device, self._exchange_device(),
-                                                start, stop, into=gathered)
+                                                start, stop, into=into_part)
+            del into_part  # the same tensor as ``part`` on the leader
             box: dict[str, Tensor] = {}
 
             def leader_chunk(part: Tensor | None = part, start: int = start, box: dict[str, Tensor] = box) -> None:
@@ -662,7 +663,7 @@ class IslandStrategy(FSDP2Strategy):
                                                                       scratch)
 
             self._agree(leader_chunk)
-            del part, gathered, leader_chunk  # the next chunk reuses the leader's buffers
+            del part, leader_chunk  # the next chunk reuses the leader's buffers
             if stop == chunks[-1][1]:
                 scratch.clear()  # nothing left to reuse: the scatters get their room (merged and residual stay)
             got = self.layout.scatter_from_leader(box.pop("merged", None), self._params, self.root_device, start,
