@@ -65,7 +65,9 @@ _SIGNATURES = {
     "liq_f32_copy_checked": [_P, _I64, _P, _P],
     "liq_topk_hist": [_P, _I64, _P],
     "liq_topk_pick": [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P],
-    "liq_topk_band_bits": [_P, _I64, _I64, _P],
+    "liq_topk_band_hist": [_P, _I64, _I64, _I64, _I64, _P],
+    "liq_topk_band_bits": [_P, _I64, _I64, _I64, _P],
+    "liq_topk_count": [_P, _I64, _I64, _P],
     "liq_topk_keep": [_P, _P, _I64, _I64, _P, _I64, _P, _P],
     "liq_ef_encode_part": [_P, _I64, _I32, _P, _I64, _P, _I64, _I64, _I64],
     "liq_popcount": [_P, _I64],
@@ -80,7 +82,8 @@ _SIGNATURES = {
 }
 Job = tuple[str, Sequence[int]]  #: a kernel call: the kernel's name and its arguments (ints: pointers, sizes)
 # these return an int64 count, liq_crc32 a CRC, the rest a status
-_RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_bits", "liq_topk_keep", "liq_popcount", "liq_ef_decode_part"}
+_RETURNS_COUNT = {"liq_topk_pick", "liq_topk_band_hist", "liq_topk_band_bits", "liq_topk_count", "liq_topk_keep",
+                  "liq_popcount", "liq_ef_decode_part"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -284,7 +287,8 @@ def _job_id(lib: ctypes.CDLL, name: str) -> int:
 def run_jobs(jobs: Sequence[Job]) -> list[int]:
     """Run kernel calls ``(name, args)`` of the loaded library concurrently, one per thread; their
     return values in order. On torch's OpenMP threads where :func:`openmp` says so (one foreign
-    call for all of them), else each on :func:`thread_pool` (the first on the calling thread)."""
+    call for all of them; more calls than threads are handed out as threads free up), else each
+    on :func:`thread_pool` (the first on the calling thread)."""
     lib = library()
     if lib is None:
         raise RuntimeError("run_jobs needs the fused kernel library (see native.available())")

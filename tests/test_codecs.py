@@ -535,6 +535,45 @@ def test_elias_fano_parts_check_the_indices_across_their_joins(threads3):
             elias_fano.ef_decode(bad, n, k)
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+@pytest.mark.parametrize("layout", ["dense_runs", "one_word_per_part", "gaps", "random", "wide_low"])
+@pytest.mark.parametrize("parts", [1, 2, 7, 64])
+def test_elias_fano_encoder_parts_own_whole_words(layout, parts):
+    """Each part of the C encoder writes the 64-bit words of the high part from its first index's
+    mark to the next part's, taking the indices before its run that mark its first word: with
+    parts of 8 indices whose marks share a word (so some parts own no word), parts past the last
+    index, runs of consecutive indices and long gaps, the parts together (more of them than
+    threads, handed out as threads free up) write the torch path's bytes over a dirty buffer."""
+    g = torch.Generator().manual_seed(parts)
+    if layout == "dense_runs":  # consecutive indices: up to 64 marks in one word
+        n = 1 << 16
+        idx = torch.cat([torch.arange(s, s + 300) for s in (0, 5000, 5301, 40_000, n - 300)])
+    elif layout == "one_word_per_part":  # 8 indices per part (k / parts rounded up to 8), few words
+        n = 1 << 13
+        idx = torch.arange(0, 8 * parts * 3, 3)
+    elif layout == "gaps":
+        n = 1 << 40
+        idx = torch.tensor([0, 1, 2, 3, (1 << 20), (1 << 39), (1 << 39) + 1, n - 1])
+    elif layout == "wide_low":  # low parts of more than 8 bits: the accumulator loop
+        n = 1 << 30
+        idx = torch.unique(torch.randint(0, n, (5000,), generator=g))
+    else:
+        n = 10**6
+        idx = torch.unique(torch.randint(0, n, (70_000,), generator=g))
+    idx = idx.to(torch.int64).unique()
+    k = idx.numel()
+    low, low_bytes, high_bytes = elias_fano.ef_layout(n, k)
+    ref = torch.empty(low_bytes + high_bytes, dtype=torch.uint8)
+    with native.disabled():
+        elias_fano.ef_encode(idx, n, ref)
+    fused = torch.full_like(ref, 0xA5)
+    native.run_jobs([("liq_ef_encode_part", (native.ptr(idx), k, low, native.ptr(fused), low_bytes,
+                                             native.ptr(fused, low_bytes), high_bytes, part, parts))
+                     for part in range(parts)])
+    assert torch.equal(fused, ref), (layout, parts, low)
+    assert torch.equal(elias_fano.ef_decode(fused, n, k), idx)
+
+
 @pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.1+int2", "topk:0.3+fp8", "int4"])
 def test_scratch_buffers_change_no_byte(spec, path):
     """Temporaries taken from one Buffers across calls of different sizes (as a round's chunks

@@ -25,6 +25,8 @@ _TOPK_BUCKET_SHIFT = 20  # the fused top-k's histogram buckets are |x| bits >> 2
 _TOPK_BUCKETS = 2048  # ... of which there are 2048
 _INF_BITS = 0x7F800000
 _TOPK_SLACK = 16  # liq_topk_pick stores whole 16-entry blocks and needs this many spare slots
+_BAND_BUCKET_BITS = 12  # liq_topk_band_hist's 4096 buckets (LIQ_BAND_BUCKETS)
+_PIECE_MIN = 1 << 15  # picked entries per piece at least: fewer are not worth a thread
 
 
 def magnitude_bits(x: Tensor) -> Tensor:
@@ -108,26 +110,30 @@ def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
     n = x.numel()
     if n < 8 * _TOPK_SAMPLE:
         return None
-    runs = _TOPK_SAMPLE // _TOPK_SAMPLE_RUN
-    starts = torch.arange(runs, dtype=torch.int64) * (n // runs)
-    where = (starts.unsqueeze(1) + torch.arange(_TOPK_SAMPLE_RUN, dtype=torch.int64)).view(-1)
-    sample = magnitude_bits(x.index_select(0, where))
-    m = sample.numel()
+    runs = _TOPK_SAMPLE // _TOPK_SAMPLE_RUN  # the first entries of each of `runs` equal slices of x
+    grid = x[: runs * (n // runs)].view(runs, n // runs)[:, :_TOPK_SAMPLE_RUN]
+    sample = magnitude_bits(grid.reshape(-1)).numpy()
+    m = sample.size
     mean = m * k / n  # expected sample entries at or above the threshold
     margin = 4.0 * math.sqrt(mean) + 8
-    top, bottom = math.floor(mean - margin), math.ceil(mean + margin)
-    ranked = torch.topk(sample, min(bottom + 1, m)).values  # descending
-    hi = int(ranked[top]) + 1 if top >= 0 else _INF_BITS
-    lo = int(ranked[bottom]) if bottom < m else 0
-    inside = int(((sample >= lo) & (sample < hi)).sum())
+    top, bottom = math.floor(mean - margin), math.ceil(mean + margin)  # ranks from the largest
+    ranked = np.partition(sample, [m - 1 - r for r in (bottom, top) if 0 <= r < m])  # ascending at those
+    hi = int(ranked[m - 1 - top]) + 1 if top >= 0 else _INF_BITS
+    lo = int(ranked[m - 1 - bottom]) if bottom < m else 0
+    inside = int(np.count_nonzero((sample >= lo) & (sample < hi)))
     return lo, hi, ceil_div(n * (inside + 16), m) * 3 // 2
 
 
 def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
                caps: list[int], scratch: Buffers | None) -> tuple[Tensor, Tensor] | None:
     """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
-    and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None."""
-    each = range(len(ranges))
+    and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None.
+
+    After the pick, the work on the picked entries is split evenly across the kernel threads
+    (ranges of ``x`` may hold very different shares of them: layers differ in scale). The entries
+    inside the band are drawn out, a histogram of them finds the one bucket that holds the
+    threshold, and that bucket's entries give it exactly; then each piece counts its entries above
+    and at the threshold and keeps them into its own part of the output."""
     starts = [0, *itertools.accumulate(caps)]
     idx_all = take(scratch, "topk.picked_idx", starts[-1], torch.int64)
     val_all = take(scratch, "topk.picked_val", starts[-1])
@@ -140,39 +146,71 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     n_above = int(above.sum())
     if any(g < 0 for g in got) or not n_above < k <= sum(got):
         return None
-    band = take(scratch, "topk.band", sum(got) - n_above + 1, torch.int32)  # their bits (+1: stored branch-free)
-    cuts = [0]
-    for r in each:
-        cuts.append(cuts[-1] + lib.liq_topk_band_bits(native.ptr(val_all, starts[r]), got[r], hi,
-                                                      native.ptr(band, cuts[-1])))
+    pieces = _pieces([(starts[r], g) for r, g in enumerate(got)])
+    each = range(len(pieces))
+    room = [0, *itertools.accumulate(m + _TOPK_SLACK for _, m in pieces)]  # the kernels store 16 at a time
+    band = take(scratch, "topk.band", room[-1], torch.int32)
+    inside = native.run_jobs([("liq_topk_band_bits", (native.ptr(val_all, at), m, lo, hi, native.ptr(band, room[p])))
+                              for p, (at, m) in enumerate(pieces)])
+    if sum(inside) != sum(got) - n_above:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k: {sum(inside)} entries inside the band, the pick says {sum(got) - n_above}")
+    shift = max(0, (hi - lo - 1).bit_length() - _BAND_BUCKET_BITS)
+    hist = torch.zeros(len(pieces), 1 << _BAND_BUCKET_BITS, dtype=torch.int64)
+    native.run_jobs([("liq_topk_band_hist", (native.ptr(band, room[p]), inside[p], lo, hi, shift, native.ptr(hist[p])))
+                     for p in each])
     rank = k - n_above  # the threshold is the rank-th largest entry inside the band
-    inside = band[: cuts[-1]].numpy()
-    threshold = int(np.partition(inside, inside.size - rank)[inside.size - rank])
-    ties, want = _shares([inside[cuts[r] : cuts[r + 1]] for r in each], above.tolist(), k, threshold)
+    from_top = hist.sum(0).flip(0).cumsum(0)
+    top = int(torch.searchsorted(from_top, rank))  # buckets counted from the top, to the one reaching rank
+    bucket = hist.shape[1] - 1 - top
+    higher = int(from_top[top - 1]) if top else 0  # band entries in buckets above it
+    b_lo, b_hi = lo + (bucket << shift), min(hi, lo + ((bucket + 1) << shift))
+    counts = hist[:, bucket].tolist()
+    slots = [0, *itertools.accumulate(c + _TOPK_SLACK for c in counts)]
+    bits = take(scratch, "topk.bucket", slots[-1], torch.int32)
+    found = native.run_jobs([("liq_topk_band_bits", (native.ptr(band, room[p]), inside[p], b_lo, b_hi,
+                                                     native.ptr(bits, slots[p]))) for p in each])
+    if found != counts:  # pragma: no cover - would be a kernel bug
+        raise RuntimeError(f"fused top-k: {found} entries in the threshold's bucket, the histogram says {counts}")
+    arrays = bits.numpy()
+    joined = np.concatenate([arrays[slots[p] : slots[p] + counts[p]] for p in each])
+    at = joined.size - (rank - higher)  # the threshold's place in its bucket, sorted ascending
+    threshold = int(np.partition(joined, at)[at])
+    equal = torch.zeros(len(pieces), dtype=torch.int64)
+    greater = native.run_jobs([("liq_topk_count", (native.ptr(val_all, at), m, threshold, native.ptr(equal, p)))
+                               for p, (at, m) in enumerate(pieces)])
+    ties, want = _shares(greater, equal.tolist(), k)
     out = [0, *itertools.accumulate(want)]
     idx = take(scratch, "topk.idx", k, torch.int64)
     vals = take(scratch, "topk.vals", k)
     left = torch.tensor(ties, dtype=torch.int64)  # the kernels count them down
-    kept = native.run_jobs([("liq_topk_keep", (native.ptr(idx_all, starts[r]), native.ptr(val_all, starts[r]), got[r],
-                                               threshold, native.ptr(left, r), want[r], native.ptr(idx, out[r]),
-                                               native.ptr(vals, out[r]))) for r in each])
+    kept = native.run_jobs([("liq_topk_keep", (native.ptr(idx_all, at), native.ptr(val_all, at), m, threshold,
+                                               native.ptr(left, p), want[p], native.ptr(idx, out[p]),
+                                               native.ptr(vals, out[p]))) for p, (at, m) in enumerate(pieces)])
     if kept != want:  # pragma: no cover - would be a kernel bug
-        raise RuntimeError(f"fused top-k kept {kept} entries per range, expected {want} (k={k})")
+        raise RuntimeError(f"fused top-k kept {kept} entries per piece, expected {want} (k={k})")
     return idx, vals
 
 
-def _shares(band: list[np.ndarray], above: list[int], k: int, threshold: int) -> tuple[list[int], list[int]]:
-    """Per range, in index order: how many entries equal to the threshold it keeps, and how many
-    entries in all (every entry above the threshold, then ties while the k are not complete: ties
-    go to the lowest indices, so to the earlier ranges first). ``band`` holds each range's |x|
-    bits inside the band, ``above`` its count of entries above the band. So each range can keep
-    its entries into its own part of the output, concurrently with the others."""
-    greater = [a + int(np.count_nonzero(b > threshold)) for a, b in zip(above, band)]
+def _pieces(parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The picked entries, given as ``(offset, count)`` parts in index order (one per range), cut
+    into pieces of about equal count, about one per kernel thread, none across two parts; the
+    pieces as ``(offset, count)``, in index order."""
+    total = sum(m for _, m in parts)
+    per = max(_PIECE_MIN, ceil_div(total, max(1, torch.get_num_threads())))
+    return [(at + s, min(per, m - s)) for at, m in parts for s in range(0, m, per)]
+
+
+def _shares(greater: list[int], equal: list[int], k: int) -> tuple[list[int], list[int]]:
+    """Per piece of the picked entries, in index order: how many entries equal to the threshold it
+    keeps, and how many entries in all (every entry above the threshold, then ties while the k are
+    not complete: ties go to the lowest indices, so to the earlier pieces first), from each piece's
+    count of entries above (``greater``) and equal to (``equal``) the threshold. So each piece can
+    keep its entries into its own part of the output, concurrently with the others."""
     left = k - sum(greater)
     ties = []
-    for b in band:
-        ties.append(min(int(np.count_nonzero(b == threshold)), left))
+    for e in equal:
+        ties.append(min(e, left))
         left -= ties[-1]
     if left:  # pragma: no cover - the threshold is the k-th largest by construction
-        raise RuntimeError(f"fused top-k: {left} of k={k} entries are missing at threshold {threshold:#x}")
+        raise RuntimeError(f"fused top-k: {left} of k={k} entries are missing at the threshold")
     return ties, [g + t for g, t in zip(greater, ties)]

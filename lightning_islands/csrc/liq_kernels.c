@@ -16,6 +16,10 @@
 
 #include "liq_crc.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 /* Hot loops get one clone per x86 level, picked at load time. x86-64-v4 (AVX-512 F/BW/DQ/VL)
  * rather than plain avx512f: without BW/VL the byte packing and the fp8 rounding do not use the
  * 512-bit registers well (measured 2x slower int4 packing on an AMD EPYC). */
@@ -1007,17 +1011,103 @@ LIQ_HOT int64_t liq_topk_pick(const float *restrict x, int64_t count, int64_t ba
     return bad ? -2 : m;
 }
 
-/* Of m picked entries (liq_topk_pick's output): the |x| bits of those below hi (inside the band)
- * into band; returns how many. Branch-free: band needs one slot more than that. */
-int64_t liq_topk_band_bits(const float *restrict vals, int64_t m, int64_t hi, uint32_t *restrict band) {
+#define LIQ_BAND_BUCKETS 4096 /* buckets of liq_topk_band_hist */
+#define LIQ_BAND_FLUSH (1 << 30) /* entries per uint32 sub-histogram flush */
+
+/* Of m picked entries (liq_topk_pick's output): hist[(a - lo) >> shift] += 1 for each |x| bit
+ * pattern a inside the band [lo, hi), where (hi - lo - 1) >> shift < LIQ_BAND_BUCKETS; returns how
+ * many are >= hi. Branch-free: entries outside the band count in a spare bucket. With the counts the
+ * caller finds the one bucket that holds the threshold, without sorting the band. */
+LIQ_HOT int64_t liq_topk_band_hist(const float *restrict vals, int64_t m, int64_t lo, int64_t hi, int64_t shift,
+                                   int64_t *restrict hist) {
     const uint32_t *vb = (const uint32_t *)vals;
-    int64_t n = 0;
-    for (int64_t i = 0; i < m; i++) {
+    uint32_t l = (uint32_t)lo, h = (uint32_t)hi, sh = (uint32_t)shift;
+    uint32_t sub[2][LIQ_BAND_BUCKETS + 1]; /* two copies break store-load chains on one bucket */
+    int64_t n_above = 0;
+    for (int64_t s = 0; s < m; s += LIQ_BAND_FLUSH) {
+        int64_t len = m - s < LIQ_BAND_FLUSH ? m - s : LIQ_BAND_FLUSH, j = 0;
+        const uint32_t *p = vb + s;
+        memset(sub, 0, sizeof(sub));
+        for (; j + 2 <= len; j += 2) {
+            uint32_t a0 = p[j] & LIQ_ABS_MASK, a1 = p[j + 1] & LIQ_ABS_MASK;
+            uint32_t in0 = (a0 >= l) & (a0 < h), in1 = (a1 >= l) & (a1 < h);
+            n_above += (a0 >= h) + (a1 >= h);
+            sub[0][in0 ? (a0 - l) >> sh : LIQ_BAND_BUCKETS]++;
+            sub[1][in1 ? (a1 - l) >> sh : LIQ_BAND_BUCKETS]++;
+        }
+        for (; j < len; j++) {
+            uint32_t a = p[j] & LIQ_ABS_MASK, in = (a >= l) & (a < h);
+            n_above += a >= h;
+            sub[0][in ? (a - l) >> sh : LIQ_BAND_BUCKETS]++;
+        }
+        for (int b = 0; b < LIQ_BAND_BUCKETS; b++) hist[b] += (int64_t)sub[0][b] + sub[1][b];
+    }
+    return n_above;
+}
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+/* liq_topk_band_bits 16 entries at a time, with a compress into a register and a full store. */
+__attribute__((target("avx512f,popcnt"))) static int64_t band_bits_avx512(const uint32_t *restrict vb, int64_t m,
+                                                                           uint32_t l, uint32_t h,
+                                                                           uint32_t *restrict band) {
+    const __m512i absm = _mm512_set1_epi32((int)LIQ_ABS_MASK), vl = _mm512_set1_epi32((int)l);
+    const __m512i vw = _mm512_set1_epi32((int)(h - l));
+    int64_t n = 0, i = 0;
+    for (; i + LIQ_TOPK_BLOCK <= m; i += LIQ_TOPK_BLOCK) {
+        __m512i a = _mm512_and_si512(_mm512_loadu_si512(vb + i), absm);
+        __mmask16 in = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(a, vl), vw); /* l <= a < h */
+        _mm512_storeu_si512(band + n, _mm512_maskz_compress_epi32(in, a));
+        n += __builtin_popcount((unsigned)in);
+    }
+    for (; i < m; i++) {
         uint32_t a = vb[i] & LIQ_ABS_MASK;
         band[n] = a;
-        n += a < (uint32_t)hi;
+        n += a - l < h - l;
     }
     return n;
+}
+#endif
+
+/* Of m picked entries: the |x| bits of those in [lo, hi) (inside the band, or one bucket of it),
+ * lo < hi, into band, in order; returns how many. Branch-free: band needs 16 slots more than that.
+ * Without AVX-512, 16 entries are tested together and only blocks with one inside are stored. */
+int64_t liq_topk_band_bits(const float *restrict vals, int64_t m, int64_t lo, int64_t hi, uint32_t *restrict band) {
+    const uint32_t *vb = (const uint32_t *)vals;
+    uint32_t l = (uint32_t)lo, w = (uint32_t)hi - (uint32_t)lo;
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+    if (liq_pick_avx512) return band_bits_avx512(vb, m, l, (uint32_t)hi, band);
+#endif
+    int64_t n = 0, i = 0;
+    for (; i + LIQ_TOPK_BLOCK <= m; i += LIQ_TOPK_BLOCK) {
+        uint32_t any = 0;
+        for (int j = 0; j < LIQ_TOPK_BLOCK; j++) any |= ((vb[i + j] & LIQ_ABS_MASK) - l) < w;
+        if (!any) continue;
+        for (int j = 0; j < LIQ_TOPK_BLOCK; j++) {
+            uint32_t a = vb[i + j] & LIQ_ABS_MASK;
+            band[n] = a;
+            n += a - l < w;
+        }
+    }
+    for (; i < m; i++) {
+        uint32_t a = vb[i] & LIQ_ABS_MASK;
+        band[n] = a;
+        n += a - l < w;
+    }
+    return n;
+}
+
+/* Of m picked entries: how many have |x| bits > thr (returned) and == thr (*equal). */
+LIQ_HOT int64_t liq_topk_count(const float *restrict vals, int64_t m, int64_t thr, int64_t *restrict equal) {
+    const uint32_t *vb = (const uint32_t *)vals;
+    uint32_t t = (uint32_t)thr;
+    int64_t gt = 0, eq = 0;
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t a = vb[i] & LIQ_ABS_MASK;
+        gt += a > t;
+        eq += a == t;
+    }
+    *equal = eq;
+    return gt;
 }
 
 /* Of m picked entries, in order: those with |x| bits > thr, and those == thr while *ties > 0
@@ -1054,55 +1144,112 @@ int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, i
 /* Position of index i's mark in the high part. Strictly increasing in i. */
 static inline int64_t ef_mark(const int64_t *idx, int64_t i, int low) { return (int64_t)((uint64_t)idx[i] >> low) + i; }
 
-/* The first i in [0, k) whose mark is at or after bit `bit` (k if none). */
-static int64_t ef_first_mark_from(const int64_t *idx, int64_t k, int low, int64_t bit) {
-    int64_t a = 0, b = k;
-    while (a < b) {
-        int64_t m = a + (b - a) / 2;
-        if (ef_mark(idx, m, low) < bit) a = m + 1; else b = m;
-    }
-    return a;
+/* 64-bit words of a little-endian byte stream, whatever the host's byte order. */
+static inline void store_le64(uint8_t *p, uint64_t w) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(p, &w, 8);
+#else
+    for (int b = 0; b < 8; b++) p[b] = (uint8_t)(w >> (8 * b));
+#endif
 }
 
-/* Part `part` of `parts` of the code of idx[0:k]: the low bits of a run of indices (a multiple of 8
- * of them, so the run starts on a byte), through a 64-bit accumulator written a word at a time, and
- * one share of the high part's bytes, zeroed and then marked. Together the parts write every byte,
- * padding included. Returns 0. */
+static inline uint64_t load_le64(const uint8_t *p) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint64_t w;
+    memcpy(&w, p, 8);
+    return w;
+#else
+    uint64_t w = 0;
+    for (int b = 0; b < 8; b++) w |= (uint64_t)p[b] << (8 * b);
+    return w;
+#endif
+}
+
+/* Word `word` of the high part out[0:nbytes] = w (only the bytes that exist, for the last word). */
+static inline void ef_store_word(uint8_t *out, int64_t nbytes, int64_t word, uint64_t w) {
+    int64_t at = 8 * word;
+    if (at + 8 <= nbytes) {
+        store_le64(out + at, w);
+    } else {
+        for (; at < nbytes; at++, w >>= 8) out[at] = (uint8_t)w;
+    }
+}
+
+/* The 64-bit word of the high part that part `part`'s first index marks: the part owns the words
+ * from there to the next part's (part 0 from word 0; a part past the last index owns nothing). */
+static int64_t ef_first_word(const int64_t *idx, int64_t k, int low, int64_t run, int64_t part, int64_t words) {
+    if (part == 0) return 0;
+    int64_t i = part * run;
+    return i < k ? ef_mark(idx, i, low) >> 6 : words;
+}
+
+/* The low bits of idx[i0:i1] (i0 a multiple of 8) into their bytes of low_out[0:low_bytes]; the
+ * run that ends at k also writes the zero padding. Up to 8 low bits, each 8 indices fill exactly
+ * `low` bytes, assembled in one 64-bit word (no branch per index); more, through an accumulator. */
+static void ef_low_run(const int64_t *restrict idx, int64_t k, int low, uint8_t *restrict low_out, int64_t low_bytes,
+                       int64_t i0, int64_t i1) {
+    uint64_t mask = ~(uint64_t)0 >> (64 - low);
+    int64_t at = i0 * low / 8, end = i1 == k ? low_bytes : i1 * low / 8; /* exact: i0, i1 < k multiples of 8 */
+    if (low <= 8) {
+        int64_t i = i0;
+        for (; i < i1; i += 8, at += low) {
+            int64_t len = i1 - i < 8 ? i1 - i : 8;
+            uint64_t v = 0;
+            if (len == 8) {
+                for (int j = 0; j < 8; j++) v |= ((uint64_t)idx[i + j] & mask) << (j * low);
+            } else {
+                for (int j = 0; j < len; j++) v |= ((uint64_t)idx[i + j] & mask) << (j * low);
+            }
+            if (at + 8 <= end) {
+                store_le64(low_out + at, v); /* the bytes past `low` are the next group's: written next */
+            } else {
+                for (int64_t b = at; b < end && b < at + low; b++, v >>= 8) low_out[b] = (uint8_t)v;
+            }
+        }
+        return;
+    }
+    uint64_t acc = 0;
+    int fill = 0; /* bits of acc in use, < 64 */
+    for (int64_t i = i0; i < i1; i++) {
+        uint64_t lo = (uint64_t)idx[i] & mask;
+        acc |= lo << fill;
+        if (fill + low >= 64) {
+            store_le64(low_out + at, acc);
+            at += 8;
+            acc = fill ? lo >> (64 - fill) : 0; /* the bits of lo that did not fit */
+            fill += low - 64;
+        } else {
+            fill += low;
+        }
+    }
+    for (; at < end; at++, acc >>= 8) low_out[at] = (uint8_t)acc;
+}
+
+/* Part `part` of `parts` of the code of idx[0:k]: the low bits of its run of indices (a multiple of
+ * 8 of them, so the run starts on a byte), and the 64-bit words of the high part that it owns, from
+ * the word its run's first index marks to the next part's first word: marks gathered in a register
+ * and each word stored once, zeros included. The few indices before the run that mark its first
+ * word are its own too; those at the run's end that mark the next part's first word are not (their
+ * marks stay in the register).
+ * Together the parts write every byte, padding included. Returns 0. */
 int liq_ef_encode_part(const int64_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
                        int64_t high_bytes, int64_t part, int64_t parts) {
     int64_t run = (k + parts - 1) / parts;
     run = (run + 7) / 8 * 8;
-    int64_t i0 = part * run, i1 = i0 + run < k ? i0 + run : k;
-    if (low && i0 < k) {
-        uint64_t mask = ~(uint64_t)0 >> (64 - low), acc = 0;
-        int fill = 0; /* bits of acc in use, < 64 */
-        int64_t at = i0 * low / 8; /* exact: i0 is a multiple of 8 */
-        for (int64_t i = i0; i < i1; i++) {
-            uint64_t lo = (uint64_t)idx[i] & mask;
-            acc |= lo << fill;
-            if (fill + low >= 64) {
-                for (int b = 0; b < 8; b++) low_out[at + b] = (uint8_t)(acc >> (8 * b));
-                at += 8;
-                acc = fill ? lo >> (64 - fill) : 0; /* the bits of lo that did not fit */
-                fill += low - 64;
-            } else {
-                fill += low;
-            }
-        }
-        int64_t end = i1 == k ? low_bytes : i1 * low / 8; /* the last run also writes the zero padding */
-        for (; at < end; at++, acc >>= 8) low_out[at] = (uint8_t)acc;
+    int64_t i0 = part * run < k ? part * run : k, i1 = i0 + run < k ? i0 + run : k;
+    int64_t words = (high_bytes + 7) / 8;
+    int64_t w0 = ef_first_word(idx, k, low, run, part, words), w1 = ef_first_word(idx, k, low, run, part + 1, words);
+    int64_t j0 = i0; /* the first index whose mark lies in word w0 or later */
+    while (j0 > 0 && ef_mark(idx, j0 - 1, low) >> 6 >= w0) j0--;
+    if (low && i0 < i1) ef_low_run(idx, k, low, low_out, low_bytes, i0, i1);
+    uint64_t marks = 0;
+    int64_t word = w0;
+    for (int64_t i = j0; i < i1; i++) { /* marks in word w1 (the next part's) are never stored */
+        int64_t pos = ef_mark(idx, i, low), w = pos >> 6;
+        for (; word < w; word++, marks = 0) ef_store_word(high_out, high_bytes, word, marks);
+        marks |= (uint64_t)1 << (pos & 63);
     }
-    int64_t share = (high_bytes + parts - 1) / parts;
-    int64_t b0 = part * share < high_bytes ? part * share : high_bytes;
-    int64_t b1 = b0 + share < high_bytes ? b0 + share : high_bytes;
-    if (b0 < b1) {
-        memset(high_out + b0, 0, (size_t)(b1 - b0));
-        for (int64_t i = ef_first_mark_from(idx, k, low, 8 * b0); i < k; i++) {
-            int64_t pos = ef_mark(idx, i, low);
-            if (pos >= 8 * b1) break;
-            high_out[pos >> 3] |= (uint8_t)(1u << (pos & 7));
-        }
-    }
+    for (; word < w1; word++, marks = 0) ef_store_word(high_out, high_bytes, word, marks);
     return 0;
 }
 
@@ -1124,7 +1271,7 @@ static inline uint64_t ef_low_bits(const uint8_t *p, int64_t nbytes, int64_t bit
     int off = (int)(bit & 7), need = (off + low + 7) >> 3; /* bytes touched, at most 9 */
     uint64_t w = 0;
     if (byte + 8 <= nbytes) {
-        for (int j = 0; j < 8; j++) w |= (uint64_t)p[byte + j] << (8 * j);
+        w = load_le64(p + byte);
     } else {
         for (int j = 0; j < need && j < 8; j++) w |= (uint64_t)p[byte + j] << (8 * j);
     }
@@ -1133,20 +1280,26 @@ static inline uint64_t ef_low_bits(const uint8_t *p, int64_t nbytes, int64_t bit
     return w & (~(uint64_t)0 >> (64 - low));
 }
 
-/* The indices whose marks lie in high-part bytes [b0, b1), the first of them index number i0 (the
- * marks before b0), into idx[i0:]. Returns how many; -1 if that would pass k; -2 if they do not
- * increase strictly or one is not below n (the caller checks across parts). */
+/* The indices whose marks lie in high-part bytes [b0, b1) (b0 a multiple of 8), the first of them
+ * index number i0 (the marks before b0), into idx[i0:]; the high part is read a 64-bit word at a
+ * time. Returns how many; -1 if that would pass k; -2 if they do not increase strictly or one is
+ * not below n (the caller checks across parts). */
 int64_t liq_ef_decode_part(const uint8_t *data, int64_t n, int64_t k, int low, int64_t low_bytes, int64_t b0,
                            int64_t b1, int64_t i0, int64_t *idx) {
     const uint8_t *high = data + low_bytes;
     int64_t i = i0, prev = -1;
-    for (int64_t byte = b0; byte < b1; byte++) {
-        unsigned w = high[byte];
+    for (int64_t at = b0; at < b1; at += 8) {
+        uint64_t w = 0;
+        if (at + 8 <= b1) {
+            w = load_le64(high + at);
+        } else {
+            for (int64_t j = at; j < b1; j++) w |= (uint64_t)high[j] << (8 * (j - at));
+        }
         while (w) {
-            int b = __builtin_ctz(w);
+            int b = __builtin_ctzll(w);
             w &= w - 1;
             if (i == k) return -1;
-            int64_t high_part = (byte << 3) + b - i;
+            int64_t high_part = (at << 3) + b - i;
             if (high_part < 0) return -2; /* more marks than a strictly increasing sequence can make */
             int64_t v = high_part << low;
             if (low) v |= (int64_t)ef_low_bits(data, low_bytes, i * (int64_t)low, low);
@@ -1211,6 +1364,7 @@ static const char *const liq_job_names[] = {
     "liq_int_encode", "liq_int_decode", "liq_fp8_encode", "liq_fp8_decode", "liq_sign_encode", "liq_sign_decode",
     "liq_bf16_encode", "liq_bf16_decode", "liq_f32_copy_checked", "liq_topk_hist", "liq_topk_pick",
     "liq_topk_scatter", "liq_topk_keep", "liq_ef_encode_part", "liq_popcount", "liq_ef_decode_part",
+    "liq_topk_band_hist", "liq_topk_band_bits", "liq_topk_count",
 };
 #define LIQ_JOB_KINDS ((int)(sizeof(liq_job_names) / sizeof(liq_job_names[0])))
 #define LIQ_JOB_UNKNOWN ((int64_t)-1000) /* result of a job whose kernel index is out of range */
@@ -1249,15 +1403,22 @@ static int64_t liq_job_call(int64_t kernel, const int64_t *a) {
     case 14: return liq_popcount(P(0, const uint8_t *), a[1]);
     case 15: return liq_ef_decode_part(P(0, const uint8_t *), a[1], a[2], (int)a[3], a[4], a[5], a[6], a[7],
                                        P(8, int64_t *));
+    case 16: return liq_topk_band_hist(P(0, const float *), a[1], a[2], a[3], a[4], P(5, int64_t *));
+    case 17: return liq_topk_band_bits(P(0, const float *), a[1], a[2], a[3], P(4, uint32_t *));
+    case 18: return liq_topk_count(P(0, const float *), a[1], a[2], P(3, int64_t *));
     default: return LIQ_JOB_UNKNOWN;
     }
 }
 #undef P
 
-/* Run jobs[0:n], concurrently where built with OpenMP (one thread per job), else one after another. */
+/* Run jobs[0:n], concurrently where built with OpenMP (at most one thread per job, at most the
+ * runtime's thread count: more jobs than threads are handed out as threads free up), else one
+ * after another. */
 void liq_run_jobs(liq_job *jobs, int64_t n) {
 #ifdef _OPENMP
-#pragma omp parallel for schedule(static, 1) num_threads((int)(n > 1 ? n : 1)) if (n > 1)
+    int team = omp_get_max_threads();
+    team = n < team ? (int)n : team;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team > 1 ? team : 1) if (n > 1)
 #endif
     for (int64_t i = 0; i < n; i++) jobs[i].result = liq_job_call(jobs[i].kernel, jobs[i].arg);
 }
