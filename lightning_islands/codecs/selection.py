@@ -27,6 +27,7 @@ _INF_BITS = 0x7F800000
 _TOPK_SLACK = 16  # liq_topk_pick stores whole 16-entry blocks and needs this many spare slots
 _BAND_BUCKET_BITS = 12  # liq_topk_band_hist's 4096 buckets (LIQ_BAND_BUCKETS)
 _PIECE_MIN = 1 << 15  # picked entries per piece at least: fewer are not worth a thread
+_PICK_RANGES = 4  # ranges of x per kernel thread for the pick
 
 
 def magnitude_bits(x: Tensor) -> Tensor:
@@ -76,7 +77,10 @@ def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> 
     exactly, and a second pick. Temporaries, and the results, come from ``scratch`` if given
     (valid until it is asked for them again)."""
     n = x.numel()
-    ranges = native.split(n, 1)
+    # several ranges per thread, handed out as threads free up: a range that holds most of the large
+    # entries (and so most of the writing) does not leave the other threads idle
+    threads = len(native.split(n, 1))
+    ranges = native.parallel_ranges(n, 1, _PICK_RANGES * threads if threads > 1 else 1)
     guess = _sampled_band(x, k)
     if guess is not None:
         lo, hi, expected = guess
