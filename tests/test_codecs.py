@@ -1351,7 +1351,17 @@ def test_metrics():
 @given(data=st.binary(max_size=4000), cut=st.integers(0, 4000), start=st.integers(0, 2**32 - 1))
 def test_crc32_combine_matches_zlib(data, cut, start):
     a, b = data[: cut % (len(data) + 1)], data[cut % (len(data) + 1) :]
-    assert crc32_combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(data, start)
+    for combine in (crc32_combine, crc32.crc32_combine_py):  # zlib-ng's C function, and the Python one
+        assert combine(zlib.crc32(a, start), zlib.crc32(b), len(b)) == zlib.crc32(data, start)
+
+
+@SETTINGS
+@given(crc_a=st.integers(0, 2**32 - 1), crc_b=st.integers(0, 2**32 - 1), len_b=st.integers(0, 2**62))
+def test_crc32_combine_c_and_python_agree_at_any_length(crc_a, crc_b, len_b):
+    """Lengths no test message has (chunks of many GiB): the C and Python joins still agree."""
+    assert crc32_combine(crc_a, crc_b, len_b) == crc32.crc32_combine_py(crc_a, crc_b, len_b)
+    with pytest.raises(ValueError, match="len_b must be >= 0"):
+        crc32_combine(crc_a, crc_b, -1 - len_b)
 
 
 @SETTINGS
