@@ -38,6 +38,7 @@ from lightning_islands.codecs import (
     selection,
     wire,
 )
+from lightning_islands.codecs import topk as topk_module
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=_SUPPRESS)
@@ -407,7 +408,8 @@ def test_fused_topk_falls_back_when_the_sampled_band_misses(monkeypatch, guess):
         k = codec._count(n)
         idx, vals = selection.native_topk(native.library(), x, k)
         ref = reference_topk(x, k)
-        assert torch.equal(idx, ref), fraction
+        assert idx.dtype == torch.int32  # the fused top-k writes half the index bytes
+        assert torch.equal(idx.long(), ref), fraction
         assert torch.equal(vals, x[ref])
 
 
@@ -536,6 +538,28 @@ def test_elias_fano_parts_check_the_indices_across_their_joins(threads3):
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
+def test_topk_longer_than_int32_indices_takes_the_torch_path(monkeypatch):
+    """The fused top-k and the C Elias-Fano encoder use int32 indices; a vector too long for them
+    (here: a lowered limit, as 2**31 entries do not fit a test) is selected and coded by the torch
+    path instead, into the same bytes."""
+    x = torch.randn(300_007, generator=torch.Generator().manual_seed(8))
+    codec = make_codec("topk:0.05+int4")
+    fused = codec.encode(x)
+    monkeypatch.setattr(topk_module, "NATIVE_TOPK_MAX", x.numel() - 1)
+    monkeypatch.setattr(elias_fano, "_NATIVE_MAX", x.numel() - 1)
+    real_run_jobs = native.run_jobs
+    ran = []
+
+    def counting(jobs):
+        ran.extend(name for name, _ in jobs)
+        return real_run_jobs(jobs)
+
+    monkeypatch.setattr(native, "run_jobs", counting)
+    assert torch.equal(codec.encode(x), fused)
+    assert ran and not [name for name in ran if name.startswith(("liq_topk_", "liq_ef_"))]  # int4 still fused
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler: the fused CPU kernels cannot be built here")
 @pytest.mark.parametrize("layout", ["dense_runs", "one_word_per_part", "gaps", "random", "wide_low"])
 @pytest.mark.parametrize("parts", [1, 2, 7, 64])
 def test_elias_fano_encoder_parts_own_whole_words(layout, parts):
@@ -552,8 +576,8 @@ def test_elias_fano_encoder_parts_own_whole_words(layout, parts):
         n = 1 << 13
         idx = torch.arange(0, 8 * parts * 3, 3)
     elif layout == "gaps":
-        n = 1 << 40
-        idx = torch.tensor([0, 1, 2, 3, (1 << 20), (1 << 39), (1 << 39) + 1, n - 1])
+        n = 1 << 31  # the longest vector the C encoder serves
+        idx = torch.tensor([0, 1, 2, 3, (1 << 20), (1 << 30), (1 << 30) + 1, n - 1])
     elif layout == "wide_low":  # low parts of more than 8 bits: the accumulator loop
         n = 1 << 30
         idx = torch.unique(torch.randint(0, n, (5000,), generator=g))
@@ -567,7 +591,8 @@ def test_elias_fano_encoder_parts_own_whole_words(layout, parts):
     with native.disabled():
         elias_fano.ef_encode(idx, n, ref)
     fused = torch.full_like(ref, 0xA5)
-    native.run_jobs([("liq_ef_encode_part", (native.ptr(idx), k, low, native.ptr(fused), low_bytes,
+    idx32 = idx.to(torch.int32)  # what the C encoder reads
+    native.run_jobs([("liq_ef_encode_part", (native.ptr(idx32), k, low, native.ptr(fused), low_bytes,
                                              native.ptr(fused, low_bytes), high_bytes, part, parts))
                      for part in range(parts)])
     assert torch.equal(fused, ref), (layout, parts, low)

@@ -16,6 +16,8 @@ from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.wire import ceil_div
 
+_NATIVE_MAX = 1 << 31  # the C encoder reads int32 indices: below this n
+
 
 def ef_layout(n: int, k: int) -> tuple[int, int, int]:
     """(low bit count l, low-part bytes, high-part bytes) of Elias-Fano for k of n indices."""
@@ -42,13 +44,13 @@ def _unpack_bits(data: Tensor) -> Tensor:
 
 
 def ef_encode(idx: Tensor, n: int, out: Tensor) -> None:
-    """Elias-Fano code strictly increasing int64 indices into ``out`` (exactly the layout size)."""
+    """Elias-Fano code strictly increasing indices (int32 or int64) into ``out`` (exactly the layout size)."""
     k = idx.numel()
     low, low_bytes, high_bytes = ef_layout(n, k)
     if k == 0:
         return
-    if paths.kernels(out) is not None:  # in parts, on the kernel threads
-        idx = idx.contiguous()
+    if paths.kernels(out) is not None and n <= _NATIVE_MAX:  # in parts, on the kernel threads
+        idx = idx.to(torch.int32).contiguous()  # the kernels read int32 (the fused top-k's indices)
         parts = max(1, len(native.split(k, 8)))
         native.run_jobs([("liq_ef_encode_part", (native.ptr(idx), k, low, native.ptr(out), low_bytes,
                                                  native.ptr(out, low_bytes), high_bytes, part, parts))

@@ -69,14 +69,20 @@ def topk_indices(a: Tensor, k: int) -> Tensor:
     return torch.cat([above, ties]).sort().values
 
 
+NATIVE_TOPK_MAX = 1 << 31  # the fused top-k's indices are int32: vectors up to this long
+
+
 def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> tuple[Tensor, Tensor]:
     """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
-    :func:`topk_indices`. Usually one pass over ``x``, split across the kernel threads, that
-    picks every entry at or above a band of magnitudes guessed from a sample (with the band's
-    count, the threshold follows); a poor guess costs a histogram pass that finds the band
-    exactly, and a second pick. Temporaries, and the results, come from ``scratch`` if given
-    (valid until it is asked for them again)."""
+    :func:`topk_indices`, the indices int32 (``x`` has at most :data:`NATIVE_TOPK_MAX` entries).
+    Usually one pass over ``x``, split across the kernel threads, that picks every entry at or
+    above a band of magnitudes guessed from a sample (with the band's count, the threshold
+    follows); a poor guess costs a histogram pass that finds the band exactly, and a second pick.
+    Temporaries, and the results, come from ``scratch`` if given (valid until it is asked for them
+    again)."""
     n = x.numel()
+    if n > NATIVE_TOPK_MAX:
+        raise ValueError(f"the fused top-k takes at most {NATIVE_TOPK_MAX} entries (int32 indices), got {n}")
     # several ranges per thread, handed out as threads free up: a range that holds most of the large
     # entries (and so most of the writing) does not leave the other threads idle
     threads = len(native.split(n, 1))
@@ -139,7 +145,7 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
     threshold, and that bucket's entries give it exactly; then each piece counts its entries above
     and at the threshold and keeps them into its own part of the output."""
     starts = [0, *itertools.accumulate(caps)]
-    idx_all = take(scratch, "topk.picked_idx", starts[-1], torch.int64)
+    idx_all = take(scratch, "topk.picked_idx", starts[-1], torch.int32)
     val_all = take(scratch, "topk.picked_val", starts[-1])
     above = torch.zeros(len(ranges), dtype=torch.int64)
     got = native.run_jobs([("liq_topk_pick", (native.ptr(x, s), e - s, s, lo, hi, native.ptr(idx_all, starts[r]),
@@ -184,7 +190,7 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
                                for p, (at, m) in enumerate(pieces)])
     ties, want = _shares(greater, equal.tolist(), k)
     out = [0, *itertools.accumulate(want)]
-    idx = take(scratch, "topk.idx", k, torch.int64)
+    idx = take(scratch, "topk.idx", k, torch.int32)
     vals = take(scratch, "topk.vals", k)
     left = torch.tensor(ties, dtype=torch.int64)  # the kernels count them down
     kept = native.run_jobs([("liq_topk_keep", (native.ptr(idx_all, at), native.ptr(val_all, at), m, threshold,

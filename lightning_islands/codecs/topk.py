@@ -16,7 +16,7 @@ from lightning_islands.codecs.base import Codec, raise_if_nonfinite_sum
 from lightning_islands.codecs.checksum import crc_piece
 from lightning_islands.codecs.dense import Float32Codec
 from lightning_islands.codecs.elias_fano import ef_decode, ef_encode, ef_layout
-from lightning_islands.codecs.selection import magnitude_bits, native_topk, topk_indices
+from lightning_islands.codecs.selection import NATIVE_TOPK_MAX, magnitude_bits, native_topk, topk_indices
 from lightning_islands.codecs.wire import KIND_TOPK, ceil_div
 from lightning_islands.crc32 import crc32_combine
 
@@ -71,7 +71,7 @@ class TopKCodec(Codec):
         n = x.numel()
         k = self._count(n)
         lib = paths.kernels(x)
-        if k < n and lib is not None:
+        if k < n and lib is not None and n <= NATIVE_TOPK_MAX:
             idx, values = native_topk(lib, x, k, scratch)  # refuses NaN/Inf in its first pass
         elif k == n:
             raise_if_nonfinite_sum(x)

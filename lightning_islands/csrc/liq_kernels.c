@@ -841,8 +841,10 @@ int liq_f32_copy_checked(const float *x, int64_t count, float *out, uint32_t *cr
  *      about k entries);
  *   1'. if the guess was poor, liq_topk_hist (a histogram of |x| bits >> 20: the exponent and 3
  *      mantissa bits) finds the bucket that holds the k-th largest, and that bucket is the band.
- * The caller splits x into ranges (one per thread) and concatenates their picks in range order, so
- * the selected set is "the k largest magnitudes, ties at the k-th broken towards lower indices".
+ * The caller splits x into ranges and concatenates their picks in range order, so the selected set
+ * is "the k largest magnitudes, ties at the k-th broken towards lower indices". Indices are int32:
+ * the fused top-k serves vectors of at most 2**31 entries (8 GiB of fp32; longer ones take the torch
+ * path), which halves what the pick and the keep write for them.
  */
 #define LIQ_TOPK_SHIFT 20
 #define LIQ_TOPK_BUCKETS 2048
@@ -908,12 +910,12 @@ LIQ_HOT static int64_t pick_blocks(const uint32_t *restrict p, int nblocks, uint
 /* The entries of one 16-entry block with |x| bits >= l: indices (first + j) into idx, values into
  * vals, in order; returns how many. Branch-free: every entry is stored at the write position,
  * which advances only for the kept ones (so 16 slots must be free). */
-LIQ_HOT static int pick_block(const float *restrict x, int64_t first, uint32_t l, int64_t *restrict idx,
+LIQ_HOT static int pick_block(const float *restrict x, int64_t first, uint32_t l, int32_t *restrict idx,
                               float *restrict vals) {
     const uint32_t *xb = (const uint32_t *)x;
     int m = 0;
     for (int j = 0; j < LIQ_TOPK_BLOCK; j++) {
-        idx[m] = first + j;
+        idx[m] = (int32_t)(first + j);
         vals[m] = x[j];
         m += (xb[j] & LIQ_ABS_MASK) >= l;
     }
@@ -942,17 +944,15 @@ __attribute__((target("avx512f,popcnt"))) static int64_t pick_blocks_avx512(
 
 /* pick_block with compress instructions (into registers: Zen 4 microcodes compress-to-memory). */
 __attribute__((target("avx512f,popcnt"))) static int pick_block_avx512(const float *restrict x, int64_t first,
-                                                                        uint32_t l, int64_t *restrict idx,
+                                                                        uint32_t l, int32_t *restrict idx,
                                                                         float *restrict vals) {
     __m512 v = _mm512_loadu_ps(x);
     __m512i a = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)LIQ_ABS_MASK));
     __mmask16 keep = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32((int)l));
     __m512i j = _mm512_maskz_compress_epi32(keep, _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
                                                                     14, 15));
-    __m512i f = _mm512_set1_epi64(first);
     _mm512_storeu_ps(vals, _mm512_maskz_compress_ps(keep, v));
-    _mm512_storeu_si512(idx, _mm512_add_epi64(f, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(j))));
-    _mm512_storeu_si512(idx + 8, _mm512_add_epi64(f, _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(j, 1))));
+    _mm512_storeu_si512(idx, _mm512_add_epi32(_mm512_set1_epi32((int)first), j));
     return __builtin_popcount((unsigned)keep);
 }
 
@@ -978,7 +978,7 @@ static const int liq_pick_avx512 = 0;
  * if x holds NaN/Inf. Per chunk, a vectorized loop counts and flags the 16-entry blocks that hold an
  * entry >= lo; only flagged blocks are then scanned. */
 LIQ_HOT int64_t liq_topk_pick(const float *restrict x, int64_t count, int64_t base, int64_t lo, int64_t hi,
-                              int64_t *restrict idx, float *restrict vals, int64_t cap, int64_t *restrict above) {
+                              int32_t *restrict idx, float *restrict vals, int64_t cap, int64_t *restrict above) {
     const uint32_t *xb = (const uint32_t *)x;
     uint32_t l = (uint32_t)lo, h = (uint32_t)hi, bad = 0;
     int64_t m = 0, n_above = 0;
@@ -1002,7 +1002,7 @@ LIQ_HOT int64_t liq_topk_pick(const float *restrict x, int64_t count, int64_t ba
             n_above += a >= h;
             if (a >= l) {
                 if (m == cap) return -1;
-                idx[m] = base + c0 + j;
+                idx[m] = (int32_t)(base + c0 + j);
                 vals[m++] = x[c0 + j];
             }
         }
@@ -1115,8 +1115,8 @@ LIQ_HOT int64_t liq_topk_count(const float *restrict vals, int64_t m, int64_t th
  * there are (more than cap: the caller's count was wrong). Branch-free: whether an entry is kept is
  * data, not a branch the CPU would mispredict; nothing is stored at or beyond out[cap], so ranges
  * can keep into adjacent parts of one output concurrently. */
-int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, int64_t m, int64_t thr,
-                      int64_t *restrict ties, int64_t cap, int64_t *restrict out_idx, float *restrict out_vals) {
+int64_t liq_topk_keep(const int32_t *restrict idx, const float *restrict vals, int64_t m, int64_t thr,
+                      int64_t *restrict ties, int64_t cap, int32_t *restrict out_idx, float *restrict out_vals) {
     const uint32_t *vb = (const uint32_t *)vals;
     uint32_t t = (uint32_t)thr;
     int64_t n = 0, left = *ties;
@@ -1138,11 +1138,12 @@ int64_t liq_topk_keep(const int64_t *restrict idx, const float *restrict vals, i
  * Elias-Fano code of k strictly increasing indices below n (layout in codecs/wire.py): the low `low`
  * bits of each index as a little-endian bit stream (low_bytes), then the high parts in unary
  * (bit (idx >> low) + i set, high_bytes). Encode and decode come in parts that run concurrently
- * (as jobs): each writes bytes or indices no other part writes.
+ * (as jobs): each writes bytes or indices no other part writes. The encoder reads int32 indices (the
+ * fused top-k's, n <= 2**31; the torch path codes any n), the decoder writes int64 ones.
  */
 
 /* Position of index i's mark in the high part. Strictly increasing in i. */
-static inline int64_t ef_mark(const int64_t *idx, int64_t i, int low) { return (int64_t)((uint64_t)idx[i] >> low) + i; }
+static inline int64_t ef_mark(const int32_t *idx, int64_t i, int low) { return (int64_t)((uint32_t)idx[i] >> low) + i; }
 
 /* 64-bit words of a little-endian byte stream, whatever the host's byte order. */
 static inline void store_le64(uint8_t *p, uint64_t w) {
@@ -1177,7 +1178,7 @@ static inline void ef_store_word(uint8_t *out, int64_t nbytes, int64_t word, uin
 
 /* The 64-bit word of the high part that part `part`'s first index marks: the part owns the words
  * from there to the next part's (part 0 from word 0; a part past the last index owns nothing). */
-static int64_t ef_first_word(const int64_t *idx, int64_t k, int low, int64_t run, int64_t part, int64_t words) {
+static int64_t ef_first_word(const int32_t *idx, int64_t k, int low, int64_t run, int64_t part, int64_t words) {
     if (part == 0) return 0;
     int64_t i = part * run;
     return i < k ? ef_mark(idx, i, low) >> 6 : words;
@@ -1186,7 +1187,7 @@ static int64_t ef_first_word(const int64_t *idx, int64_t k, int low, int64_t run
 /* The low bits of idx[i0:i1] (i0 a multiple of 8) into their bytes of low_out[0:low_bytes]; the
  * run that ends at k also writes the zero padding. Up to 8 low bits, each 8 indices fill exactly
  * `low` bytes, assembled in one 64-bit word (no branch per index); more, through an accumulator. */
-static void ef_low_run(const int64_t *restrict idx, int64_t k, int low, uint8_t *restrict low_out, int64_t low_bytes,
+static void ef_low_run(const int32_t *restrict idx, int64_t k, int low, uint8_t *restrict low_out, int64_t low_bytes,
                        int64_t i0, int64_t i1) {
     uint64_t mask = ~(uint64_t)0 >> (64 - low);
     int64_t at = i0 * low / 8, end = i1 == k ? low_bytes : i1 * low / 8; /* exact: i0, i1 < k multiples of 8 */
@@ -1196,9 +1197,9 @@ static void ef_low_run(const int64_t *restrict idx, int64_t k, int low, uint8_t 
             int64_t len = i1 - i < 8 ? i1 - i : 8;
             uint64_t v = 0;
             if (len == 8) {
-                for (int j = 0; j < 8; j++) v |= ((uint64_t)idx[i + j] & mask) << (j * low);
+                for (int j = 0; j < 8; j++) v |= ((uint64_t)(uint32_t)idx[i + j] & mask) << (j * low);
             } else {
-                for (int j = 0; j < len; j++) v |= ((uint64_t)idx[i + j] & mask) << (j * low);
+                for (int j = 0; j < len; j++) v |= ((uint64_t)(uint32_t)idx[i + j] & mask) << (j * low);
             }
             if (at + 8 <= end) {
                 store_le64(low_out + at, v); /* the bytes past `low` are the next group's: written next */
@@ -1211,7 +1212,7 @@ static void ef_low_run(const int64_t *restrict idx, int64_t k, int low, uint8_t 
     uint64_t acc = 0;
     int fill = 0; /* bits of acc in use, < 64 */
     for (int64_t i = i0; i < i1; i++) {
-        uint64_t lo = (uint64_t)idx[i] & mask;
+        uint64_t lo = (uint64_t)(uint32_t)idx[i] & mask;
         acc |= lo << fill;
         if (fill + low >= 64) {
             store_le64(low_out + at, acc);
@@ -1232,7 +1233,7 @@ static void ef_low_run(const int64_t *restrict idx, int64_t k, int low, uint8_t 
  * word are its own too; those at the run's end that mark the next part's first word are not (their
  * marks stay in the register).
  * Together the parts write every byte, padding included. Returns 0. */
-int liq_ef_encode_part(const int64_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
+int liq_ef_encode_part(const int32_t *idx, int64_t k, int low, uint8_t *low_out, int64_t low_bytes, uint8_t *high_out,
                        int64_t high_bytes, int64_t part, int64_t parts) {
     int64_t run = (k + parts - 1) / parts;
     run = (run + 7) / 8 * 8;
@@ -1393,12 +1394,12 @@ static int64_t liq_job_call(int64_t kernel, const int64_t *a) {
     case 7: return liq_bf16_decode(P(0, const uint16_t *), a[1], P(2, float *), P(3, uint32_t *));
     case 8: return liq_f32_copy_checked(P(0, const float *), a[1], P(2, float *), P(3, uint32_t *));
     case 9: return liq_topk_hist(P(0, const float *), a[1], P(2, int64_t *));
-    case 10: return liq_topk_pick(P(0, const float *), a[1], a[2], a[3], a[4], P(5, int64_t *), P(6, float *), a[7],
+    case 10: return liq_topk_pick(P(0, const float *), a[1], a[2], a[3], a[4], P(5, int32_t *), P(6, float *), a[7],
                                   P(8, int64_t *));
     case 11: return liq_topk_scatter(P(0, const int64_t *), P(1, const float *), a[2], a[3], a[4], P(5, float *));
-    case 12: return liq_topk_keep(P(0, const int64_t *), P(1, const float *), a[2], a[3], P(4, int64_t *), a[5],
-                                  P(6, int64_t *), P(7, float *));
-    case 13: return liq_ef_encode_part(P(0, const int64_t *), a[1], (int)a[2], P(3, uint8_t *), a[4], P(5, uint8_t *),
+    case 12: return liq_topk_keep(P(0, const int32_t *), P(1, const float *), a[2], a[3], P(4, int64_t *), a[5],
+                                  P(6, int32_t *), P(7, float *));
+    case 13: return liq_ef_encode_part(P(0, const int32_t *), a[1], (int)a[2], P(3, uint8_t *), a[4], P(5, uint8_t *),
                                        a[6], a[7], a[8]);
     case 14: return liq_popcount(P(0, const uint8_t *), a[1]);
     case 15: return liq_ef_decode_part(P(0, const uint8_t *), a[1], a[2], (int)a[3], a[4], a[5], a[6], a[7],
