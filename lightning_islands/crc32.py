@@ -78,7 +78,7 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """
     if len_b < 0:
         raise ValueError(f"len_b must be >= 0, got {len_b}")
-    if _combine_c is None or len_b == 0:  # zlib-ng's answer for len_b = 0 is not shift(a, 0) ^ b
+    if _combine_c is None or len_b == 0:  # zlib versions differ for len_b = 0 (some return crc_a)
         return crc32_combine_py(crc_a, crc_b, len_b)
     return _combine_c(crc_a, crc_b, len_b)
 

@@ -285,10 +285,11 @@ def _job_id(lib: ctypes.CDLL, name: str) -> int:
 
 
 def run_jobs(jobs: Sequence[Job]) -> list[int]:
-    """Run kernel calls ``(name, args)`` of the loaded library concurrently, one per thread; their
-    return values in order. On torch's OpenMP threads where :func:`openmp` says so (one foreign
-    call for all of them; more calls than threads are handed out as threads free up), else each
-    on :func:`thread_pool` (the first on the calling thread)."""
+    """Run kernel calls ``(name, args)`` of the loaded library concurrently; their return values
+    in order. On torch's OpenMP threads where :func:`openmp` says so (one foreign call for all of
+    them, at most one thread per call and at most the OpenMP thread count of the calling thread:
+    more calls are handed out as threads free up), else each on :func:`thread_pool` (the first on
+    the calling thread)."""
     lib = library()
     if lib is None:
         raise RuntimeError("run_jobs needs the fused kernel library (see native.available())")

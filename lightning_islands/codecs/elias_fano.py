@@ -16,7 +16,7 @@ from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.wire import ceil_div
 
-_NATIVE_MAX = 1 << 31  # the C encoder reads int32 indices: below this n
+_NATIVE_MAX = 1 << 31  # the C encoder reads int32 indices: vectors of at most this many entries
 
 
 def ef_layout(n: int, k: int) -> tuple[int, int, int]:

@@ -24,10 +24,9 @@ _TOPK_SAMPLE_RUN = 128  # the fused top-k samples runs of this many consecutive 
 _TOPK_BUCKET_SHIFT = 20  # the fused top-k's histogram buckets are |x| bits >> 20 ...
 _TOPK_BUCKETS = 2048  # ... of which there are 2048
 _INF_BITS = 0x7F800000
-_TOPK_SLACK = 16  # liq_topk_pick stores whole 16-entry blocks and needs this many spare slots
+_TOPK_SLACK = 16  # the pick and the band kernels store whole 16-entry blocks: this many spare slots
 _BAND_BUCKET_BITS = 12  # liq_topk_band_hist's 4096 buckets (LIQ_BAND_BUCKETS)
 _PIECE_MIN = 1 << 15  # picked entries per piece at least: fewer are not worth a thread
-_PICK_RANGES = 4  # ranges of x per kernel thread for the pick
 
 
 def magnitude_bits(x: Tensor) -> Tensor:
@@ -83,17 +82,14 @@ def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> 
     n = x.numel()
     if n > NATIVE_TOPK_MAX:
         raise ValueError(f"the fused top-k takes at most {NATIVE_TOPK_MAX} entries (int32 indices), got {n}")
-    # several ranges per thread, handed out as threads free up: a range that holds most of the large
-    # entries (and so most of the writing) does not leave the other threads idle
-    threads = len(native.split(n, 1))
-    ranges = native.parallel_ranges(n, 1, _PICK_RANGES * threads if threads > 1 else 1)
+    ranges = native.split(n, 1)
     guess = _sampled_band(x, k)
     if guess is not None:
         lo, hi, expected = guess
         # a range may hold any share of the k largest and of the band (layers differ in scale): room for
         # all of both (the pages of unused room are never touched)
         caps = [min(e - s, k + expected + 256) + _TOPK_SLACK for s, e in ranges]
-        found = _band_pick(lib, x, k, ranges, lo, hi, caps, scratch)
+        found = _band_pick(x, k, ranges, lo, hi, caps, scratch)
         if found is not None:
             return found
     hist = torch.zeros(len(ranges), _TOPK_BUCKETS, dtype=torch.int64)
@@ -107,7 +103,7 @@ def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> 
     bucket = _TOPK_BUCKETS - 1 - int(torch.searchsorted(from_top, k))  # first bucket reaching k
     shift = _TOPK_BUCKET_SHIFT
     caps = (hist[:, bucket:].sum(1) + _TOPK_SLACK).tolist()  # exactly the entries >= the bucket, per range
-    found = _band_pick(lib, x, k, ranges, bucket << shift, (bucket + 1) << shift, caps, scratch)
+    found = _band_pick(x, k, ranges, bucket << shift, (bucket + 1) << shift, caps, scratch)
     if found is None:  # pragma: no cover - the bucket holds the k-th largest by construction
         raise RuntimeError("fused top-k: the histogram bucket does not hold the threshold")
     return found
@@ -134,8 +130,8 @@ def _sampled_band(x: Tensor, k: int) -> tuple[int, int, int] | None:
     return lo, hi, ceil_div(n * (inside + 16), m) * 3 // 2
 
 
-def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int,
-               caps: list[int], scratch: Buffers | None) -> tuple[Tensor, Tensor] | None:
+def _band_pick(x: Tensor, k: int, ranges: list[tuple[int, int]], lo: int, hi: int, caps: list[int],
+               scratch: Buffers | None) -> tuple[Tensor, Tensor] | None:
     """The top-k of ``x`` if the k-th largest magnitude lies in the band [lo, hi) of bit patterns
     and each range has at most ``caps[r] - _TOPK_SLACK`` entries at or above ``lo``; else None.
 
@@ -166,8 +162,10 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
         raise RuntimeError(f"fused top-k: {sum(inside)} entries inside the band, the pick says {sum(got) - n_above}")
     shift = max(0, (hi - lo - 1).bit_length() - _BAND_BUCKET_BITS)
     hist = torch.zeros(len(pieces), 1 << _BAND_BUCKET_BITS, dtype=torch.int64)
-    native.run_jobs([("liq_topk_band_hist", (native.ptr(band, room[p]), inside[p], lo, hi, shift, native.ptr(hist[p])))
-                     for p in each])
+    beyond = native.run_jobs([("liq_topk_band_hist", (native.ptr(band, room[p]), inside[p], lo, hi, shift,
+                                                       native.ptr(hist[p]))) for p in each])
+    if any(beyond):  # pragma: no cover - would be a kernel bug: the band holds only entries below hi
+        raise RuntimeError(f"fused top-k: {sum(beyond)} entries drawn out of the band lie above it")
     rank = k - n_above  # the threshold is the rank-th largest entry inside the band
     from_top = hist.sum(0).flip(0).cumsum(0)
     top = int(torch.searchsorted(from_top, rank))  # buckets counted from the top, to the one reaching rank
@@ -183,8 +181,8 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
         raise RuntimeError(f"fused top-k: {found} entries in the threshold's bucket, the histogram says {counts}")
     arrays = bits.numpy()
     joined = np.concatenate([arrays[slots[p] : slots[p] + counts[p]] for p in each])
-    at = joined.size - (rank - higher)  # the threshold's place in its bucket, sorted ascending
-    threshold = int(np.partition(joined, at)[at])
+    place = joined.size - (rank - higher)  # the threshold's place in its bucket, sorted ascending
+    threshold = int(np.partition(joined, place)[place])
     equal = torch.zeros(len(pieces), dtype=torch.int64)
     greater = native.run_jobs([("liq_topk_count", (native.ptr(val_all, at), m, threshold, native.ptr(equal, p)))
                                for p, (at, m) in enumerate(pieces)])
@@ -203,8 +201,9 @@ def _band_pick(lib: Any, x: Tensor, k: int, ranges: list[tuple[int, int]], lo: i
 
 def _pieces(parts: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The picked entries, given as ``(offset, count)`` parts in index order (one per range), cut
-    into pieces of about equal count, about one per kernel thread, none across two parts; the
-    pieces as ``(offset, count)``, in index order."""
+    into pieces of ``total / threads`` entries (at least ``_PIECE_MIN``; a part's last piece may be
+    shorter), none across two parts, so at most as many pieces as threads plus parts; the pieces
+    as ``(offset, count)``, in index order."""
     total = sum(m for _, m in parts)
     per = max(_PIECE_MIN, ceil_div(total, max(1, torch.get_num_threads())))
     return [(at + s, min(per, m - s)) for at, m in parts for s in range(0, m, per)]

@@ -1113,8 +1113,8 @@ LIQ_HOT int64_t liq_topk_count(const float *restrict vals, int64_t m, int64_t th
 /* Of m picked entries, in order: those with |x| bits > thr, and those == thr while *ties > 0
  * (decremented for each), the first cap of them copied to out_idx / out_vals; returns how many
  * there are (more than cap: the caller's count was wrong). Branch-free: whether an entry is kept is
- * data, not a branch the CPU would mispredict; nothing is stored at or beyond out[cap], so ranges
- * can keep into adjacent parts of one output concurrently. */
+ * data, not a branch the CPU would mispredict; nothing is stored at or beyond out[cap], so pieces
+ * of the picked entries can keep into adjacent parts of one output concurrently. */
 int64_t liq_topk_keep(const int32_t *restrict idx, const float *restrict vals, int64_t m, int64_t thr,
                       int64_t *restrict ties, int64_t cap, int32_t *restrict out_idx, float *restrict out_vals) {
     const uint32_t *vb = (const uint32_t *)vals;
@@ -1281,9 +1281,9 @@ static inline uint64_t ef_low_bits(const uint8_t *p, int64_t nbytes, int64_t bit
     return w & (~(uint64_t)0 >> (64 - low));
 }
 
-/* The indices whose marks lie in high-part bytes [b0, b1) (b0 a multiple of 8), the first of them
- * index number i0 (the marks before b0), into idx[i0:]; the high part is read a 64-bit word at a
- * time. Returns how many; -1 if that would pass k; -2 if they do not increase strictly or one is
+/* The indices whose marks lie in high-part bytes [b0, b1), the first of them index number i0 (the
+ * marks before b0), into idx[i0:]; the high part is read 64 bits at a time from b0 (the caller
+ * cuts the parts at multiples of 8 bytes). Returns how many; -1 if that would pass k; -2 if they do not increase strictly or one is
  * not below n (the caller checks across parts). */
 int64_t liq_ef_decode_part(const uint8_t *data, int64_t n, int64_t k, int low, int64_t low_bytes, int64_t b0,
                            int64_t b1, int64_t i0, int64_t *idx) {
