@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 
 import numpy as np
 import torch
@@ -71,7 +70,7 @@ def topk_indices(a: Tensor, k: int) -> Tensor:
 NATIVE_TOPK_MAX = 1 << 31  # the fused top-k's indices are int32: vectors up to this long
 
 
-def native_topk(lib: Any, x: Tensor, k: int, scratch: Buffers | None = None) -> tuple[Tensor, Tensor]:
+def native_topk(x: Tensor, k: int, scratch: Buffers | None = None) -> tuple[Tensor, Tensor]:
     """(indices, values) of the top-k magnitudes of ``x`` with the fused kernels; same rule as
     :func:`topk_indices`, the indices int32 (``x`` has at most :data:`NATIVE_TOPK_MAX` entries).
     Usually one pass over ``x``, split across the kernel threads, that picks every entry at or

@@ -72,7 +72,7 @@ class TopKCodec(Codec):
         k = self._count(n)
         lib = paths.kernels(x)
         if k < n and lib is not None and n <= NATIVE_TOPK_MAX:
-            idx, values = native_topk(lib, x, k, scratch)  # refuses NaN/Inf in its first pass
+            idx, values = native_topk(x, k, scratch)  # refuses NaN/Inf in its first pass
         elif k == n:
             raise_if_nonfinite_sum(x)
             idx = torch.arange(n, dtype=torch.int64, device=x.device)

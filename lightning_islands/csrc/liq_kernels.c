@@ -1014,9 +1014,10 @@ LIQ_HOT int64_t liq_topk_pick(const float *restrict x, int64_t count, int64_t ba
 #define LIQ_BAND_BUCKETS 4096 /* buckets of liq_topk_band_hist */
 #define LIQ_BAND_FLUSH (1 << 30) /* entries per uint32 sub-histogram flush */
 
-/* Of m picked entries (liq_topk_pick's output): hist[(a - lo) >> shift] += 1 for each |x| bit
- * pattern a inside the band [lo, hi), where (hi - lo - 1) >> shift < LIQ_BAND_BUCKETS; returns how
- * many are >= hi. Branch-free: entries outside the band count in a spare bucket. With the counts the
+/* Of m |x| bit patterns (the band's, drawn out of the picked entries by liq_topk_band_bits):
+ * hist[(a - lo) >> shift] += 1 for each a inside the band [lo, hi), where (hi - lo - 1) >> shift <
+ * LIQ_BAND_BUCKETS; returns how many are >= hi (0 for the band's own bits: the caller checks). Entries
+ * outside the band count in a spare bucket, so none is written out of place. With the counts the
  * caller finds the one bucket that holds the threshold, without sorting the band. */
 LIQ_HOT int64_t liq_topk_band_hist(const float *restrict vals, int64_t m, int64_t lo, int64_t hi, int64_t shift,
                                    int64_t *restrict hist) {
