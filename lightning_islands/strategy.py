@@ -550,6 +550,7 @@ class IslandStrategy(FSDP2Strategy):
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
             return {}
         grads, metrics = self._exchange(sent, delta_sq, headers, coefs)
+        metrics.update(self._expert_gap_metrics(headers))
         next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
         for p, a in zip(self._params, self._anchors):
@@ -592,6 +593,22 @@ class IslandStrategy(FSDP2Strategy):
             dist.all_reduce(stacked)
         module.reset_island_token_counts()  # type: ignore[operator]
         return {n: row.cpu().tolist() for n, row in zip(names, stacked)}
+
+    def _island_weights(self, headers: Sequence[dict[str, Any]]) -> list[float]:
+        """Each island's merge weight from the round headers: its tokens, or 1 with ``weighting="equal"``."""
+        return [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
+
+    def _expert_gap_metrics(self, headers: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """With expert weighting: how far the per-expert coefficients were from the islands' merge
+        weights this round (largest, and token-weighted mean over experts, averaged over the expert
+        parameters); nothing without it."""
+        names = list(headers[0]["experts"] or {})
+        if not names:
+            return {}
+        weights = self._island_weights(headers)
+        gaps = [outer.expert_share_gap([h["experts"][n] for h in headers], weights) for n in names]
+        return {"islands/expert_share_gap_max": max(g[0] for g in gaps),
+                "islands/expert_share_gap_mean": sum(g[1] for g in gaps) / len(gaps)}
 
     def round_sync_every(self, round_index: int) -> int:
         """H of round ``round_index`` (counting from 0): ``sync_warmup`` first, then ``sync_every``."""
@@ -643,7 +660,7 @@ class IslandStrategy(FSDP2Strategy):
         island sends (``sent``: the pseudo-gradient plus the error-feedback residual); the new
         residual goes back to the ranks the same way. The round's metrics on the leader."""
         assert self.layout is not None
-        weights = [1.0 if self.weighting == "equal" else float(h["tokens"]) for h in headers]
+        weights = self._island_weights(headers)
         stats = RoundStats(len(headers), delta_sq)
         link_sums = {key: 0.0 for key in self.totals}
         chunks = outer.chunk_bounds(self.layout.numel, self.exchange_chunk)

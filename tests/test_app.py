@@ -162,6 +162,12 @@ def test_moe_expert_weighting_with_time_balanced_slow_island(tmp_path, cache_env
     assert fast["global_step"] > slow["global_step"], "the fast island runs more inner steps"
     assert fast["val_loss"] == pytest.approx(slow["val_loss"], rel=1e-5)
     assert 0.0 <= fast["idle_fraction"] < 1.0
+    with (run / "logs" / "island0" / "metrics.csv").open() as f:
+        gaps = [(float(r["islands/expert_share_gap_max"]), float(r["islands/expert_share_gap_mean"]))
+                for r in csv.DictReader(f) if r.get("islands/expert_share_gap_max")]
+    assert len(gaps) == 3, "every round logs how far expert weighting moved the merge"
+    # the islands' token shares differ (the fast island runs more steps), so the experts' shares do too
+    assert all(0.0 <= mean <= largest <= 1.0 for largest, mean in gaps) and max(g[0] for g in gaps) > 0.0
 
 
 @pytest.mark.slow

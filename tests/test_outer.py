@@ -101,6 +101,18 @@ def test_token_and_expert_weighting_match_a_hand_computed_example():
     assert expert_weighted[1, 0] > token_weighted[1, 0], "expert 1 keeps B's full update"
 
 
+def test_expert_share_gap_of_the_hand_computed_example():
+    """The example above: A's token share is 1/4 and B's 3/4; expert 0's coefficients are 5/8 and
+    3/8 (gap 3/8 for both islands), expert 1's are 0 and 1 (gap 1/4). Weighted by the 160 and 240
+    tokens the experts received, the mean gap is (3/8 * 160 + 1/4 * 240) / 400 = 0.3."""
+    largest, mean = outer.expert_share_gap([[100.0, 0.0], [60.0, 240.0]], [100.0, 300.0])
+    assert largest == pytest.approx(0.375) and mean == pytest.approx(0.3)
+    # islands that split every expert as they split their tokens: expert weighting changes nothing
+    assert outer.expert_share_gap([[10.0, 30.0], [20.0, 60.0]], [40.0, 80.0]) == (0.0, 0.0)
+    # nobody routed a token: equal shares against token shares 1/4, 3/4, and no tokens to weight a mean
+    assert outer.expert_share_gap([[0.0], [0.0]], [1.0, 3.0]) == (pytest.approx(0.25), 0.0)
+
+
 def test_expert_counts_nobody_routed_to_fall_back_to_equal_and_bad_counts_fail():
     coefs = outer.expert_coefficients([[0.0, 1.0], [0.0, 3.0]])
     torch.testing.assert_close(coefs[0], torch.tensor([0.5, 0.25]))
