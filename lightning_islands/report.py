@@ -54,6 +54,8 @@ class RunRecord:
     error_feedback: bool | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    expert_weighting: bool | None = None
+    shard_layout: str | None = None  # how the corpus is split between islands and ranks
     members: str = ""  # "2x8+1x16": processes x batch per island (or the one world)
     batch_size: int | None = None
     max_steps: int | None = None
@@ -109,9 +111,11 @@ def _members(job: Any, strategy: str) -> tuple[str, int | None]:
 
 
 def describe(record: RunRecord) -> str:
-    """The compact label of a run: strategy, layout and, for islands, H, codec and outer optimizer."""
+    """The compact label of a run: strategy, layout and, for islands, H, codec and outer optimizer;
+    then the settings that are off their defaults (a contiguous data split, expert weighting)."""
+    data = " contiguous" if record.shard_layout == "contiguous" else ""
     if record.strategy != "islands":
-        return f"{record.strategy} {record.members}"
+        return f"{record.strategy} {record.members}{data}"
     codec = record.codec or "?"
     if record.error_feedback is False:
         codec += " no-EF"
@@ -120,8 +124,9 @@ def describe(record: RunRecord) -> str:
     h = f"{record.sync_every}"
     if record.sync_warmup:
         h = f"{','.join(map(str, record.sync_warmup))}->{h}"
+    experts = " expert-weighted" if record.expert_weighting else ""
     return (f"islands {record.members} H={h} {codec} "
-            f"lr={record.outer_lr:g} m={record.outer_momentum:g}")
+            f"lr={record.outer_lr:g} m={record.outer_momentum:g}{experts}{data}")
 
 
 def load_run(summary_path: str | Path, root: str | Path | None = None, label: str | None = None) -> RunRecord:
@@ -153,7 +158,9 @@ def load_run(summary_path: str | Path, root: str | Path | None = None, label: st
         bytes_exchanged=float(summary.get("bytes_exchanged", 0.0) or 0.0), rounds=summary.get("rounds"),
         wall_seconds=float(summary.get("wall_seconds", math.nan)), parameters=params.get("total"),
     )
+    rec.shard_layout = OmegaConf.select(job, "data.shard_layout", default=None)
     if strategy == "islands":
+        rec.expert_weighting = OmegaConf.select(job, "islands.expert_weighting", default=None)
         rec.sync_every = OmegaConf.select(job, "islands.sync_every", default=None)
         warmup = OmegaConf.select(job, "islands.sync_warmup", default=None)
         rec.sync_warmup = [int(h) for h in warmup] if warmup else None

@@ -21,7 +21,8 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
-SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x"]
+SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x",
+          "sweep_expert_weighting"]
 
 
 def recipe_names() -> list[str]:
@@ -113,6 +114,25 @@ def test_sync_warmup_reaches_the_job_and_the_report_label(tmp_path):
     record = report.load_run(tmp_path / "summary.json")
     assert record.sync_warmup == [10, 20]
     assert f"H=10,20->{cfg.islands.sync_every} " in record.label
+
+
+def test_expert_weighting_and_data_split_reach_the_report_label(tmp_path):
+    """The four jobs of sweep_expert_weighting get four labels, so the report keeps them apart."""
+    labels = set()
+    for layout in ("interleaved", "contiguous"):
+        for expert in ("false", "true"):
+            run = tmp_path / f"{layout}_{expert}"
+            run.mkdir()
+            cfg = _compose(["experiment=sweep_expert_weighting", f"data.shard_layout={layout}",
+                            f"islands.expert_weighting={expert}"])
+            OmegaConf.save(cfg, run / "job.yaml")
+            (run / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
+            record = report.load_run(run / "summary.json")
+            assert record.expert_weighting is (expert == "true") and record.shard_layout == layout
+            assert ("expert-weighted" in record.label) is (expert == "true")
+            assert ("contiguous" in record.label) is (layout == "contiguous")
+            labels.add(record.label)
+    assert len(labels) == 4
 
 
 def test_recipes_readme_lists_every_recipe():
