@@ -60,17 +60,19 @@ def expert_coefficients(counts: Sequence[Sequence[float]]) -> list[Tensor]:
     ``counts[i][e]`` is island ``i``'s token count for expert ``e``; an expert that no island
     routed a token to falls back to equal shares. Returns one fp32 tensor ``[n_experts]`` per island.
     """
-    return [c.to(torch.float32) for c in _expert_shares(counts)]
+    return [c.to(torch.float32) for c in _expert_shares(counts)[0]]
 
 
-def _expert_shares(counts: Sequence[Sequence[float]]) -> Tensor:
-    """:func:`expert_coefficients` in fp64, ``[islands, experts]``."""
+def _expert_shares(counts: Sequence[Sequence[float]]) -> tuple[Tensor, Tensor]:
+    """:func:`expert_coefficients` in fp64, ``[islands, experts]``, and each expert's tokens over
+    all islands, ``[experts]``."""
     rows = torch.tensor([list(c) for c in counts], dtype=torch.float64)
     if (rows < 0).any() or not torch.isfinite(rows).all():
         raise ValueError("expert token counts must be finite and non-negative")
     total = rows.sum(dim=0)
-    return torch.where(total > 0, rows / torch.where(total > 0, total, torch.ones_like(total)),
-                       torch.full_like(rows, 1.0 / rows.shape[0]))
+    shares = torch.where(total > 0, rows / torch.where(total > 0, total, torch.ones_like(total)),
+                         torch.full_like(rows, 1.0 / rows.shape[0]))
+    return shares, total
 
 
 def expert_share_gap(counts: Sequence[Sequence[float]], weights: Sequence[float]) -> tuple[float, float]:
@@ -82,10 +84,9 @@ def expert_share_gap(counts: Sequence[Sequence[float]], weights: Sequence[float]
     and the mean difference weighted by each expert's tokens (0 when nobody routed a token): 0 means
     expert weighting merges exactly as token weighting does.
     """
-    coefs = _expert_shares(counts)
+    coefs, routed = _expert_shares(counts)
     shares = torch.tensor(merge_weights(weights), dtype=torch.float64).unsqueeze(1)
     per_expert = (coefs - shares).abs().max(dim=0).values  # the largest over islands
-    routed = torch.tensor([list(c) for c in counts], dtype=torch.float64).sum(dim=0)
     total = float(routed.sum())
     mean = float((per_expert * routed).sum()) / total if total > 0 else 0.0
     return float(per_expert.max()), mean
