@@ -12,12 +12,10 @@ import fnmatch
 import sys
 from pathlib import Path
 
-import pytest
-
 if sys.version_info >= (3, 11):
     import tomllib
-else:  # pragma: no cover - Python 3.10
-    tomllib = pytest.importorskip("tomli")
+else:  # pragma: no cover - Python 3.10; the test extra installs tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
