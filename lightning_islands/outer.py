@@ -142,6 +142,11 @@ class OuterSGD:
 
     Call :meth:`step` with the parameters (anchors) and their pseudo-gradients in the same order
     every time; momentum buffers are kept per position. ``lr=1, momentum=0`` is plain averaging.
+
+    ``lr_warmup`` and ``momentum_warmup`` (outer steps, 0: off) ramp the learning rate and the
+    momentum linearly: step ``t`` (counted from 1) uses ``lr * min(1, t / lr_warmup)`` and
+    ``momentum * min(1, t / momentum_warmup)``. The step count is part of :meth:`state_dict`, so a
+    resumed run continues the ramp where it stopped.
     """
 
     def __init__(
@@ -151,10 +156,18 @@ class OuterSGD:
         nesterov: bool = True,
         dampening: float = 0.0,
         weight_decay: float = 0.0,
+        lr_warmup: int = 0,
+        momentum_warmup: int = 0,
     ) -> None:
         if lr <= 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"outer optimizer needs lr > 0, momentum >= 0, weight_decay >= 0 "
                              f"(got lr={lr}, momentum={momentum}, weight_decay={weight_decay})")
+        if lr_warmup < 0 or momentum_warmup < 0:
+            raise ValueError(f"outer warm-ups are counted in outer steps and must be >= 0 (0: no warm-up), "
+                             f"got lr_warmup={lr_warmup}, momentum_warmup={momentum_warmup}")
+        if momentum_warmup and not momentum:
+            raise ValueError("momentum_warmup ramps the outer momentum, but momentum is 0: set a momentum "
+                             "or drop the warm-up")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires momentum > 0 and dampening = 0 (as in torch.optim.SGD)")
         self.lr = lr
@@ -162,8 +175,18 @@ class OuterSGD:
         self.nesterov = nesterov
         self.dampening = dampening
         self.weight_decay = weight_decay
+        self.lr_warmup = int(lr_warmup)
+        self.momentum_warmup = int(momentum_warmup)
         self.buffers: list[Tensor | None] = []
         self.steps = 0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of outer step ``step`` (counted from 1)."""
+        return self.lr * _ramp(step, self.lr_warmup)
+
+    def momentum_at(self, step: int) -> float:
+        """The momentum of outer step ``step`` (counted from 1)."""
+        return self.momentum * _ramp(step, self.momentum_warmup)
 
     @torch.no_grad()
     def step(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
@@ -172,26 +195,28 @@ class OuterSGD:
             raise ValueError(f"{len(params)} parameters but {len(grads)} pseudo-gradients")
         if not self.buffers:
             self.buffers = [None] * len(params)
+        lr, momentum = self.lr_at(self.steps + 1), self.momentum_at(self.steps + 1)
         for i, (p, g) in enumerate(zip(params, grads)):
             d = g
             if self.weight_decay:
                 d = torch.add(d, torch.mul(p, self.weight_decay))
-            if self.momentum:
+            if momentum:
                 buf = self.buffers[i]
                 if buf is None:
                     buf = d.clone()
                     self.buffers[i] = buf
                 else:
-                    buf.mul_(self.momentum)
+                    buf.mul_(momentum)
                     buf.add_(d if self.dampening == 0 else torch.mul(d, 1.0 - self.dampening))
-                d = torch.add(d, torch.mul(buf, self.momentum)) if self.nesterov else buf
-            p.sub_(torch.mul(d, self.lr))
+                d = torch.add(d, torch.mul(buf, momentum)) if self.nesterov else buf
+            p.sub_(torch.mul(d, lr))
         self.steps += 1
 
     def settings(self) -> dict[str, float | bool]:
         """The hyper-parameters, for fingerprints and logs."""
         return {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
-                "dampening": self.dampening, "weight_decay": self.weight_decay}
+                "dampening": self.dampening, "weight_decay": self.weight_decay,
+                "lr_warmup": self.lr_warmup, "momentum_warmup": self.momentum_warmup}
 
     def state_dict(self) -> dict:
         """Momentum buffers (``None`` before the first step) and the step count."""
@@ -201,6 +226,11 @@ class OuterSGD:
         """Restore what :meth:`state_dict` returned."""
         self.buffers = list(state["buffers"])
         self.steps = int(state["steps"])
+
+
+def _ramp(step: int, warmup: int) -> float:
+    """Linear warm-up factor of step ``step`` (from 1) over ``warmup`` steps: 1 once it is done."""
+    return 1.0 if warmup <= 0 or step >= warmup else step / warmup
 
 
 def cosine(a: Tensor, b: Tensor) -> float:

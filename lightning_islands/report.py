@@ -54,6 +54,8 @@ class RunRecord:
     error_feedback: bool | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    outer_lr_warmup: int = 0  # rounds of linear warm-up of the outer lr (0: none)
+    outer_momentum_warmup: int = 0  # rounds of linear warm-up of the outer momentum (0: none)
     expert_weighting: bool | None = None
     shard_layout: str | None = None  # how the corpus is split between islands and ranks
     members: str = ""  # "2x8+1x16": processes x batch per island (or the one world)
@@ -125,8 +127,10 @@ def describe(record: RunRecord) -> str:
     if record.sync_warmup:
         h = f"{','.join(map(str, record.sync_warmup))}->{h}"
     experts = " expert-weighted" if record.expert_weighting else ""
-    return (f"islands {record.members} H={h} {codec} "
-            f"lr={record.outer_lr:g} m={record.outer_momentum:g}{experts}{data}")
+    lr = f"{record.outer_lr:g}" + (f" (warm-up {record.outer_lr_warmup})" if record.outer_lr_warmup else "")
+    m = f"{record.outer_momentum:g}" + (f" (warm-up {record.outer_momentum_warmup})"
+                                        if record.outer_momentum_warmup else "")
+    return f"islands {record.members} H={h} {codec} lr={lr} m={m}{experts}{data}"
 
 
 def load_run(summary_path: str | Path, root: str | Path | None = None, label: str | None = None) -> RunRecord:
@@ -168,6 +172,8 @@ def load_run(summary_path: str | Path, root: str | Path | None = None, label: st
         rec.error_feedback = OmegaConf.select(job, "islands.error_feedback", default=None)
         rec.outer_lr = OmegaConf.select(job, "islands.outer_lr", default=None)
         rec.outer_momentum = OmegaConf.select(job, "islands.outer_momentum", default=None)
+        rec.outer_lr_warmup = int(OmegaConf.select(job, "islands.outer_lr_warmup", default=0) or 0)
+        rec.outer_momentum_warmup = int(OmegaConf.select(job, "islands.outer_momentum_warmup", default=0) or 0)
     rec.label = label or describe(rec)
     return rec
 

@@ -112,6 +112,9 @@ class IslandStrategy(FSDP2Strategy):
             (e.g. ``[10, 20, 40]``: sync often while the islands' models still diverge quickly, then
             rarely). An island with a fixed ``steps_per_round`` scales it by ``H_round / sync_every``.
         outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
+        outer_lr_warmup, outer_momentum_warmup: rounds over which the outer learning rate and the
+            outer momentum rise linearly to ``outer_lr`` and ``outer_momentum`` (round ``r`` of
+            ``W`` uses ``r / W`` of each; 0: no warm-up). Each round logs the values it used.
         codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
             ``int2``, ``sign``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
         error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
@@ -160,6 +163,8 @@ class IslandStrategy(FSDP2Strategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        outer_lr_warmup: int = 0,
+        outer_momentum_warmup: int = 0,
         codec: str = "fp32",
         block_size: int = 128,
         error_feedback: bool | None = None,
@@ -205,7 +210,8 @@ class IslandStrategy(FSDP2Strategy):
         self.steps_per_round = self._planned_steps(0)
         # outer_lr=1, outer_momentum=0 is plain averaging; Nesterov needs momentum, so it is off then.
         self.outer_opt = outer.OuterSGD(lr=outer_lr, momentum=outer_momentum,
-                                        nesterov=nesterov and outer_momentum > 0)
+                                        nesterov=nesterov and outer_momentum > 0,
+                                        lr_warmup=outer_lr_warmup, momentum_warmup=outer_momentum_warmup)
         self.codec = make_codec(codec, block_size=block_size)
         # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
         self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, self.codec.alignment)
@@ -553,6 +559,8 @@ class IslandStrategy(FSDP2Strategy):
         metrics.update(self._expert_gap_metrics(headers))
         next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
+        metrics.update({"islands/outer_lr": self.outer_opt.lr_at(self.outer_opt.steps),
+                        "islands/outer_momentum": self.outer_opt.momentum_at(self.outer_opt.steps)})
         for p, a in zip(self._params, self._anchors):
             local_view(p).copy_(a.to(device=local_view(p).device, dtype=local_view(p).dtype))
         self.round += 1

@@ -61,7 +61,8 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
         return IslandStrategy(
             sync_every=isl.sync_every, sync_warmup=isl.get("sync_warmup"),
             outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
-            nesterov=isl.nesterov, codec=isl.codec, block_size=isl.block_size,
+            nesterov=isl.nesterov, outer_lr_warmup=int(isl.get("outer_lr_warmup", 0)),
+            outer_momentum_warmup=int(isl.get("outer_momentum_warmup", 0)), codec=isl.codec, block_size=isl.block_size,
             error_feedback=isl.error_feedback, lanes=isl.lanes, weighting=isl.weighting,
             outer_device=isl.outer_device, timeout_s=isl.timeout_s,
             max_wait_s=isl.get("max_wait_s", 3600.0), exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),

@@ -65,6 +65,18 @@ def test_every_option_of_every_group_composes(group):
                     assert build_strategy(cfg, 0, member) is not None
 
 
+def test_outer_warmup_reaches_the_strategy():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["islands.outer_lr_warmup=10",
+                                                        "islands.outer_momentum_warmup=5"])
+    os.environ.pop("LI_COORDINATOR", None)
+    cfg.islands.members = [cfg.islands.members[0]]  # one island needs no coordinator
+    opt = build_strategy(cfg, 0, island_member(cfg, 0)).outer_opt
+    assert (opt.lr_warmup, opt.momentum_warmup) == (10, 5)
+    assert opt.lr_at(1) == pytest.approx(cfg.islands.outer_lr / 10)
+    assert opt.momentum_at(1) == pytest.approx(cfg.islands.outer_momentum / 5)
+
+
 def test_default_config_is_two_heterogeneous_islands_with_the_moe():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config")

@@ -23,10 +23,13 @@ from islands_regression import Regression, batch_for  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nesterov, inner_lr=0.05, warmup=()):
+def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nesterov, inner_lr=0.05, warmup=(),
+                     lr_warmup=0, momentum_warmup=0):
     """Single-process DiLoCo written from the paper: inner SGD per island (ranks average gradients),
     pseudo-gradients weighted by tokens, outer SGD with (Nesterov) momentum; round r runs
-    ``warmup[r]`` steps while the warm-up lasts, then H. Returns {round: params}."""
+    ``warmup[r]`` steps while the warm-up lasts, then H. Outer round r (from 1) uses
+    ``min(1, r / lr_warmup)`` of the outer lr and ``min(1, r / momentum_warmup)`` of the momentum
+    (a zero warm-up: all of it). Returns {round: params}."""
     torch.manual_seed(0)
     model = Regression(hidden=8)
     glob = {n: p.detach().clone().double() for n, p in model.named_parameters()}
@@ -55,13 +58,15 @@ def reference_diloco(islands, batch_sizes, steps, H, outer_lr, momentum, nestero
             weights.append(world * bs * h)
         total = sum(weights)
         merged = {n: sum(w / total * d[n] for w, d in zip(weights, deltas)) for n in glob}
+        lr_r = outer_lr * (min(1.0, (r + 1) / lr_warmup) if lr_warmup else 1.0)
+        m_r = momentum * (min(1.0, (r + 1) / momentum_warmup) if momentum_warmup else 1.0)
         if momentum:
             buf = {n: merged[n].clone() for n in glob} if buf is None else \
-                {n: momentum * buf[n] + merged[n] for n in glob}
-            step_dir = {n: merged[n] + momentum * buf[n] for n in glob} if nesterov else buf
+                {n: m_r * buf[n] + merged[n] for n in glob}
+            step_dir = {n: merged[n] + m_r * buf[n] for n in glob} if nesterov else buf
         else:
             step_dir = merged
-        glob = {n: glob[n] - outer_lr * step_dir[n] for n in glob}
+        glob = {n: glob[n] - lr_r * step_dir[n] for n in glob}
         out[r + 1] = {n: t.float() for n, t in glob.items()}
         r, start = r + 1, start + h
     return out
@@ -116,6 +121,24 @@ def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(tmp_path):
     for r, params in ref.items():
         for name, t in params.items():
             torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
+
+
+def test_outer_warmup_ramps_lr_and_momentum_and_matches_reference(tmp_path):
+    # 5 rounds of H=2: the outer lr reaches 0.7 in round 4, the momentum 0.9 in round 2
+    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 10, "--H", 2, "--outer-lr-warmup", 4,
+                    "--momentum-warmup", 2, "--batch-sizes", "4,8"], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 5)
+    metrics = [per_island[0][r]["metrics"] for r in range(1, 6)]
+    assert [m["islands/outer_lr"] for m in metrics] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
+    assert [m["islands/outer_momentum"] for m in metrics] == pytest.approx([0.45, 0.9, 0.9, 0.9, 0.9])
+    ref = reference_diloco([2, 1], [4, 8], steps=10, H=2, outer_lr=0.7, momentum=0.9, nesterov=True,
+                           lr_warmup=4, momentum_warmup=2)
+    plain = reference_diloco([2, 1], [4, 8], steps=10, H=2, outer_lr=0.7, momentum=0.9, nesterov=True)
+    for r, params in ref.items():
+        for name, t in params.items():
+            torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
+    # the warm-up moved the run: without it the first round already lands elsewhere
+    assert not torch.allclose(ref[1]["layers.0.weight"], plain[1]["layers.0.weight"], rtol=1e-3, atol=1e-5)
 
 
 def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):

@@ -159,3 +159,39 @@ def test_merge_into_given_buffers_gives_the_same_bits():
         got = outer.merge(deltas[:count], weights[:count], out=out, scratch=scratch)
         assert got.data_ptr() == out.data_ptr()
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), count
+
+
+def test_outer_warmup_follows_torch_optim_sgd_with_a_ramped_lr_and_momentum():
+    """Step t (from 1) uses min(1, t/W) of the lr and of the momentum: torch's SGD with the group's
+    lr and momentum set to those values before each step does the same."""
+    g = torch.Generator().manual_seed(1)
+    p_ref = torch.randn(29, generator=g, requires_grad=True)
+    p = p_ref.detach().clone()
+    ref = torch.optim.SGD([p_ref], lr=0.7, momentum=0.5, nesterov=True)
+    mine = outer.OuterSGD(lr=0.7, momentum=0.5, nesterov=True, lr_warmup=4, momentum_warmup=3)
+    assert [mine.lr_at(t) for t in range(1, 6)] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
+    assert [mine.momentum_at(t) for t in range(1, 5)] == pytest.approx([0.5 / 3, 1 / 3, 0.5, 0.5])
+    for t in range(1, 7):
+        ref.param_groups[0]["lr"] = 0.7 * min(1.0, t / 4)
+        ref.param_groups[0]["momentum"] = 0.5 * min(1.0, t / 3)
+        grad = torch.randn(29, generator=g)
+        p_ref.grad = grad.clone()
+        ref.step()
+        mine.step([p], [grad])
+        torch.testing.assert_close(p, p_ref.detach(), rtol=1e-6, atol=1e-6)
+    assert mine.settings()["lr_warmup"] == 4 and mine.settings()["momentum_warmup"] == 3
+
+
+def test_outer_warmup_resumes_where_it_stopped_and_rejects_bad_values():
+    opt = outer.OuterSGD(lr=1.0, momentum=0.5, lr_warmup=10)
+    for _ in range(3):
+        opt.step([torch.zeros(2)], [torch.ones(2)])
+    restored = outer.OuterSGD(lr=1.0, momentum=0.5, lr_warmup=10)
+    restored.load_state_dict(opt.state_dict())
+    assert restored.lr_at(restored.steps + 1) == pytest.approx(0.4)
+    # no warm-up: every step uses the full values
+    assert outer.OuterSGD(lr=0.7).lr_at(1) == 0.7 and outer.OuterSGD(momentum=0.9).momentum_at(1) == 0.9
+    with pytest.raises(ValueError, match="must be >= 0"):
+        outer.OuterSGD(lr_warmup=-1)
+    with pytest.raises(ValueError, match="momentum is 0"):
+        outer.OuterSGD(momentum=0.0, nesterov=False, momentum_warmup=5)

@@ -22,7 +22,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
 SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x",
-          "sweep_expert_weighting"]
+          "sweep_expert_weighting", "sweep_outer_warmup"]
 
 
 def recipe_names() -> list[str]:
@@ -133,6 +133,26 @@ def test_expert_weighting_and_data_split_reach_the_report_label(tmp_path):
             assert ("contiguous" in record.label) is (layout == "contiguous")
             labels.add(record.label)
     assert len(labels) == 4
+
+
+def test_outer_warmup_reaches_the_job_and_the_report_label(tmp_path):
+    """The four jobs of sweep_outer_warmup get four labels; a run without a warm-up keeps the old one."""
+    labels = set()
+    for lr_w in (0, 10):
+        for m_w in (0, 10):
+            run = tmp_path / f"{lr_w}_{m_w}"
+            run.mkdir()
+            cfg = _compose(["experiment=sweep_outer_warmup", f"islands.outer_lr_warmup={lr_w}",
+                            f"islands.outer_momentum_warmup={m_w}"])
+            OmegaConf.save(cfg, run / "job.yaml")
+            (run / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
+            record = report.load_run(run / "summary.json")
+            assert (record.outer_lr_warmup, record.outer_momentum_warmup) == (lr_w, m_w)
+            assert ("lr=0.7 (warm-up 10)" in record.label) is (lr_w == 10)
+            assert ("m=0.5 (warm-up 10)" in record.label) is (m_w == 10)
+            labels.add(record.label)
+    assert len(labels) == 4
+    assert _compose([]).islands.outer_lr_warmup == 0 and _compose([]).islands.outer_momentum_warmup == 0
 
 
 def test_recipes_readme_lists_every_recipe():

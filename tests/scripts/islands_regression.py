@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--nesterov", type=int, default=1)
+    p.add_argument("--outer-lr-warmup", type=int, default=0, help="rounds of outer lr warm-up")
+    p.add_argument("--momentum-warmup", type=int, default=0, help="rounds of outer momentum warm-up")
     p.add_argument("--codec", default="fp32")
     p.add_argument("--error-feedback", type=int, default=-1)
     p.add_argument("--batch-sizes", default="4,8")
@@ -176,6 +178,7 @@ def main() -> None:
     warmup = [int(h) for h in args.sync_warmup.split(",") if h]
     strategy = IslandStrategy(sync_every=args.H, sync_warmup=warmup, outer_lr=outer_lr, outer_momentum=args.momentum,
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=args.timeout_s,
+                              outer_lr_warmup=args.outer_lr_warmup, outer_momentum_warmup=args.momentum_warmup,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               balance=args.balance, max_rounds=args.max_rounds or None,
                               steps_per_round=per_island(args.steps_per_round) or None,
