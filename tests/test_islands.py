@@ -171,8 +171,10 @@ def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):
 
 def test_resume_from_checkpoints_is_exact(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
-    # int4 with error feedback: the residual must travel with the checkpoint too
-    common = ["--H", 4, "--inner", "adamw", "--batch-sizes", "4,8", "--codec", "int4"]
+    # int4 with error feedback: the residual must travel with the checkpoint too; the outer warm-up
+    # (3 rounds) must continue where it stopped, so rounds 2 and 3 take 2/3 and all of the outer step
+    common = ["--H", 4, "--inner", "adamw", "--batch-sizes", "4,8", "--codec", "int4", "--outer-lr-warmup", 3,
+              "--momentum-warmup", 3]
     launch([2, 1], ["islands_regression.py", "--out", full, "--steps", 12, *common], tmp_path / "l1")
     launch([2, 1], ["islands_regression.py", "--out", part, "--steps", 6, "--ckpt-every", 6, *common],
            tmp_path / "l2")
@@ -189,6 +191,7 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
         assert torch.equal(evaluated[name], t), f"validate(ckpt_path) did not load the global {name}"
     a, b = load_rounds(full, 1), load_rounds(resumed, 0)
     assert sorted(b) == [2, 3]
+    assert [b[r]["metrics"]["islands/outer_lr"] for r in (2, 3)] == pytest.approx([0.7 * 2 / 3, 0.7])
     for r in (2, 3):
         for name, t in a[r]["params"].items():
             assert torch.equal(t, b[r]["params"][name]), f"resumed round {r}: {name} differs"
