@@ -127,10 +127,14 @@ def describe(record: RunRecord) -> str:
     if record.sync_warmup:
         h = f"{','.join(map(str, record.sync_warmup))}->{h}"
     experts = " expert-weighted" if record.expert_weighting else ""
-    lr = f"{record.outer_lr:g}" + (f" (warm-up {record.outer_lr_warmup})" if record.outer_lr_warmup else "")
-    m = f"{record.outer_momentum:g}" + (f" (warm-up {record.outer_momentum_warmup})"
-                                        if record.outer_momentum_warmup else "")
+    lr = _with_warmup(record.outer_lr, record.outer_lr_warmup)
+    m = _with_warmup(record.outer_momentum, record.outer_momentum_warmup)
     return f"islands {record.members} H={h} {codec} lr={lr} m={m}{experts}{data}"
+
+
+def _with_warmup(value: float | None, rounds: int) -> str:
+    """An outer hyper-parameter for a label, with its warm-up in rounds when it has one."""
+    return f"{value:g}" + (f" (warm-up {rounds})" if rounds else "")
 
 
 def load_run(summary_path: str | Path, root: str | Path | None = None, label: str | None = None) -> RunRecord:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -32,6 +33,16 @@ def recipe_names() -> list[str]:
 def _compose(overrides, hydra=False):
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+
+
+def _finished_run(run: Path, overrides: list[str]) -> tuple[Any, report.RunRecord]:
+    """Compose ``overrides`` into ``run/job.yaml`` next to a minimal ``summary.json``, as a finished
+    islands run leaves them, and read the folder back as the report does."""
+    cfg = _compose(overrides)
+    run.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run / "job.yaml")
+    (run / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
+    return cfg, report.load_run(run / "summary.json")
 
 
 # ------------------------------------------------------------------------------------------ recipes
@@ -107,11 +118,8 @@ def test_every_budget_choice_sends_about_a_thousandth_of_synchronous_dp():
 
 
 def test_sync_warmup_reaches_the_job_and_the_report_label(tmp_path):
-    cfg = _compose(["islands.sync_warmup=[10,20]"])
+    cfg, record = _finished_run(tmp_path, ["islands.sync_warmup=[10,20]"])
     assert list(cfg.islands.sync_warmup) == [10, 20] and _compose([]).islands.sync_warmup is None
-    OmegaConf.save(cfg, tmp_path / "job.yaml")
-    (tmp_path / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
-    record = report.load_run(tmp_path / "summary.json")
     assert record.sync_warmup == [10, 20]
     assert f"H=10,20->{cfg.islands.sync_every} " in record.label
 
@@ -121,13 +129,9 @@ def test_expert_weighting_and_data_split_reach_the_report_label(tmp_path):
     labels = set()
     for layout in ("interleaved", "contiguous"):
         for expert in ("false", "true"):
-            run = tmp_path / f"{layout}_{expert}"
-            run.mkdir()
-            cfg = _compose(["experiment=sweep_expert_weighting", f"data.shard_layout={layout}",
-                            f"islands.expert_weighting={expert}"])
-            OmegaConf.save(cfg, run / "job.yaml")
-            (run / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
-            record = report.load_run(run / "summary.json")
+            _, record = _finished_run(tmp_path / f"{layout}_{expert}", [
+                "experiment=sweep_expert_weighting", f"data.shard_layout={layout}",
+                f"islands.expert_weighting={expert}"])
             assert record.expert_weighting is (expert == "true") and record.shard_layout == layout
             assert ("expert-weighted" in record.label) is (expert == "true")
             assert ("contiguous" in record.label) is (layout == "contiguous")
@@ -136,17 +140,13 @@ def test_expert_weighting_and_data_split_reach_the_report_label(tmp_path):
 
 
 def test_outer_warmup_reaches_the_job_and_the_report_label(tmp_path):
-    """The four jobs of sweep_outer_warmup get four labels; a run without a warm-up keeps the old one."""
+    """The four jobs of sweep_outer_warmup get four labels; only a warm-up that is on is named."""
     labels = set()
     for lr_w in (0, 10):
         for m_w in (0, 10):
-            run = tmp_path / f"{lr_w}_{m_w}"
-            run.mkdir()
-            cfg = _compose(["experiment=sweep_outer_warmup", f"islands.outer_lr_warmup={lr_w}",
-                            f"islands.outer_momentum_warmup={m_w}"])
-            OmegaConf.save(cfg, run / "job.yaml")
-            (run / "summary.json").write_text('{"strategy": "islands", "val_loss": 1.5}')
-            record = report.load_run(run / "summary.json")
+            _, record = _finished_run(tmp_path / f"{lr_w}_{m_w}", [
+                "experiment=sweep_outer_warmup", f"islands.outer_lr_warmup={lr_w}",
+                f"islands.outer_momentum_warmup={m_w}"])
             assert (record.outer_lr_warmup, record.outer_momentum_warmup) == (lr_w, m_w)
             assert ("lr=0.7 (warm-up 10)" in record.label) is (lr_w == 10)
             assert ("m=0.5 (warm-up 10)" in record.label) is (m_w == 10)
