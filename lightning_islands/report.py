@@ -52,6 +52,7 @@ class RunRecord:
     sync_warmup: list[int] | None = None  # H of the first rounds, if any
     codec: str | None = None
     error_feedback: bool | None = None
+    error_feedback_decay: float = 1.0  # share of the residual carried into the next round
     outer_lr: float | None = None
     outer_momentum: float | None = None
     outer_lr_warmup: int = 0  # rounds of linear warm-up of the outer lr (0: none)
@@ -123,6 +124,8 @@ def describe(record: RunRecord) -> str:
         codec += " no-EF"
     elif record.error_feedback is True:
         codec += " EF"
+    if record.error_feedback_decay != 1.0:
+        codec += f" EF-decay {record.error_feedback_decay:g}"
     h = f"{record.sync_every}"
     if record.sync_warmup:
         h = f"{','.join(map(str, record.sync_warmup))}->{h}"
@@ -174,6 +177,8 @@ def load_run(summary_path: str | Path, root: str | Path | None = None, label: st
         rec.sync_warmup = [int(h) for h in warmup] if warmup else None
         rec.codec = OmegaConf.select(job, "islands.codec", default=None)
         rec.error_feedback = OmegaConf.select(job, "islands.error_feedback", default=None)
+        decay = OmegaConf.select(job, "islands.error_feedback_decay", default=None)
+        rec.error_feedback_decay = 1.0 if decay is None else float(decay)
         rec.outer_lr = OmegaConf.select(job, "islands.outer_lr", default=None)
         rec.outer_momentum = OmegaConf.select(job, "islands.outer_momentum", default=None)
         rec.outer_lr_warmup = int(OmegaConf.select(job, "islands.outer_lr_warmup", default=0) or 0)

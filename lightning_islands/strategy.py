@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,7 @@ from typing_extensions import override
 from lightning_islands import floatenv, outer
 from lightning_islands.buffers import Buffers
 from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import default_error_feedback, make_codec
+from lightning_islands.codecs import check_decay, compensate, default_error_feedback, make_codec
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.parallel import local_view, reshard_all
 from lightning_islands.roundstats import RoundStats, sum_sq
@@ -119,6 +120,10 @@ class IslandStrategy(FSDP2Strategy):
             ``int2``, ``sign``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
         error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
             bits and below.
+        error_feedback_decay: the share of the residual a round carries into the next: each round
+            sends ``pseudo_gradient + decay * residual`` (1: all of it, plain error feedback; 0: none,
+            the same as no error feedback). Below 1, what a codec held back for many rounds fades
+            instead of arriving late, after the model has moved on. Needs error feedback on.
         island, num_islands, coordinator, run_id: this island's identity; default from the
             environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
         steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
@@ -168,6 +173,7 @@ class IslandStrategy(FSDP2Strategy):
         codec: str = "fp32",
         block_size: int = 128,
         error_feedback: bool | None = None,
+        error_feedback_decay: float = 1.0,
         island: int | None = None,
         num_islands: int | None = None,
         coordinator: str | None = None,
@@ -216,6 +222,11 @@ class IslandStrategy(FSDP2Strategy):
         # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
         self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, self.codec.alignment)
         self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
+        self.error_feedback_decay = check_decay(error_feedback_decay)
+        if error_feedback_decay != 1.0 and not self.use_error_feedback:
+            raise ValueError(f"error_feedback_decay={error_feedback_decay} decays the error-feedback residual, but "
+                             f"error feedback is off for codec {codec!r}: set error_feedback=True "
+                             "(islands.error_feedback=true) or leave the decay at 1")
         self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
         self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
         self.coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
@@ -512,6 +523,13 @@ class IslandStrategy(FSDP2Strategy):
         dist.all_reduce(t)
         return float(t.item())
 
+    def _island_sq(self, tensors: Sequence[Tensor]) -> float:
+        """The island's squared norm of ``tensors``, one per parameter and shaped like its local view
+        (a plain, replicated tensor counts once: on rank 0)."""
+        assert self.layout is not None
+        return self._island_sum(sum_sq([t for t, p in zip(tensors, self._params)
+                                        if self.layout.is_sharded(p) or self.global_rank == 0]))
+
     def _wants_stop(self, final: bool) -> bool:
         """Whether this round is this island's last: it is ending training (``final``, ``max_steps``
         reached, or a callback asked the trainer to stop) or ``max_rounds`` is reached. Any island's
@@ -533,15 +551,15 @@ class IslandStrategy(FSDP2Strategy):
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
-        # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
-        delta_sq = self._island_sum(sum_sq([d for d, p in zip(deltas, self._params)
-                                            if self.layout.is_sharded(p) or self.global_rank == 0]))
+        delta_sq = self._island_sq(deltas)
         sent = deltas
-        if self.use_error_feedback:  # each rank adds its shards of what the last rounds dropped
+        residual_sq = None
+        if self.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
             if self.residual is None:
                 self.residual = [torch.zeros_like(a) for a in self._anchors]
             else:
-                sent = [torch.add(d, r.to(d.device)) for d, r in zip(deltas, self.residual)]
+                residual_sq = self._island_sq(self.residual)
+                sent = [compensate(d, r.to(d.device), self.error_feedback_decay) for d, r in zip(deltas, self.residual)]
         tokens = self._island_sum(float(self.round_tokens))
         step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
         header = {"round": self.round, "tokens": tokens, "steps": self.round_steps, "step_seconds": step_seconds,
@@ -557,6 +575,8 @@ class IslandStrategy(FSDP2Strategy):
             return {}
         grads, metrics = self._exchange(sent, delta_sq, headers, coefs)
         metrics.update(self._expert_gap_metrics(headers))
+        if residual_sq is not None:  # the residual this round carried in, before its decay
+            metrics["islands/residual_norm"] = math.sqrt(residual_sq)
         next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
         metrics.update({"islands/outer_lr": self.outer_opt.lr_at(self.outer_opt.steps),

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,16 +66,31 @@ def test_every_option_of_every_group_composes(group):
                     assert build_strategy(cfg, 0, member) is not None
 
 
-def test_outer_warmup_reaches_the_strategy():
+def _one_island_strategy(overrides: list[str]) -> tuple[Any, Any]:
+    """The composed config and the strategy of its first island, alone (so no coordinator)."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["islands.outer_lr_warmup=10",
-                                                        "islands.outer_momentum_warmup=5"])
+        cfg = compose(config_name="config", overrides=overrides)
     os.environ.pop("LI_COORDINATOR", None)
-    cfg.islands.members = [cfg.islands.members[0]]  # one island needs no coordinator
-    opt = build_strategy(cfg, 0, island_member(cfg, 0)).outer_opt
+    cfg.islands.members = [cfg.islands.members[0]]
+    return cfg, build_strategy(cfg, 0, island_member(cfg, 0))
+
+
+def test_outer_warmup_reaches_the_strategy():
+    cfg, strategy = _one_island_strategy(["islands.outer_lr_warmup=10", "islands.outer_momentum_warmup=5"])
+    opt = strategy.outer_opt
     assert (opt.lr_warmup, opt.momentum_warmup) == (10, 5)
     assert opt.lr_at(1) == pytest.approx(cfg.islands.outer_lr / 10)
     assert opt.momentum_at(1) == pytest.approx(cfg.islands.outer_momentum / 5)
+
+
+def test_error_feedback_decay_reaches_the_strategy_and_bad_values_are_named():
+    assert _one_island_strategy([])[1].error_feedback_decay == 1.0
+    _, decayed = _one_island_strategy(["islands.codec=int4", "islands.error_feedback_decay=0.9"])
+    assert decayed.error_feedback_decay == 0.9
+    with pytest.raises(ValueError, match=r"error feedback is off for codec 'fp32'.*islands.error_feedback=true"):
+        _one_island_strategy(["islands.codec=fp32", "islands.error_feedback_decay=0.9"])
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\].*got 1.5"):
+        _one_island_strategy(["islands.codec=int4", "islands.error_feedback_decay=1.5"])
 
 
 def test_default_config_is_two_heterogeneous_islands_with_the_moe():

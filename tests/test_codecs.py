@@ -1328,6 +1328,36 @@ def test_pieces_at_the_alignment_decode_to_what_the_whole_vector_does(spec):
         assert not torch.equal(shifted, whole)
 
 
+def test_compensate_adds_the_decayed_residual():
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    assert torch.equal(C.compensate(x, r), x + r)  # decay 1: plain error feedback, bit for bit
+    assert torch.equal(C.compensate(x, r, 0.0), x)
+    torch.testing.assert_close(C.compensate(x, r, 0.25), x + r / 4, rtol=0, atol=1e-6)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
+            C.check_decay(bad)
+        with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
+            ErrorFeedback(decay=bad)
+
+
+def test_a_decayed_residual_fades_round_by_round():
+    # a codec that sends nothing: everything stays in the residual, and what was held back k rounds
+    # ago reaches the next round scaled by decay ** k
+    ef = ErrorFeedback(decay=0.5)
+    first = torch.tensor([8.0, -4.0])
+    nothing = torch.zeros(2)
+    c = ef.compensate(first)
+    ef.update(c, nothing)
+    for k in range(1, 4):
+        c = ef.compensate(torch.zeros(2))
+        assert torch.equal(c, first * 0.5 ** k)
+        ef.update(c, nothing)
+    plain = ErrorFeedback()
+    plain.update(first, nothing)
+    assert torch.equal(plain.compensate(torch.zeros(2)), first)  # without decay it never fades
+
+
 def test_default_error_feedback():
     for spec in ["int4", "int2", "int4/64", "sign", "topk:0.01", "topk:0.01+int4", "topk:0.1+int8"]:
         assert default_error_feedback(spec) is True, spec

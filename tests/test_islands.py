@@ -302,6 +302,30 @@ def test_every_codec_keeps_global_state_bit_identical(tmp_path, codec):
     assert 0.0 < m["islands/quant_rel_error"] < 1.0
 
 
+def test_error_feedback_decay_fades_the_residual_and_keeps_islands_identical(tmp_path):
+    # int2 drops most of each round: error feedback changes the run. A decay of 0 must be no error
+    # feedback at all, bit for bit; 0.5 a third run, equal to both only in round 1 (no residual yet).
+    runs = {}
+    for name, flags in (("off", ["--error-feedback", 0]), ("zero", ["--ef-decay", 0]), ("half", ["--ef-decay", 0.5])):
+        out = tmp_path / name
+        launch([2, 1], ["islands_regression.py", "--out", out, "--steps", 6, "--H", 2, "--codec", "int2", *flags],
+               out / "logs")
+        runs[name] = assert_islands_equal(out, 3)[0]
+    for r in range(1, 4):
+        off = runs["off"][r]["params"]
+        for name, t in off.items():
+            assert torch.equal(runs["zero"][r]["params"][name], t), f"round {r}: {name}"
+        same = all(torch.equal(runs["half"][r]["params"][name], t) for name, t in off.items())
+        assert same is (r == 1), f"round {r}"
+    assert not any("islands/residual_norm" in runs["off"][r]["metrics"] for r in range(1, 4))
+    for r in range(1, 3):
+        # with decay 0 a round sends its pseudo-gradient alone, and keeps its quantization error
+        before, after = runs["zero"][r]["metrics"], runs["zero"][r + 1]["metrics"]
+        assert after["islands/residual_norm"] == pytest.approx(
+            before["islands/quant_rel_error"] * before["islands/pseudo_grad_norm"], rel=1e-5)
+        assert runs["half"][r + 1]["metrics"]["islands/residual_norm"] > 0
+
+
 def test_a_round_exchanged_in_chunks_equals_one_exchanged_whole(tmp_path):
     # 9,002 values in chunks of 2,048 (1/128 MiB): the 5 chunk boundaries cut through parameters and
     # through the two ranks' shards of island 0. With int4 (whole blocks and packing groups per chunk)

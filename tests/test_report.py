@@ -155,6 +155,14 @@ def test_outer_warmup_reaches_the_job_and_the_report_label(tmp_path):
     assert _compose([]).islands.outer_lr_warmup == 0 and _compose([]).islands.outer_momentum_warmup == 0
 
 
+def test_error_feedback_decay_reaches_the_report_label(tmp_path):
+    _, plain = _finished_run(tmp_path / "plain", ["experiment=sweep_budget_1000x"])
+    _, decayed = _finished_run(tmp_path / "decayed", ["experiment=sweep_budget_1000x",
+                                                      "islands.error_feedback_decay=0.9"])
+    assert plain.error_feedback_decay == 1.0 and "EF-decay" not in plain.label
+    assert decayed.error_feedback_decay == 0.9 and "EF-decay 0.9" in decayed.label
+
+
 def test_recipes_readme_lists_every_recipe():
     readme = (RECIPES / "README.md").read_text()
     for name in recipe_names():

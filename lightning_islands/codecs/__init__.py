@@ -45,7 +45,13 @@ from __future__ import annotations
 from lightning_islands.codecs.base import Codec
 from lightning_islands.codecs.blockwise import Float8Codec, IntCodec
 from lightning_islands.codecs.dense import BFloat16Codec, Float32Codec
-from lightning_islands.codecs.feedback import ErrorFeedback, compression_ratio, quantization_error
+from lightning_islands.codecs.feedback import (
+    ErrorFeedback,
+    check_decay,
+    compensate,
+    compression_ratio,
+    quantization_error,
+)
 from lightning_islands.codecs.sign import SignCodec
 from lightning_islands.codecs.spec import default_error_feedback, make_codec
 from lightning_islands.codecs.topk import TopKCodec
@@ -74,6 +80,8 @@ __all__ = [
     "IntCodec",
     "SignCodec",
     "TopKCodec",
+    "check_decay",
+    "compensate",
     "compression_ratio",
     "crc32_combine",
     "default_error_feedback",

@@ -21,13 +21,17 @@ class ErrorFeedback:
 
     Over many rounds the running sum of what was transmitted tracks the running sum of the true
     pseudo-gradients to within one round's quantization error instead of drifting.
+
+    ``decay`` (in [0, 1]) is the share of the residual carried into the next round (see
+    :func:`compensate`): 1 is plain error feedback, 0 the same as none.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = check_decay(decay)
         self.residual: Tensor | None = None
 
     def compensate(self, x: Tensor) -> Tensor:
-        """``x + residual`` (a new tensor); ``x`` itself while there is no residual yet."""
+        """``x + decay * residual`` (a new tensor); ``x`` itself while there is no residual yet."""
         if self.residual is None:
             return x
         if self.residual.shape != x.shape:
@@ -35,7 +39,7 @@ class ErrorFeedback:
                 f"error-feedback residual has shape {tuple(self.residual.shape)} but the pseudo-gradient "
                 f"has shape {tuple(x.shape)}; call reset() after changing the model"
             )
-        return x + self.residual.to(device=x.device, dtype=x.dtype)
+        return compensate(x, self.residual.to(device=x.device, dtype=x.dtype), self.decay)
 
     def update(self, compensated: Tensor, decoded: Tensor) -> None:
         """Store ``compensated - decoded`` as the residual for the next round."""
@@ -71,6 +75,26 @@ class ErrorFeedback:
         if residual is not None and not isinstance(residual, Tensor):
             raise TypeError(f"residual must be a Tensor or None, got {type(residual).__name__}")
         self.residual = None if residual is None else residual.detach().clone()
+
+
+def check_decay(decay: float) -> float:
+    """``decay`` as a float, or a ``ValueError`` naming the range if it is outside [0, 1]."""
+    if not 0.0 <= decay <= 1.0:
+        raise ValueError(f"error-feedback decay must be in [0, 1] (the share of the residual kept from round to "
+                         f"round), got {decay}")
+    return float(decay)
+
+
+def compensate(x: Tensor, residual: Tensor, decay: float = 1.0) -> Tensor:
+    """What a round sends with error feedback: ``x + decay * residual`` (a new tensor).
+
+    ``decay`` 1 adds the whole residual (bit for bit ``x + residual``); below 1, what the codec held
+    back for k rounds reaches the wire scaled by ``decay ** k``, so updates from many rounds ago fade
+    instead of arriving after the model has moved on. 0 sends ``x`` alone.
+    """
+    if decay == 1.0:
+        return torch.add(x, residual)
+    return torch.add(x, residual, alpha=decay)
 
 
 def quantization_error(x: Tensor, decoded: Tensor) -> float:

@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--momentum-warmup", type=int, default=0, help="rounds of outer momentum warm-up")
     p.add_argument("--codec", default="fp32")
     p.add_argument("--error-feedback", type=int, default=-1)
+    p.add_argument("--ef-decay", type=float, default=1.0, help="the strategy's error_feedback_decay")
     p.add_argument("--batch-sizes", default="4,8")
     p.add_argument("--hidden", default="8", help="hidden size per island (comma list) to provoke mismatches")
     p.add_argument("--outer-lrs", default=None, help="outer lr per island (comma list) to provoke mismatches")
@@ -180,6 +181,7 @@ def main() -> None:
                               nesterov=bool(args.nesterov), codec=args.codec, timeout_s=args.timeout_s,
                               outer_lr_warmup=args.outer_lr_warmup, outer_momentum_warmup=args.momentum_warmup,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
+                              error_feedback_decay=args.ef_decay,
                               balance=args.balance, max_rounds=args.max_rounds or None,
                               steps_per_round=per_island(args.steps_per_round) or None,
                               exchange_chunk_mib=args.exchange_chunk_mib)
