@@ -46,7 +46,7 @@ class RoundStats:
 
     def __init__(self, num_islands: int, delta_sq: float) -> None:
         """``delta_sq``: the squared norm of this island's pseudo-gradient, taken where its shards
-        are (what the chunks carry also holds the error-feedback residual)."""
+        are (what the chunks carry also holds the decayed error-feedback residual)."""
         self.numel = 0
         self.payload_bytes = 0
         self.delta_sq = delta_sq
@@ -58,7 +58,7 @@ class RoundStats:
 
     def add(self, sent: Tensor, own: Tensor, payload_bytes: int, decoded: Sequence[Tensor], merged: Tensor) -> None:
         """One chunk: what this island encoded (``sent``: its pseudo-gradient plus the
-        error-feedback residual), its own payload decoded (``own``), the payload's size, every
+        decayed error-feedback residual), its own payload decoded (``own``), the payload's size, every
         island's decoded chunk in island order, and the merged chunk."""
         self.numel += sent.numel()
         self.payload_bytes += int(payload_bytes)
@@ -81,9 +81,11 @@ class RoundStats:
             total += dot / norms if norms > 0.0 else 0.0
         return total / len(self.dots)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, error_feedback: bool = False) -> dict[str, float]:
         """``islands/`` metrics of the round: pseudo-gradient norm, relative quantization error
-        ``||sent - own|| / ||sent||``, compression ratio, payload bytes, merged norm."""
+        ``||sent - own|| / ||sent||``, compression ratio, payload bytes, merged norm; with
+        ``error_feedback`` also ``residual_norm``, ``||sent - own||``: the residual the round leaves
+        for the next."""
         if self.sent_sq > 0.0:
             error = math.sqrt(self.error_sq) / math.sqrt(self.sent_sq)
         else:
@@ -94,4 +96,4 @@ class RoundStats:
             "islands/compression_ratio": 4.0 * self.numel / max(1, self.payload_bytes),
             "islands/payload_bytes": float(self.payload_bytes),
             "islands/merged_norm": math.sqrt(self.merged_sq),
-        }
+        } | ({"islands/residual_norm": math.sqrt(self.error_sq)} if error_feedback else {})

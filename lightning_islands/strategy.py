@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -40,7 +39,7 @@ from typing_extensions import override
 from lightning_islands import floatenv, outer
 from lightning_islands.buffers import Buffers
 from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import check_decay, compensate, default_error_feedback, make_codec
+from lightning_islands.codecs import check_decay, default_error_feedback, make_codec, with_residual
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.parallel import local_view, reshard_all
 from lightning_islands.roundstats import RoundStats, sum_sq
@@ -222,10 +221,12 @@ class IslandStrategy(FSDP2Strategy):
         # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
         self.exchange_chunk = outer.exchange_chunk_numel(exchange_chunk_mib, self.codec.alignment)
         self.use_error_feedback = default_error_feedback(codec) if error_feedback is None else error_feedback
-        self.error_feedback_decay = check_decay(error_feedback_decay)
+        self.error_feedback_decay = check_decay(error_feedback_decay,
+                                                "error_feedback_decay (islands.error_feedback_decay)")
         if error_feedback_decay != 1.0 and not self.use_error_feedback:
+            why = "error_feedback=False" if error_feedback is False else f"the default for codec {codec!r}"
             raise ValueError(f"error_feedback_decay={error_feedback_decay} decays the error-feedback residual, but "
-                             f"error feedback is off for codec {codec!r}: set error_feedback=True "
+                             f"error feedback is off ({why}): set error_feedback=True "
                              "(islands.error_feedback=true) or leave the decay at 1")
         self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
         self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
@@ -553,13 +554,12 @@ class IslandStrategy(FSDP2Strategy):
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
         delta_sq = self._island_sq(deltas)
         sent = deltas
-        residual_sq = None
         if self.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
             if self.residual is None:
                 self.residual = [torch.zeros_like(a) for a in self._anchors]
             else:
-                residual_sq = self._island_sq(self.residual)
-                sent = [compensate(d, r.to(d.device), self.error_feedback_decay) for d, r in zip(deltas, self.residual)]
+                decay = self.error_feedback_decay
+                sent = [with_residual(d, r.to(d.device), decay) for d, r in zip(deltas, self.residual)]
         tokens = self._island_sum(float(self.round_tokens))
         step_seconds = (t_start - self._round_started - self._round_val_seconds) / max(1, self._timed_steps)
         header = {"round": self.round, "tokens": tokens, "steps": self.round_steps, "step_seconds": step_seconds,
@@ -575,8 +575,6 @@ class IslandStrategy(FSDP2Strategy):
             return {}
         grads, metrics = self._exchange(sent, delta_sq, headers, coefs)
         metrics.update(self._expert_gap_metrics(headers))
-        if residual_sq is not None:  # the residual this round carried in, before its decay
-            metrics["islands/residual_norm"] = math.sqrt(residual_sq)
         next_steps = self._next_round_steps(headers)
         self.outer_opt.step(self._anchors, grads)
         metrics.update({"islands/outer_lr": self.outer_opt.lr_at(self.outer_opt.steps),
@@ -685,7 +683,7 @@ class IslandStrategy(FSDP2Strategy):
                   coefs: dict[str, list[Tensor]]) -> tuple[list[Tensor], dict[str, float]]:
         """Every rank: the merged pseudo-gradient's part for this rank's shards (the outer step's
         gradients), one chunk of the flat vector at a time, from this rank's shards of what the
-        island sends (``sent``: the pseudo-gradient plus the error-feedback residual); the new
+        island sends (``sent``: the pseudo-gradient plus the decayed error-feedback residual); the new
         residual goes back to the ranks the same way. The round's metrics on the leader."""
         assert self.layout is not None
         weights = self._island_weights(headers)
@@ -719,7 +717,7 @@ class IslandStrategy(FSDP2Strategy):
         grads = [g.to(a.device) for g, a in zip(got, self._anchors)]
         if not self.is_leader:
             return grads, {}
-        metrics = stats.metrics()
+        metrics = stats.metrics(error_feedback=self.residual is not None)
         metrics["islands/exchange_chunks"] = float(len(chunks))
         if self.link is not None:
             metrics.update({f"islands/{key}": value for key, value in link_sums.items()})

@@ -87,9 +87,12 @@ def test_error_feedback_decay_reaches_the_strategy_and_bad_values_are_named():
     assert _one_island_strategy([])[1].error_feedback_decay == 1.0
     _, decayed = _one_island_strategy(["islands.codec=int4", "islands.error_feedback_decay=0.9"])
     assert decayed.error_feedback_decay == 0.9
-    with pytest.raises(ValueError, match=r"error feedback is off for codec 'fp32'.*islands.error_feedback=true"):
+    with pytest.raises(ValueError, match=r"error feedback is off \(the default for codec 'fp32'\).*"
+                                         r"islands.error_feedback=true"):
         _one_island_strategy(["islands.codec=fp32", "islands.error_feedback_decay=0.9"])
-    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\].*got 1.5"):
+    with pytest.raises(ValueError, match=r"error feedback is off \(error_feedback=False\)"):
+        _one_island_strategy(["islands.codec=int4", "islands.error_feedback=false", "islands.error_feedback_decay=0.9"])
+    with pytest.raises(ValueError, match=r"islands.error_feedback_decay\) must be in \[0, 1\].*got 1.5"):
         _one_island_strategy(["islands.codec=int4", "islands.error_feedback_decay=1.5"])
 
 

@@ -1328,12 +1328,12 @@ def test_pieces_at_the_alignment_decode_to_what_the_whole_vector_does(spec):
         assert not torch.equal(shifted, whole)
 
 
-def test_compensate_adds_the_decayed_residual():
+def test_with_residual_adds_the_decayed_residual():
     g = torch.Generator().manual_seed(3)
     x, r = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
-    assert torch.equal(C.compensate(x, r), x + r)  # decay 1: plain error feedback, bit for bit
-    assert torch.equal(C.compensate(x, r, 0.0), x)
-    torch.testing.assert_close(C.compensate(x, r, 0.25), x + r / 4, rtol=0, atol=1e-6)
+    assert torch.equal(C.with_residual(x, r), x + r)  # decay 1: plain error feedback, bit for bit
+    assert torch.equal(C.with_residual(x, r, 0.0), x)
+    torch.testing.assert_close(C.with_residual(x, r, 0.25), x + r / 4, rtol=0, atol=1e-6)
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):
             C.check_decay(bad)

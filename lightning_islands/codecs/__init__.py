@@ -48,9 +48,9 @@ from lightning_islands.codecs.dense import BFloat16Codec, Float32Codec
 from lightning_islands.codecs.feedback import (
     ErrorFeedback,
     check_decay,
-    compensate,
     compression_ratio,
     quantization_error,
+    with_residual,
 )
 from lightning_islands.codecs.sign import SignCodec
 from lightning_islands.codecs.spec import default_error_feedback, make_codec
@@ -81,10 +81,10 @@ __all__ = [
     "SignCodec",
     "TopKCodec",
     "check_decay",
-    "compensate",
     "compression_ratio",
     "crc32_combine",
     "default_error_feedback",
     "make_codec",
     "quantization_error",
+    "with_residual",
 ]

@@ -14,16 +14,16 @@ class ErrorFeedback:
 
     Usage per outer step::
 
-        c = ef.compensate(pseudo_grad)      # pseudo_grad + residual
+        c = ef.compensate(pseudo_grad)      # pseudo_grad + decay * residual
         payload = codec.encode(c)
         mine = codec.decode(payload)        # what the other islands will see from us
         ef.update(c, mine)                  # residual = c - mine
 
-    Over many rounds the running sum of what was transmitted tracks the running sum of the true
-    pseudo-gradients to within one round's quantization error instead of drifting.
-
-    ``decay`` (in [0, 1]) is the share of the residual carried into the next round (see
-    :func:`compensate`): 1 is plain error feedback, 0 the same as none.
+    With ``decay`` 1 (plain error feedback), over many rounds the running sum of what was
+    transmitted tracks the running sum of the true pseudo-gradients to within one round's
+    quantization error instead of drifting. ``decay`` in [0, 1) carries only that share of the
+    residual into the next round (see :func:`with_residual`), so the rest of what the codec held
+    back is dropped for good, each round; 0 is the same as no error feedback.
     """
 
     def __init__(self, decay: float = 1.0) -> None:
@@ -39,7 +39,7 @@ class ErrorFeedback:
                 f"error-feedback residual has shape {tuple(self.residual.shape)} but the pseudo-gradient "
                 f"has shape {tuple(x.shape)}; call reset() after changing the model"
             )
-        return compensate(x, self.residual.to(device=x.device, dtype=x.dtype), self.decay)
+        return with_residual(x, self.residual.to(device=x.device, dtype=x.dtype), self.decay)
 
     def update(self, compensated: Tensor, decoded: Tensor) -> None:
         """Store ``compensated - decoded`` as the residual for the next round."""
@@ -77,15 +77,16 @@ class ErrorFeedback:
         self.residual = None if residual is None else residual.detach().clone()
 
 
-def check_decay(decay: float) -> float:
-    """``decay`` as a float, or a ``ValueError`` naming the range if it is outside [0, 1]."""
+def check_decay(decay: float, name: str = "error-feedback decay") -> float:
+    """``decay`` as a float, or a ``ValueError`` naming the setting (``name``) and the range if it is
+    outside [0, 1]."""
     if not 0.0 <= decay <= 1.0:
-        raise ValueError(f"error-feedback decay must be in [0, 1] (the share of the residual kept from round to "
-                         f"round), got {decay}")
+        raise ValueError(f"{name} must be in [0, 1] (the share of the residual kept from round to round), "
+                         f"got {decay}")
     return float(decay)
 
 
-def compensate(x: Tensor, residual: Tensor, decay: float = 1.0) -> Tensor:
+def with_residual(x: Tensor, residual: Tensor, decay: float = 1.0) -> Tensor:
     """What a round sends with error feedback: ``x + decay * residual`` (a new tensor).
 
     ``decay`` 1 adds the whole residual (bit for bit ``x + residual``); below 1, what the codec held
