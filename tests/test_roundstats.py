@@ -46,6 +46,10 @@ def test_chunked_sums_give_the_whole_vector_metrics():
     for key in ("islands/pseudo_grad_norm", "islands/quant_rel_error", "islands/merged_norm"):
         assert chunked.metrics()[key] == pytest.approx(want[key], rel=1e-6), key
     assert chunked.metrics()["islands/payload_bytes"] == sum(codec.nbytes(m) for m in (2048, 2048, n - 4096))
+    residual = float((sent - own).double().norm())  # what error feedback carries into the next round
+    assert "islands/residual_norm" not in whole.metrics()
+    for stats in (whole, chunked):
+        assert stats.metrics(error_feedback=True)["islands/residual_norm"] == pytest.approx(residual, rel=1e-6)
     assert whole.cosine() == pytest.approx(outer.mean_pairwise_cosine(decoded), rel=1e-5)
     assert chunked.cosine() == pytest.approx(outer.mean_pairwise_cosine(decoded), rel=1e-5)
 
