@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
 SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x",
-          "sweep_expert_weighting", "sweep_outer_warmup"]
+          "sweep_expert_weighting", "sweep_outer_warmup", "sweep_ef_decay"]
 
 
 def recipe_names() -> list[str]:
@@ -156,9 +156,8 @@ def test_outer_warmup_reaches_the_job_and_the_report_label(tmp_path):
 
 
 def test_error_feedback_decay_reaches_the_report_label(tmp_path):
-    _, plain = _finished_run(tmp_path / "plain", ["experiment=sweep_budget_1000x"])
-    _, decayed = _finished_run(tmp_path / "decayed", ["experiment=sweep_budget_1000x",
-                                                      "islands.error_feedback_decay=0.9"])
+    _, plain = _finished_run(tmp_path / "plain", ["experiment=sweep_ef_decay", "islands.error_feedback_decay=1.0"])
+    _, decayed = _finished_run(tmp_path / "decayed", ["experiment=sweep_ef_decay", "islands.error_feedback_decay=0.9"])
     assert plain.error_feedback_decay == 1.0 and "EF-decay" not in plain.label
     assert decayed.error_feedback_decay == 0.9 and "EF-decay 0.9" in decayed.label
 
