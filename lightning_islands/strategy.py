@@ -524,13 +524,6 @@ class IslandStrategy(FSDP2Strategy):
         dist.all_reduce(t)
         return float(t.item())
 
-    def _island_sq(self, tensors: Sequence[Tensor]) -> float:
-        """The island's squared norm of ``tensors``, one per parameter and shaped like its local view
-        (a plain, replicated tensor counts once: on rank 0)."""
-        assert self.layout is not None
-        return self._island_sum(sum_sq([t for t, p in zip(tensors, self._params)
-                                        if self.layout.is_sharded(p) or self.global_rank == 0]))
-
     def _wants_stop(self, final: bool) -> bool:
         """Whether this round is this island's last: it is ending training (``final``, ``max_steps``
         reached, or a callback asked the trainer to stop) or ``max_rounds`` is reached. Any island's
@@ -552,7 +545,9 @@ class IslandStrategy(FSDP2Strategy):
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         locals_ = [local_view(p) for p in self._params]
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(self._anchors, locals_)]
-        delta_sq = self._island_sq(deltas)
+        # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
+        delta_sq = self._island_sum(sum_sq([d for d, p in zip(deltas, self._params)
+                                            if self.layout.is_sharded(p) or self.global_rank == 0]))
         sent = deltas
         if self.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
             if self.residual is None:
@@ -717,7 +712,7 @@ class IslandStrategy(FSDP2Strategy):
         grads = [g.to(a.device) for g, a in zip(got, self._anchors)]
         if not self.is_leader:
             return grads, {}
-        metrics = stats.metrics(error_feedback=self.residual is not None)
+        metrics = stats.metrics(error_feedback=self.use_error_feedback)
         metrics["islands/exchange_chunks"] = float(len(chunks))
         if self.link is not None:
             metrics.update({f"islands/{key}": value for key, value in link_sums.items()})
