@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 TINY = ["trainer.max_steps=4", "trainer.val_check_interval=2", "data.max_bytes=300000", "data.val_windows=8",
         "data.val_batch_size=4", "trainer.checkpoint_every_n_steps=0"]
 SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x",
-          "sweep_expert_weighting", "sweep_outer_warmup", "sweep_ef_decay"]
+          "sweep_expert_weighting", "sweep_outer_warmup", "sweep_ef_decay", "sweep_outer_1000x"]
 
 
 def recipe_names() -> list[str]:
