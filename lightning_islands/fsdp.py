@@ -2,7 +2,7 @@
 
 Lightning's ``ModelParallelStrategy`` runs FSDP2 on CPU (gloo) and CUDA (NCCL) but insists that the
 module shards itself in ``configure_model``. :class:`FSDP2Strategy` keeps everything else of it and,
-when the module has no ``configure_model``, applies :func:`~lightning_islands.parallel.apply_fully_shard`
+when the module has no ``configure_model``, applies :func:`~lightning_islands.fsdp_policy.apply_fully_shard`
 per block instead, so an unchanged module trains with ``strategy="fsdp2"``.
 """
 
@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_islands.parallel import apply_fully_shard, is_fully_sharded
+from lightning_islands.fsdp_policy import apply_fully_shard, is_fully_sharded
 
 _exit_hook_registered = False
 _EXIT_GRACE_S = 0.1  # seconds the exit hook releases the GIL after destroying the world

@@ -314,6 +314,10 @@ class IslandLink:
             self.stats.bytes_received += buf.numel()
         return buf
 
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` (spent waiting for other islands outside this link) as waiting."""
+        self.stats.seconds_waiting += seconds
+
     def take_stats(self) -> LinkStats:
         """Return the counters accumulated so far and start new ones."""
         stats, self.stats = self.stats, LinkStats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_islands import floatenv
+from lightning_islands.engine import floatenv
 
 
 def test_the_probe_sees_the_flush_mode_of_the_calling_thread():

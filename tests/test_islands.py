@@ -425,24 +425,6 @@ def test_where_the_leader_runs_the_exchange(devices, outer_device, expected):
     assert strategy._exchange_device() == torch.device(expected)
 
 
-def test_a_residual_saved_whole_by_an_older_leader_is_cut_into_this_ranks_shards(tmp_path):
-    # checkpoints from before the chunked exchange hold the leader's whole residual in one file
-    from lightning_islands.canonical import CanonicalLayout
-    from lightning_islands.strategy import _EF_FILE
-
-    strategy = IslandStrategy(sync_every=2, codec="int4")
-    params = [torch.zeros(3, 2), torch.zeros(4)]
-    strategy._params, strategy._anchors = params, [torch.zeros_like(p) for p in params]
-    strategy.layout = CanonicalLayout([("w", params[0]), ("b", params[1])])
-    assert strategy._load_leader_residual(tmp_path) is None  # no file: no residual
-    torch.save({"residual": torch.arange(10.0)}, tmp_path / _EF_FILE)
-    shards = strategy._load_leader_residual(tmp_path)
-    assert torch.equal(shards[0], torch.arange(6.0).view(3, 2)) and torch.equal(shards[1], torch.arange(6.0, 10.0))
-    torch.save({"residual": torch.arange(11.0)}, tmp_path / _EF_FILE)
-    with pytest.raises(ValueError, match="residual of 11 values but the model has 10"):
-        strategy._load_leader_residual(tmp_path)
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from lightning_islands import outer
 from lightning_islands.codecs import make_codec, quantization_error
-from lightning_islands.roundstats import RoundStats, sum_sq
+from lightning_islands.engine import outer
+from lightning_islands.engine.stats import RoundStats, sum_sq
 
 
 def _round(bounds, delta, others, codec):

@@ -1,31 +1,36 @@
-"""The round schedule of IslandStrategy (sync warm-up, fixed steps per island) without any process."""
+"""The round schedule (sync warm-up, fixed steps per island) and the settings' checks, without any process."""
 
 from __future__ import annotations
 
 import pytest
 
+from lightning_islands.engine import IslandSettings, Schedule
 from lightning_islands.strategy import IslandStrategy
 
 
+def _schedule(**kwargs) -> Schedule:
+    return Schedule(IslandSettings(**kwargs), island=0)
+
+
 def test_sync_warmup_gives_each_round_its_h_then_sync_every():
-    s = IslandStrategy(sync_every=8, sync_warmup=[2, 4], num_islands=1)
+    s = _schedule(sync_every=8, sync_warmup=[2, 4])
     assert [s.round_sync_every(r) for r in range(5)] == [2, 4, 8, 8, 8]
     assert s.steps_per_round == 2, "the first round already follows the warm-up"
-    assert [s._planned_steps(r) for r in range(4)] == [2, 4, 8, 8]
+    assert [s.planned_steps(r) for r in range(4)] == [2, 4, 8, 8]
 
 
 def test_a_fixed_steps_per_round_island_scales_with_the_warmup():
-    s = IslandStrategy(sync_every=8, sync_warmup=[2, 4], steps_per_round=4, num_islands=1)
-    assert [s._planned_steps(r) for r in range(4)] == [1, 2, 4, 4]
-    tiny = IslandStrategy(sync_every=8, sync_warmup=[1], steps_per_round=2, num_islands=1)
-    assert tiny._planned_steps(0) == 1, "never zero steps"
+    s = _schedule(sync_every=8, sync_warmup=[2, 4], steps_per_round=4)
+    assert [s.planned_steps(r) for r in range(4)] == [1, 2, 4, 4]
+    tiny = _schedule(sync_every=8, sync_warmup=[1], steps_per_round=2)
+    assert tiny.planned_steps(0) == 1, "never zero steps"
 
 
 def test_a_hydra_list_is_accepted():
     from omegaconf import OmegaConf
 
     s = IslandStrategy(sync_every=8, sync_warmup=OmegaConf.create([2, 4]), num_islands=1)
-    assert s.sync_warmup == [2, 4]
+    assert s.settings.sync_warmup == [2, 4]
 
 
 def test_the_island_process_group_outlasts_the_longest_round_wait():
@@ -36,11 +41,39 @@ def test_the_island_process_group_outlasts_the_longest_round_wait():
 
 
 def test_no_warmup_keeps_sync_every():
-    s = IslandStrategy(sync_every=5, num_islands=1)
+    s = _schedule(sync_every=5)
     assert s.steps_per_round == 5 and s.round_sync_every(0) == s.round_sync_every(100) == 5
+
+
+def test_a_round_is_due_after_its_steps_and_max_rounds_ends_the_last():
+    s = _schedule(sync_every=3, max_rounds=2)
+    assert [s.close_step() for _ in range(3)] == [False, False, True]
+    s.advance(tokens=12, headers=[{"step_seconds": 0.1}])
+    assert (s.round, s.round_steps, s.total_tokens) == (1, 0, 12)
+    assert s.in_last_round() and not s.next_step_ends_last_round()
+    s.close_step()
+    s.close_step()
+    assert s.next_step_ends_last_round()
+    restored = _schedule(sync_every=3, max_rounds=2)
+    restored.load_state_dict(s.state_dict())
+    assert restored.state_dict() == s.state_dict()
 
 
 @pytest.mark.parametrize("warmup", [[0], [3, -1], 10, "10,20", [2.5], [True]])
 def test_bad_warmup_is_refused_with_the_cause(warmup):
     with pytest.raises(ValueError, match=r"sync_warmup must be a list of H values .* e.g. \[10, 20, 40\]"):
         IslandStrategy(sync_every=5, sync_warmup=warmup, num_islands=1)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"sync_every": 0}, r"sync_every \(H\) must be >= 1"),
+    ({"weighting": "mean"}, "weighting must be 'tokens' or 'equal'"),
+    ({"balance": "speed"}, "balance must be 'none' or 'time'"),
+    ({"max_rounds": 0}, "max_rounds must be >= 1 or None"),
+    ({"lanes": 0}, "lanes must be >= 1"),
+    ({"outer_momentum": 0.0, "outer_momentum_warmup": 3}, "momentum_warmup ramps the outer momentum"),
+    ({"exchange_chunk_mib": -1}, "the exchange chunk must be a positive size"),
+])
+def test_bad_settings_are_refused_by_name(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        IslandSettings(**kwargs)

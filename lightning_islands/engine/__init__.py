@@ -1,0 +1,27 @@
+"""The islands' engine: DiLoCo across islands, without Lightning.
+
+One module an idea:
+
+    settings   IslandSettings (validated) and the fingerprint islands compare
+    schedule   H per round, its warm-up, time balancing, max_rounds, the round's clock
+    state      OuterState: anchors, outer momentum, error-feedback residual (state_dict)
+    round      IslandEngine: rendezvous, the round's two halves (start / finish), the start agreement
+    exchange   the leader's chunk: encode once, all-gather, decode, merge in island order
+    layout     the canonical layout and its gather to / scatter from the island's leader
+    group      what the engine needs from the island's ranks (IslandGroup) and from the link (Link)
+    outer      the math: pseudo-gradients, the merge, expert weighting, outer SGD
+    stats      a round's metrics, a chunk at a time
+    floatenv   whether a device flushes subnormals (part of the fingerprint)
+
+It imports torch, the codecs and the transport, never Lightning (a test enforces it).
+"""
+
+from lightning_islands.engine.group import IslandGroup, Link, SoloGroup, TorchGroup
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.round import IslandEngine, PendingRound
+from lightning_islands.engine.schedule import Schedule
+from lightning_islands.engine.settings import IslandSettings, compare_fingerprints
+from lightning_islands.engine.state import OuterState
+
+__all__ = ["CanonicalLayout", "IslandEngine", "IslandGroup", "IslandSettings", "Link", "OuterState",
+           "PendingRound", "Schedule", "SoloGroup", "TorchGroup", "compare_fingerprints"]

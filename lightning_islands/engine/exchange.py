@@ -1,0 +1,95 @@
+"""One round's exchange on an island's leader, a chunk of the canonical vector at a time.
+
+The leader quantizes its island's chunk once, the link all-gathers every island's payload, and every
+island decodes all of them and merges them in island order (token-weighted, or per expert with
+expert weighting). What the codec dropped from this island's chunk is the chunk of the next
+error-feedback residual. Nothing here knows which rank holds what: the round gathers the chunk to
+the leader before and scatters the results after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_islands.buffers import Buffers  # moves to codecs.buffers
+from lightning_islands.codecs import Codec
+from lightning_islands.engine import outer
+from lightning_islands.engine.group import Link
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.stats import RoundStats
+
+LINK_TOTALS = ("bytes_sent", "bytes_received", "seconds_exchanging", "seconds_waiting")
+
+
+class ChunkExchange:
+    """The leader's side of one round: :meth:`run` once per chunk, in order.
+
+    Args:
+        codec: the wire format.
+        link: the other islands (``None`` for a lone island).
+        island: this island's index.
+        weights: each island's merge weight this round, in island order.
+        coefs: per expert parameter name, each island's per-expert merge coefficients (expert weighting).
+        layout: the canonical layout (where each expert parameter lies in the flat vector).
+        stats: the round's metrics, a chunk at a time.
+        keep_residual: whether to return what the codec dropped (error feedback).
+    """
+
+    def __init__(self, codec: Codec, link: Link | None, island: int, weights: Sequence[float],
+                 coefs: dict[str, list[Tensor]], layout: CanonicalLayout, stats: RoundStats,
+                 keep_residual: bool) -> None:
+        self.codec, self.link, self.island = codec, link, island
+        self.weights, self.coefs, self.layout, self.stats = weights, coefs, layout, stats
+        self.keep_residual = keep_residual
+        self.link_sums = dict.fromkeys(LINK_TOTALS, 0.0)
+        self.scratch = Buffers()  # the leader's chunk-sized temporaries, reused by every chunk of the round
+
+    def run(self, part: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        """Quantize this chunk of what the island sends (``part``, the flat vector's values from
+        ``start``) once, exchange it, merge every island's in island order. Returns the merged chunk
+        and, with error feedback, what quantization dropped from it: both in the scratch buffers,
+        valid until the next chunk."""
+        scratch, codec = self.scratch, self.codec
+        m, dev = part.numel(), part.device
+        payload = codec.encode(part, out=scratch.take("payload", codec.nbytes(m), torch.uint8, dev), scratch=scratch)
+        own = codec.decode(payload, out=scratch.take("own", m, device=dev), scratch=scratch)
+        residual = torch.sub(part, own, out=scratch.take("residual", m, device=dev)) if self.keep_residual else None
+        decoded = [own]
+        if self.link is not None:
+            payloads = self.link.all_gather_bytes(payload)
+            decoded = [own if i == self.island else
+                       codec.decode(p.to(dev), out=scratch.take(f"decoded{i}", m, device=dev), scratch=scratch)
+                       for i, p in enumerate(payloads)]
+            moved = self.link.take_stats()
+            for key in LINK_TOTALS:
+                self.link_sums[key] += getattr(moved, key)
+        merged = outer.merge(decoded, self.weights, out=scratch.take("merged", m, device=dev),
+                             scratch=scratch.take("term", m, device=dev))
+        self._merge_experts(merged, decoded, start)
+        self.stats.add(part, own, payload.numel(), decoded, merged)
+        return merged, residual
+
+    def take(self, name: str, numel: int, device: torch.device) -> Tensor:
+        """A chunk-sized fp32 scratch tensor (the gathered chunk), reused by every chunk."""
+        return self.scratch.take(name, numel, device=device)
+
+    def release(self) -> None:
+        """Drop the scratch buffers (after the last chunk; tensors still referenced stay alive)."""
+        self.scratch.clear()
+
+    def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], start: int) -> None:
+        """Overwrite each expert parameter's values in this chunk of ``merged`` (the flat vector's
+        ``[start, start + numel)``) with their per-expert weighted merge."""
+        stop = start + merged.numel()
+        for e in self.layout.entries:
+            if e.name not in self.coefs:
+                continue
+            a, b = max(e.offset, start), min(e.offset + e.numel, stop)
+            if a < b:
+                parts = [d[a - start : b - start] for d in decoded]
+                merged[a - start : b - start] = outer.merge_expert_rows(parts, self.coefs[e.name],
+                                                                        e.numel // e.shape[0], a - e.offset)
+

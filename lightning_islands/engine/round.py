@@ -1,0 +1,378 @@
+"""DiLoCo for one rank of one island: rendezvous, the round in two halves, and the start agreement.
+
+:class:`IslandEngine` owns what a round needs: the settings, the outer state, the schedule, the
+codec and the link. It never sees a LightningModule: the caller hands it this rank's local shards
+(``locals_``, plain tensors in parameter order), the island's ranks (an
+:class:`~lightning_islands.engine.group.IslandGroup`, through the layout) and, on the leader, a
+:class:`~lightning_islands.engine.group.Link` to the other islands.
+
+A round has two halves. :meth:`IslandEngine.start` takes the pseudo-gradient (plus the decayed
+error-feedback residual), agrees on the round's headers, and moves the bytes: each chunk of the
+canonical vector is gathered to the leader, encoded once, all-gathered over the link, decoded,
+merged in island order and scattered back, so it returns the merged pseudo-gradient of this rank's
+shards. :meth:`IslandEngine.finish` takes the outer step on the anchors and writes them into the
+local shards. Synchronous training calls them back to back (:meth:`IslandEngine.run_round`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from lightning_islands.codecs import with_residual
+from lightning_islands.engine import outer
+from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
+from lightning_islands.engine.group import Link
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.schedule import Schedule
+from lightning_islands.engine.settings import IslandSettings, compare_fingerprints
+from lightning_islands.engine.state import OuterState
+from lightning_islands.engine.stats import RoundStats, sum_sq
+from lightning_islands.transport import IslandAborted
+
+T = TypeVar("T")
+
+
+@dataclass
+class PendingRound:
+    """What :meth:`IslandEngine.start` hands to :meth:`IslandEngine.finish`."""
+
+    headers: list[dict[str, Any]]
+    tokens: float
+    step_seconds: float
+    started: float
+    grads: list[Tensor] | None = None  # the merged pseudo-gradient of this rank's shards; None: no step
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stop(self) -> bool:
+        """Whether some island ends training with this round (so every island does)."""
+        return any(h["stop"] for h in self.headers)
+
+
+class IslandEngine:
+    """The outer loop of DiLoCo on one rank of one island.
+
+    Args:
+        settings: the islands' settings.
+        layout: the canonical layout of the model's parameters over this island's ranks.
+        island: this island's index; ``num_islands``: how many take part.
+        device: where the island computes (its local shards live there).
+        exchange_device: where the leader encodes, decodes and merges a chunk.
+    """
+
+    def __init__(self, settings: IslandSettings, layout: CanonicalLayout, island: int, num_islands: int,
+                 device: torch.device, exchange_device: torch.device) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.group = layout.group
+        self.island, self.num_islands = island, num_islands
+        self.device, self.exchange_device = device, exchange_device
+        self.codec = settings.make_codec()
+        self.state = OuterState(settings.outer_optimizer(), settings.outer_device)
+        self.schedule = Schedule(settings, island)
+        self.link: Link | None = None  # the leader's, once the islands have met
+        self.round_tokens = 0  # this rank's tokens in the current round
+        self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)
+        self.last_round_metrics: dict[str, float] = {}
+        self.initial_state_broadcast: bool | None = None  # whether island 0's state had to be sent
+        self._state_exchanges = 0
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank is its island's leader (the one that talks to other islands)."""
+        return self.group.rank == 0
+
+    def agree(self, leader_work: Callable[[], T]) -> T:
+        """Run ``leader_work`` on the leader; every rank of the island gets its result, or its error.
+
+        A failure on the leader is re-raised on every rank (and reported to the other islands),
+        instead of leaving the island's other ranks waiting in a collective.
+        """
+        box: tuple[str, Any] = ("ok", None)
+        if self.is_leader:
+            try:
+                box = ("ok", leader_work())
+            except Exception as err:  # noqa: BLE001 - forwarded to every rank below
+                message = f"island {self.island}: {type(err).__name__}: {err}"
+                if self.link is not None and not isinstance(err, IslandAborted):
+                    with suppress(Exception):
+                        self.link.abort(message)
+                box = ("error", message)
+        box = self.group.broadcast_object(box)
+        if box[0] == "error":
+            raise RuntimeError(box[1])
+        return box[1]
+
+    # ------------------------------------------------------------------ rendezvous
+    def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any]) -> None:
+        """Leader: open the link, compare fingerprints through the coordinator, then open the lanes;
+        every rank raises if any island differs."""
+
+        def leader() -> None:
+            try:
+                self.link = open_link()
+            except Exception as err:
+                raise RuntimeError(f"could not meet the other islands: {err}") from err
+            error = compare_fingerprints(self.link.gather_objects("fingerprint", fingerprint))
+            if error:
+                raise RuntimeError(error)
+            self.link.open_lanes()
+
+        self.agree(leader)
+
+    @torch.no_grad()
+    def adopt_initial_state(self, locals_: Sequence[Tensor], buffers: dict[str, Tensor]) -> None:
+        """Every island takes island 0's parameters (into ``locals_``) and ``buffers``; the anchors
+        are taken from them (fp32).
+
+        Islands first compare a SHA-256 of their full fp32 parameters and buffers: islands built
+        from the same seed, or all loaded from the same plain checkpoint, already agree bit for
+        bit, and then nothing is sent (a full fp32 copy less across the slow link). Otherwise island
+        0's state is sent. Call it again after loading a plain checkpoint.
+        """
+        if self.num_islands == 1:
+            self.state.set_anchors(locals_)
+            return
+        mine = self.layout.gather_to_leader(locals_, self.device)
+        self._state_exchanges += 1  # each call its own key
+        key = f"initial_state/{self._state_exchanges}"
+        found = self.agree(lambda: self.link.gather_objects(key, state_digest(mine, buffers)))  # type: ignore
+        self.initial_state_broadcast = len(set(found)) != 1
+        if not self.initial_state_broadcast:
+            self.state.set_anchors(locals_)
+            return
+        if self.island == 0:
+            self.agree(lambda: self.link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
+            self.state.set_anchors(locals_)
+        else:
+            box: dict[str, Tensor] = {}
+            self.agree(lambda: box.update(flat=self.link.broadcast_bytes(None, src=0).view(torch.float32)))  # type: ignore
+            shards = self.layout.scatter_from_leader(box.get("flat"), self.device)
+            # Anchors from the fp32 values received, not from parameters that may hold fewer bits.
+            shards = [s.to(loc.device) for s, loc in zip(shards, locals_)]
+            for loc, s in zip(locals_, shards):
+                loc.copy_(s)
+            self.state.set_anchors(shards)
+        self._share_buffers(buffers)
+
+    def _share_buffers(self, buffers: dict[str, Tensor]) -> None:
+        """Island 0 sends its buffers, the others load them (every island has the same module)."""
+        if not buffers:
+            return
+        if self.island == 0:
+            blob = io.BytesIO()
+            torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+            payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+            self.agree(lambda: self.link.broadcast_bytes(payload, src=0))  # type: ignore[union-attr]
+            return
+        data = self.agree(lambda: self.link.broadcast_bytes(None, src=0).numpy().tobytes())  # type: ignore
+        received = torch.load(io.BytesIO(data), weights_only=True)
+        for name, buf in buffers.items():
+            if name in received:
+                buf.copy_(received[name].to(buf.device))
+
+    # ------------------------------------------------------------------ global state
+    @torch.no_grad()
+    def global_flat(self) -> Tensor | None:
+        """The global parameters as the canonical fp32 vector on the leader (``None`` on the other
+        ranks); a collective of the island."""
+        return self.layout.gather_to_leader(self.state.anchors, self.device)
+
+    @torch.no_grad()
+    def global_state_digest(self) -> str | None:
+        """SHA-256 of the global parameters and outer momentum in canonical layout, on the leader
+        (``None`` on the other ranks); a collective of the island."""
+        flat = self.global_flat()
+        momentum = self.state.momentum
+        flat_m = self.layout.gather_to_leader(momentum, self.device) if momentum is not None else None
+        if flat is None:
+            return None
+        h = hashlib.sha256(flat.cpu().numpy().tobytes())
+        if flat_m is not None:
+            h.update(flat_m.cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def agree_on_start(self, more: bool) -> list[int]:
+        """The islands' start agreement (a collective of the island): every island's global state
+        must be the same; returns the islands that have no training steps left (``more=False``)."""
+        if self.num_islands == 1:
+            return [] if more else [self.island]
+        digest = self.global_state_digest()
+        round_ = self.schedule.round
+
+        def compare() -> list[int]:
+            found = self.link.gather_objects(  # type: ignore[union-attr]
+                "start", {"digest": digest, "round": round_, "more": more})
+            if len({d["digest"] for d in found}) != 1:
+                raise RuntimeError(
+                    f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
+                    "resume every island from its checkpoint of the same step, or none")
+            return [i for i, d in enumerate(found) if not d["more"]]
+
+        return self.agree(compare)
+
+    # ------------------------------------------------------------------ the round
+    def count_tokens(self, tokens: int) -> None:
+        """Add a batch's tokens to this rank's count for the round (the merge weight)."""
+        self.round_tokens += int(tokens)
+
+    def run_round(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None = None,
+                  stop: bool = False) -> tuple[dict[str, float], bool]:
+        """Both halves back to back: returns the round's metrics (empty when no island stepped) and
+        whether the islands agreed to stop after this round."""
+        pending = self.start(locals_, experts, stop)
+        return self.finish(pending, locals_), pending.stop
+
+    @torch.no_grad()
+    def start(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None = None,
+              stop: bool = False) -> PendingRound:
+        """The first half (every rank of every island): pseudo-gradient, headers, exchange, merge.
+
+        ``locals_``: this rank's local shards; ``experts``: this island's tokens per expert of each
+        expert parameter (expert weighting; summed over the island already); ``stop``: this island
+        ends training with this round (the others learn it through the headers).
+        """
+        t_start = time.perf_counter()
+        s, state, layout = self.settings, self.state, self.layout
+        deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(state.anchors, locals_)]
+        # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
+        own_sq = sum_sq([d for i, d in enumerate(deltas) if layout.is_sharded(i) or self.is_leader])
+        sent = deltas
+        if s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
+            if state.residual is None:
+                state.residual = [torch.zeros_like(a) for a in state.anchors]
+            else:
+                sent = [with_residual(d, r.to(d.device), s.error_feedback_decay)
+                        for d, r in zip(deltas, state.residual)]
+        delta_sq, tokens = self.group.sum([own_sq, float(self.round_tokens)])
+        step_seconds = self.schedule.step_seconds(t_start)
+        header = {"round": self.schedule.round, "tokens": tokens, "steps": self.schedule.round_steps,
+                  "step_seconds": step_seconds, "experts": experts, "stop": stop}
+        coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
+        headers = self.agree(lambda: self._meet_round(header, coefs))
+        pending = PendingRound(headers, tokens, step_seconds, t_start)
+        if pending.stop:
+            self.schedule.stopping = True
+        if not any(h["steps"] > 0 for h in headers):
+            # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
+            # outer step on zero pseudo-gradients would still move the anchor by the momentum.
+            return pending
+        pending.grads, pending.metrics = self._exchange(sent, delta_sq, headers, coefs)
+        pending.metrics.update(self._expert_gap_metrics(headers))
+        return pending
+
+    @torch.no_grad()
+    def finish(self, pending: PendingRound, locals_: Sequence[Tensor]) -> dict[str, float]:
+        """The second half: the outer step on the anchors, written into ``locals_``; returns the
+        round's metrics (empty when no island stepped, and then nothing changes)."""
+        if pending.grads is None:
+            return {}
+        opt = self.state.optimizer
+        opt.step(self.state.anchors, pending.grads)
+        metrics = dict(pending.metrics)
+        metrics.update({"islands/outer_lr": opt.lr_at(opt.steps), "islands/outer_momentum": opt.momentum_at(opt.steps)})
+        self.state.write_to(locals_)
+        self.schedule.advance(pending.tokens, pending.headers)
+        self.round_tokens = 0
+        sched = self.schedule
+        metrics.update({"islands/round": float(sched.round), "islands/inner_steps": float(sched.inner_steps),
+                        "islands/round_tokens": pending.tokens, "islands/step_seconds": pending.step_seconds,
+                        "islands/steps_per_round": float(sched.steps_per_round),
+                        "islands/seconds_outer_step": time.perf_counter() - pending.started})
+        metrics.update({f"islands/total_{k}": v for k, v in self.totals.items()})
+        self.last_round_metrics = metrics
+        return metrics
+
+    def _weights(self, headers: Sequence[dict[str, Any]]) -> list[float]:
+        """Each island's merge weight from the round headers: its tokens, or 1 with ``weighting="equal"``."""
+        return [1.0 if self.settings.weighting == "equal" else float(h["tokens"]) for h in headers]
+
+    def _meet_round(self, header: dict[str, Any], coefs: dict[str, list[Tensor]]) -> list[dict[str, Any]]:
+        """Leader only: every island's round header, in island order; fills ``coefs`` with the
+        per-expert merge coefficients (expert weighting)."""
+        headers = [header]
+        if self.link is not None:
+            t0 = time.perf_counter()
+            headers = self.link.gather_objects(f"round{self.schedule.round}", header)
+            self.link.add_wait(time.perf_counter() - t0)
+        by_name = {e.name: e for e in self.layout.entries}
+        for name in headers[0]["experts"] or {}:  # None without expert weighting
+            coefs[name] = outer.expert_coefficients([h["experts"][name] for h in headers])
+            if by_name[name].shape[0] != coefs[name][0].numel():
+                raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")
+        return headers
+
+    def _expert_gap_metrics(self, headers: Sequence[dict[str, Any]]) -> dict[str, float]:
+        """With expert weighting: how far the per-expert coefficients were from the islands' merge
+        weights this round (largest, and token-weighted mean over experts, averaged over the expert
+        parameters); nothing without it."""
+        names = list(headers[0]["experts"] or {})
+        if not names:
+            return {}
+        weights = self._weights(headers)
+        gaps = [outer.expert_share_gap([h["experts"][n] for h in headers], weights) for n in names]
+        return {"islands/expert_share_gap_max": max(g[0] for g in gaps),
+                "islands/expert_share_gap_mean": sum(g[1] for g in gaps) / len(gaps)}
+
+    def _exchange(self, sent: Sequence[Tensor], delta_sq: float, headers: Sequence[dict[str, Any]],
+                  coefs: dict[str, list[Tensor]]) -> tuple[list[Tensor], dict[str, float]]:
+        """Every rank: the merged pseudo-gradient's part for this rank's shards (the outer step's
+        gradients), one chunk of the flat vector at a time, from this rank's shards of what the
+        island sends (``sent``: the pseudo-gradient plus the decayed error-feedback residual); the new
+        residual goes back to the ranks the same way. The round's metrics on the leader."""
+        layout, state = self.layout, self.state
+        stats = RoundStats(len(headers), delta_sq)
+        chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
+        exchange = ChunkExchange(self.codec, self.link, self.island, self._weights(headers), coefs, layout, stats,
+                                 keep_residual=state.residual is not None) if self.is_leader else None
+        # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
+        into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in state.anchors]
+        got: list[Tensor] = []
+        for start, stop in chunks:
+            part_buf = exchange.take("part", stop - start, self.exchange_device) if exchange else None
+            part = layout.gather_to_leader(sent, self.device, self.exchange_device, start, stop, into=part_buf)
+            del part_buf  # the same tensor as ``part`` on the leader
+            box: dict[str, Tensor | None] = {}
+
+            def leader_chunk(part: Tensor | None = part, start: int = start,
+                             box: dict[str, Tensor | None] = box) -> None:
+                assert part is not None and exchange is not None
+                box["merged"], box["residual"] = exchange.run(part, start)
+
+            self.agree(leader_chunk)
+            del part, leader_chunk  # the next chunk reuses the leader's buffers
+            if exchange is not None and stop == chunks[-1][1]:
+                exchange.release()  # nothing left to reuse: the scatters get their room (merged and residual stay)
+            got = layout.scatter_from_leader(box.pop("merged", None), self.device, start, stop, into=into)
+            if state.residual is not None:
+                layout.scatter_from_leader(box.pop("residual", None), self.device, start, stop, into=state.residual)
+        grads = [g.to(a.device) for g, a in zip(got, state.anchors)]
+        if exchange is None:
+            return grads, {}
+        metrics = stats.metrics(error_feedback=self.settings.use_error_feedback)
+        metrics["islands/exchange_chunks"] = float(len(chunks))
+        if self.link is not None:
+            for key, value in exchange.link_sums.items():
+                self.totals[key] += value
+            metrics.update({f"islands/{key}": value for key, value in exchange.link_sums.items()})
+            metrics["islands/cosine"] = stats.cosine()
+        return grads, metrics
+
+
+def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
+    """SHA-256 of the full fp32 parameters and of every buffer (name, dtype, shape, bytes)."""
+    assert flat is not None, "the leader holds the gathered parameters"
+    h = hashlib.sha256(flat.cpu().numpy())
+    for name, buf in buffers.items():
+        h.update(f"{name}:{buf.dtype}:{tuple(buf.shape)}".encode())
+        h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

@@ -1,0 +1,135 @@
+"""The islands' settings as one validated object, and the fingerprint every island must share."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_islands.codecs import Codec, check_decay, default_error_feedback, make_codec
+from lightning_islands.engine import floatenv, outer
+from lightning_islands.engine.layout import CanonicalLayout
+
+
+def sync_warmup_list(value: Any) -> list[int]:
+    """``sync_warmup`` as a list of positive ints, or a ValueError naming the expected form."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in value):
+        raise ValueError(f"sync_warmup must be a list of H values (ints >= 1), one per early round, e.g. "
+                         f"[10, 20, 40] (Hydra: islands.sync_warmup=[10,20,40]); got {value!r}")
+    return [int(h) for h in value]
+
+
+@dataclass
+class IslandSettings:
+    """How the islands train together; :class:`~lightning_islands.IslandStrategy` documents each
+    field. Validated on construction: a bad value raises a ValueError that names it and the fix.
+    Everything that must agree between islands enters :meth:`fingerprint`."""
+
+    sync_every: int = 50
+    sync_warmup: Sequence[int] | None = None
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    outer_lr_warmup: int = 0
+    outer_momentum_warmup: int = 0
+    codec: str = "fp32"
+    block_size: int = 128
+    error_feedback: bool | None = None
+    error_feedback_decay: float = 1.0
+    steps_per_round: int | None = None
+    lanes: int = 2
+    outer_device: str | None = None
+    weighting: str = "tokens"
+    expert_weighting: bool = False
+    balance: str = "none"
+    max_rounds: int | None = None
+    timeout_s: float = 600.0
+    max_wait_s: float = 3600.0
+    exchange_chunk_mib: float | None = 1024.0
+    # derived, set by __post_init__
+    use_error_feedback: bool = field(init=False)
+    exchange_chunk: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.max_wait_s <= 0:
+            raise ValueError(f"timeout_s and max_wait_s must be > 0, got {self.timeout_s} and {self.max_wait_s}")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
+        self.sync_warmup = sync_warmup_list(self.sync_warmup)
+        if self.weighting not in ("tokens", "equal"):
+            raise ValueError(f"weighting must be 'tokens' or 'equal', got {self.weighting!r}")
+        if self.balance not in ("none", "time"):
+            raise ValueError(f"balance must be 'none' or 'time', got {self.balance!r}")
+        if self.max_rounds is not None and self.max_rounds < 1:
+            raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
+        if self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
+        self.outer_optimizer()  # validates the outer step's settings
+        codec = self.make_codec()
+        # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
+        self.exchange_chunk = outer.exchange_chunk_numel(self.exchange_chunk_mib, codec.alignment)
+        self.use_error_feedback = (default_error_feedback(self.codec) if self.error_feedback is None
+                                   else bool(self.error_feedback))
+        check_decay(self.error_feedback_decay, "error_feedback_decay (islands.error_feedback_decay)")
+        if self.error_feedback_decay != 1.0 and not self.use_error_feedback:
+            why = "error_feedback=False" if self.error_feedback is False else f"the default for codec {self.codec!r}"
+            raise ValueError(f"error_feedback_decay={self.error_feedback_decay} decays the error-feedback residual, "
+                             f"but error feedback is off ({why}): set error_feedback=True "
+                             "(islands.error_feedback=true) or leave the decay at 1")
+
+    def make_codec(self) -> Codec:
+        """The wire format of pseudo-gradients."""
+        return make_codec(self.codec, block_size=self.block_size)
+
+    def outer_optimizer(self) -> outer.OuterSGD:
+        """A fresh outer optimizer (``outer_lr=1, outer_momentum=0``: plain averaging; Nesterov needs
+        momentum, so it is off then)."""
+        return outer.OuterSGD(lr=self.outer_lr, momentum=self.outer_momentum,
+                              nesterov=self.nesterov and self.outer_momentum > 0,
+                              lr_warmup=self.outer_lr_warmup, momentum_warmup=self.outer_momentum_warmup)
+
+    def fingerprint(self, layout: CanonicalLayout, num_islands: int, resuming: bool,
+                    training_device: torch.device | str) -> dict[str, Any]:
+        """What must be equal on every island for the merge to make sense."""
+        described = layout.describe()
+        return {
+            "parameters": hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16],
+            "num_parameters": layout.numel,
+            "num_tensors": len(layout.entries),
+            "first_tensors": described[:3],
+            "num_islands": num_islands,
+            "sync_every": self.sync_every,
+            "sync_warmup": self.sync_warmup,
+            "outer": self.outer_optimizer().settings(),
+            "codec": self.make_codec().spec(),
+            "exchange_chunk": self.exchange_chunk,
+            "weighting": self.weighting,
+            "expert_weighting": self.expert_weighting,
+            "balance": self.balance,
+            "max_rounds": self.max_rounds,
+            "resuming": bool(resuming),
+            # the merge and the outer step (on the host or the training device) give the same bits on
+            # every island only where the float modes agree
+            "subnormals": {"host": floatenv.describe("cpu"), "training_device": floatenv.describe(training_device)},
+        }
+
+
+def compare_fingerprints(prints: Sequence[dict[str, Any]]) -> str | None:
+    """A message naming every field in which an island differs from island 0, or ``None``."""
+    problems = []
+    for i, fp in enumerate(prints[1:], start=1):
+        for key in sorted(set(prints[0]) | set(fp)):
+            a, b = prints[0].get(key), fp.get(key)
+            if a != b:
+                problems.append(f"island {i} has {key}={b!r} but island 0 has {key}={a!r}")
+    if not problems:
+        return None
+    return ("islands disagree before the first step; make their model and island settings equal:\n  "
+            + "\n  ".join(problems))

@@ -1,0 +1,335 @@
+"""The round as its own engine: islands and their ranks as threads of one test, no Lightning, no torchrun.
+
+Each island runs a few inner steps of an elementwise "optimizer" (each rank on its own shards, so
+islands that shard differently still train alike) and calls the engine; the link between islands is
+the in-memory test double of the transport (:mod:`doubles`) or the real one over loopback.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, outer
+
+# rows that 2 and 3 ranks split unevenly, an expert parameter [4 experts, 3], a scalar-like bias
+SPECS = [("embed", (700, 6), True), ("proj", (5, 400), True), ("bias", (40,), False), ("experts", (4, 300), True)]
+NUMEL = sum(torch.Size(s).numel() for _, s, _ in SPECS)
+INNER_LR = 0.3
+
+
+def initial_flat(seed: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+
+
+def target(island: int, step: int) -> torch.Tensor:
+    """What island ``island`` pulls its parameters towards at inner step ``step`` (its own data)."""
+    g = torch.Generator().manual_seed(1000 * island + step)
+    return torch.randn(NUMEL, generator=g) + island
+
+
+@dataclass
+class Plan:
+    """A run of islands: one entry per island in ``sizes`` (ranks) and ``tokens`` (per rank per step)."""
+
+    sizes: list[int]
+    tokens: list[int]
+    rounds: int = 3
+    settings: dict[str, Any] = field(default_factory=dict)
+    same_seed: bool = False
+    stop_island_round: tuple[int, int] | None = None  # (island, round) that says "stop"
+    experts: list[list[float]] | None = None  # tokens per expert, per island (expert weighting)
+
+
+def _rank_main(plan: Plan, island: int, rank: int, group: ThreadGroup, hub: Hub, resume: dict | None = None
+               ) -> dict[str, Any]:
+    settings = IslandSettings(**{"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **plan.settings})
+    layout = CanonicalLayout(SPECS, group)
+    engine = IslandEngine(settings, layout, island, len(plan.sizes), torch.device("cpu"), torch.device("cpu"))
+    start = initial_flat(0 if plan.same_seed else island)
+    locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
+    if len(plan.sizes) > 1:
+        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, len(plan.sizes), False, "cpu"))
+    engine.adopt_initial_state(locals_, {})
+    if resume is not None:
+        saved = resume[island, rank]
+        for loc, t in zip(locals_, saved["locals"]):
+            loc.copy_(t)
+        engine.state.load_state_dict(saved["state"])
+        engine.schedule.load_state_dict(saved["schedule"])
+    rounds, metrics = [], []
+    while engine.schedule.round < plan.rounds and not engine.schedule.stopping:
+        for _ in range(engine.schedule.steps_per_round):
+            goal = target(island, engine.schedule.inner_steps)
+            for i, loc in enumerate(locals_):
+                loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, i)), INNER_LR))
+            engine.count_tokens(plan.tokens[island])
+            if engine.schedule.close_step():
+                break
+        stop = plan.stop_island_round == (island, engine.schedule.round)
+        experts = None
+        if plan.experts is not None:
+            experts = {"experts": plan.experts[island]} if rank == 0 else {"experts": [0.0] * 4}
+            experts = {"experts": group.sum(experts["experts"])}
+        m, _ = engine.run_round(locals_, experts, stop)
+        metrics.append(m)
+        flat = engine.global_flat()
+        rounds.append(None if flat is None else flat.clone())
+    return {"rounds": rounds, "metrics": metrics, "digest": engine.global_state_digest(),
+            "locals": [t.clone() for t in locals_], "state": copy.deepcopy(engine.state.state_dict()),
+            "schedule": engine.schedule.state_dict(), "residual": engine.state.residual}
+
+
+def run(plan: Plan, resume: dict | None = None) -> dict[tuple[int, int], dict[str, Any]]:
+    """Every rank of every island as a thread; results by ``(island, rank)``."""
+    hub = Hub(len(plan.sizes))
+    jobs, keys = [], []
+    for island, size in enumerate(plan.sizes):
+        shared = ThreadIsland(size)
+        for rank in range(size):
+            group = ThreadGroup(shared, rank)
+            jobs.append(lambda i=island, r=rank, g=group: _rank_main(plan, i, r, g, hub, resume))
+            keys.append((island, rank))
+    return dict(zip(keys, run_threads(jobs)))
+
+
+def leaders(results: dict) -> list[dict]:
+    return [results[i, 0] for i in range(1 + max(i for i, _ in results))]
+
+
+def assert_identical(results: dict) -> list[torch.Tensor]:
+    """Every island's global state after every round is the same, bit for bit; returns island 0's."""
+    first, *others = leaders(results)
+    for other in others:
+        assert len(other["rounds"]) == len(first["rounds"])
+        for r, (a, b) in enumerate(zip(first["rounds"], other["rounds"])):
+            assert torch.equal(a, b), f"round {r + 1} differs between islands"
+        assert other["digest"] == first["digest"]
+    return first["rounds"]
+
+
+def reference(plan: Plan) -> list[torch.Tensor]:
+    """DiLoCo from the paper, in float64 on full tensors: H inner steps per island from the global
+    parameters, pseudo-gradients weighted by tokens, outer SGD with Nesterov momentum."""
+    s = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **plan.settings}
+    glob, buf, out, step = initial_flat(0).double(), None, [], 0
+    for _ in range(plan.rounds):
+        deltas, weights = [], []
+        for island, size in enumerate(plan.sizes):
+            local = glob.clone()
+            for k in range(s["sync_every"]):
+                local = local - INNER_LR * (local - target(island, step + k).double())
+            deltas.append(glob - local)
+            weights.append(size * plan.tokens[island] * s["sync_every"])
+        step += s["sync_every"]
+        merged = sum(w / sum(weights) * d for w, d in zip(weights, deltas))
+        buf = merged.clone() if buf is None else s["outer_momentum"] * buf + merged
+        glob = glob - s["outer_lr"] * (merged + s["outer_momentum"] * buf)
+        out.append(glob.float())
+    return out
+
+
+def test_islands_of_different_shardings_stay_identical_and_match_reference_diloco():
+    plan = Plan(sizes=[1, 2, 3], tokens=[8, 3, 5])
+    results = run(plan)
+    got = assert_identical(results)
+    for r, want in enumerate(reference(plan)):
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+    # different seeds: island 0's initial state crossed the link, and every rank holds the global shards
+    first, last = leaders(results)[0]["metrics"][0], leaders(results)[0]["metrics"][-1]
+    assert last["islands/round"] == 3 and last["islands/round_tokens"] == 8 * 3
+    assert last["islands/bytes_sent"] == pytest.approx(2 * last["islands/payload_bytes"])  # two peers
+    assert first["islands/bytes_sent"] > 2 * first["islands/payload_bytes"], "the initial state counts in round 1"
+    for (island, rank), res in results.items():
+        layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(plan.sizes[island]), rank))
+        for i, anchor in enumerate(res["state"]["anchor"]):
+            assert torch.equal(anchor, layout.shard_of(got[-1], i)), f"island {island} rank {rank}: {SPECS[i][0]}"
+            assert torch.equal(res["locals"][i], anchor), "after a round the local parameters are the global ones"
+
+
+@pytest.mark.parametrize("codec", ["int4", "topk:0.2+int2", "fp8", "sign"])
+def test_quantized_rounds_stay_identical_across_shardings(codec):
+    got = assert_identical(run(Plan(sizes=[2, 3], tokens=[4, 4], settings={"codec": codec, "error_feedback": True})))
+    assert not torch.equal(got[0], got[1])
+
+
+def _ef(decay: float | None) -> list[torch.Tensor]:
+    settings = {"codec": "int2", "error_feedback": decay is not None,
+                "error_feedback_decay": 1.0 if decay is None else decay}
+    return assert_identical(run(Plan(sizes=[1, 2], tokens=[4, 4], rounds=3, settings=settings)))
+
+
+def test_error_feedback_and_its_decay():
+    none, plain, zero, quarter = _ef(None), _ef(1.0), _ef(0.0), _ef(0.25)
+    assert all(torch.equal(a, b) for a, b in zip(none, zero)), "decay 0 is no error feedback, bit for bit"
+    assert torch.equal(none[0], plain[0]) and torch.equal(plain[0], quarter[0]), "round 1 has no residual yet"
+    for r in (1, 2):
+        assert not torch.equal(quarter[r], plain[r]) and not torch.equal(quarter[r], none[r])
+
+
+def test_the_residual_is_what_the_codec_dropped_and_the_metric_its_norm():
+    results = run(Plan(sizes=[1, 2], tokens=[4, 4], rounds=1, settings={"codec": "int2", "error_feedback": True}))
+    lead = leaders(results)[1]
+    flat = torch.cat([r.reshape(-1) for r in results[1, 0]["residual"]])
+    norm = float(torch.linalg.vector_norm(flat.double()))  # rank 0's shards only: a lower bound
+    assert 0 < norm <= lead["metrics"][0]["islands/residual_norm"] + 1e-6
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4", "topk:0.3+int4"])
+def test_a_round_in_chunks_equals_one_whole(codec):
+    settings = {"codec": codec, "error_feedback": codec != "fp32"}
+    whole = assert_identical(run(Plan(sizes=[2, 1], tokens=[4, 6], settings=settings)))
+    # chunks of 2048 values (8 KiB of fp32, whole blocks and packing groups): four, cutting parameters and shards
+    small = run(Plan(sizes=[2, 1], tokens=[4, 6], settings={**settings, "exchange_chunk_mib": 2048 * 4 / 2**20}))
+    assert leaders(small)[0]["metrics"][0]["islands/exchange_chunks"] == -(-NUMEL // 2048) == 4
+    if codec != "topk:0.3+int4":  # top-k keeps its fraction of each chunk: other bytes, by design
+        assert all(torch.equal(a, b) for a, b in zip(whole, assert_identical(small)))
+    else:
+        assert_identical(small)
+
+
+def test_expert_weighting_merges_each_expert_by_the_tokens_routed_to_it():
+    experts = [[10.0, 0.0, 5.0, 0.0], [30.0, 20.0, 5.0, 0.0]]
+    plan = Plan(sizes=[1, 2], tokens=[4, 4], rounds=1, experts=experts,
+                settings={"expert_weighting": True, "outer_lr": 1.0, "outer_momentum": 0.0})
+    results = run(plan)
+    got = assert_identical(results)[0]
+    e = next(k for k, (n, _, _) in enumerate(SPECS) if n == "experts")
+    offset, shape = sum(torch.Size(s).numel() for _, s, _ in SPECS[:e]), SPECS[e][1]
+    n = torch.Size(shape).numel()
+    start = initial_flat(0)
+    deltas = []
+    for island in range(2):
+        local = start.clone()
+        for k in range(3):
+            local.sub_(torch.mul(torch.sub(local, target(island, k)), INNER_LR))
+        deltas.append(torch.sub(start, local)[offset : offset + n].view(shape))
+    merged = outer.merge_experts(deltas, outer.expert_coefficients(experts))
+    assert torch.equal(got[offset : offset + n].view(shape), torch.sub(start[offset : offset + n].view(shape), merged))
+    m = leaders(results)[0]["metrics"][0]
+    assert m["islands/expert_share_gap_max"] > 0
+
+
+def test_one_islands_stop_is_everyones():
+    plan = Plan(sizes=[1, 2], tokens=[4, 4], rounds=5, stop_island_round=(1, 1))
+    results = run(plan)
+    got = assert_identical(results)
+    assert len(got) == 2, "the round in which island 1 said stop is the last for both"
+    assert all(r["schedule"]["stopping"] for r in results.values())
+
+
+def test_state_dict_round_trip_resumes_bit_identically():
+    plan = Plan(sizes=[2, 1], tokens=[4, 6], rounds=4, settings={"codec": "int4", "error_feedback": True,
+                                                                  "error_feedback_decay": 0.5})
+    straight = assert_identical(run(plan))
+    half = run(Plan(**{**plan.__dict__, "rounds": 2}))
+    resumed = run(plan, resume=half)
+    assert all(torch.equal(a, b) for a, b in zip(straight[2:], assert_identical(resumed)))
+
+
+def test_time_balance_gives_the_faster_island_more_steps():
+    settings = IslandSettings(sync_every=4, balance="time")
+    from lightning_islands.engine import Schedule
+
+    fast, slow = Schedule(settings, 0), Schedule(settings, 1)
+    headers = [{"step_seconds": 0.1}, {"step_seconds": 0.3}]
+    assert (fast.next_round_steps(headers), slow.next_round_steps(headers)) == (12, 4)
+    assert Schedule(settings, 0).next_round_steps([{"step_seconds": 0.001}, {"step_seconds": 1.0}]) == 32, "at most 8 H"
+
+
+def test_islands_that_differ_are_refused_by_name():
+    hub = Hub(2)
+
+    def island(i: int, lr: float) -> None:
+        settings = IslandSettings(sync_every=3, outer_lr=lr)
+        layout = CanonicalLayout(SPECS)
+        engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
+        engine.meet(lambda: MemoryLink(hub, i), settings.fingerprint(layout, 2, False, "cpu"))
+
+    with pytest.raises(RuntimeError, match=r"island 1 has outer=.*'lr': 0.5.* but island 0 has outer=.*'lr': 0.7"):
+        run_threads([lambda: island(0, 0.7), lambda: island(1, 0.5)])
+
+
+def test_islands_built_alike_send_no_initial_state():
+    results = run(Plan(sizes=[1, 2], tokens=[4, 4], rounds=1, same_seed=True))
+    m = leaders(results)[0]["metrics"][0]
+    assert m["islands/bytes_sent"] == m["islands/payload_bytes"], "only the round's payload crossed"
+
+
+def test_the_real_link_over_loopback_gives_the_same_bits():
+    """The same two islands over the coordinator and gloo lanes (threads of this process)."""
+    from lightning_islands.transport import Coordinator, IslandLink
+
+    coordinator = Coordinator()
+    plan = Plan(sizes=[1, 1], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
+
+    def island(i: int) -> list[torch.Tensor]:
+        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
+        layout = CanonicalLayout(SPECS)
+        engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
+        locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
+        engine.meet(lambda: IslandLink(coordinator.address, i, 2, run_id="loopback", lanes=2),
+                    settings.fingerprint(layout, 2, False, "cpu"))
+        engine.adopt_initial_state(locals_, {})
+        out = []
+        for _ in range(plan.rounds):
+            for _ in range(3):
+                goal = target(i, engine.schedule.inner_steps)
+                for k, loc in enumerate(locals_):
+                    loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, k)), INNER_LR))
+                engine.count_tokens(plan.tokens[i])
+                engine.schedule.close_step()
+            engine.run_round(locals_)
+            out.append(engine.global_flat().clone())
+        engine.link.close()  # type: ignore[union-attr]
+        return out
+
+    over_tcp = run_threads([lambda: island(0), lambda: island(1)])
+    assert all(torch.equal(a, b) for a, b in zip(*over_tcp))
+    in_memory = assert_identical(run(plan))
+    assert all(torch.equal(a, b) for a, b in zip(over_tcp[0], in_memory))
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_module_the_engine_reaches_imports_lightning():
+    """The engine's modules, and every lightning_islands module they import in turn, import neither
+    Lightning nor the Lightning glue (the package's own __init__, which registers the strategies,
+    aside)."""
+    root = Path(__import__("lightning_islands").__file__).parent
+    todo = [p for p in (root / "engine").glob("*.py")]
+    seen: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            top = name.split(".")[0]
+            assert top not in ("lightning", "pytorch_lightning"), f"{path.relative_to(root)} imports {name}"
+            assert not name.startswith(("lightning_islands.strategy", "lightning_islands.fsdp")), \
+                f"{path.relative_to(root)} imports the Lightning glue ({name})"
+            if top == "lightning_islands" and "." in name:
+                rel = Path(*name.split(".")[1:])
+                for candidate in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
+                    if candidate.exists() and candidate != root / "__init__.py":
+                        todo.append(candidate)
+    assert root / "engine" / "round.py" in seen and root / "transport.py" in seen
+    assert sys.modules  # the walk is static: nothing was imported
