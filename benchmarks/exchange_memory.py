@@ -1,22 +1,18 @@
 """Peak memory of each rank of an island while a round's vectors move in and out of the leader.
 
 An island of ``--world`` gloo processes holds a synthetic model of ``--params`` fp32 values as
-FSDP2-style DTensors (``Shard(0)`` over the island). Each rank runs one round's data movement the
-way the strategy did until session 10 (``all-gather``: every rank builds the full pseudo-gradient
-with ``CanonicalLayout.gather``, then receives the full merged vector by broadcast) and the way it
-does now (``to leader``: ``gather_to_leader``, then ``scatter_from_leader``), each in a fresh
-process, and reports how far the process's peak resident memory (``VmHWM``) rose above its level
-before the round, in MiB and in full fp32 copies of the model. Linux only.
+FSDP2-style DTensors (``Shard(0)`` over the island). Each rank runs, each in a fresh process:
 
-With ``--codec``, a round also does the work of ``IslandStrategy._exchange``: every rank adds its
-shards of the error-feedback residual (allocated before the measurement: it persists between
-rounds) to its pseudo-gradient; the leader encodes what it gathered, decodes its own payload and a
-second island's (here its own payload again) and merges; the merged update and the new residual go
-back to the ranks as shards. Three rows: the whole vector at once, chunks of ``--chunk-mib`` MiB
-(``exchange_chunk_mib``) with the leader's chunk-sized temporaries reused from chunk to chunk
-(``lightning_islands.buffers.Buffers``, as the strategy does), and the same chunks with fresh
-temporaries for every chunk (as it did until session 14). Every row also gives each rank's wall
-time for the round.
+- ``to leader``: the round's data movement alone (``CanonicalLayout.gather_to_leader``, then
+  ``scatter_from_leader`` of the leader's result);
+- with ``--codec``, the engine's real round (``IslandEngine.start``, a lone island, so no link): every
+  rank adds its shards of the error-feedback residual to its pseudo-gradient, the leader encodes what
+  it gathered, decodes it and merges, and the merged update and the new residual go back to the ranks
+  as shards; once with the whole vector at once and once in chunks of ``--chunk-mib`` MiB
+  (``exchange_chunk_mib``), the leader's chunk-sized temporaries reused from chunk to chunk.
+
+It reports how far each process's peak resident memory (``VmHWM``) rose above its level before the
+round, in MiB and in full fp32 copies of the model, and each rank's wall time for the round. Linux only.
 
     PYTHONPATH=. python benchmarks/exchange_memory.py --params 50000000 --world 2 [--codec int8 --chunk-mib 64]
 """
@@ -34,10 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_islands import outer
-from lightning_islands.buffers import Buffers, take
-from lightning_islands.canonical import CanonicalLayout
-from lightning_islands.codecs import make_codec
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
 
 
 def _peak_rss() -> int:
@@ -51,46 +44,25 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
 
 
-def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_spec: str,
-                  chunk: int | None, reuse: bool) -> tuple[list, int]:
-    """One round with the leader's exchange work (see the module docstring), a chunk at a time,
-    its temporaries reused from chunk to chunk or not: the outer step's gradients, and the
-    resident size before the round."""
+def _engine_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib: float | None) -> tuple[list, int]:
+    """The first half of one round of the engine, a lone island (see the module docstring): the
+    outer step's gradients, and the resident size before the round."""
     cpu = torch.device("cpu")
-    codec = make_codec(codec_spec)
+    settings = IslandSettings(codec=codec, error_feedback=True, exchange_chunk_mib=chunk_mib)
+    engine = IslandEngine(settings, layout, 0, 1, cpu, cpu)
+    engine.state.set_anchors([torch.add(loc, loc) for loc in locals_])  # anchor - local = the shards of locals_
     # last round's residual, sharded like the model: it persists between rounds (written: resident)
-    residual = [torch.empty_like(loc).fill_(0.0) for loc in locals_]
+    engine.state.residual = [torch.zeros_like(loc) for loc in locals_]
+    engine.schedule.round_steps = 1
     dist.barrier()
     _reset_peak()
     base = _peak_rss()
-    sent = [torch.add(loc, r) for loc, r in zip(locals_, residual)]
-    chunks = outer.chunk_bounds(layout.numel, chunk)
-    into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
-    scratch = Buffers() if reuse else None  # None: every take is a fresh tensor
-    leader = dist.get_rank() == 0
-    for start, stop in chunks:
-        m = stop - start
-        part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop,
-                                       into=take(scratch, "part", m) if leader else None)
-        merged = dropped = None
-        if part is not None:
-            payload = codec.encode(part, out=take(scratch, "payload", codec.nbytes(m), torch.uint8), scratch=scratch)
-            own = codec.decode(payload, out=take(scratch, "own", m), scratch=scratch)
-            dropped = torch.sub(part, own, out=take(scratch, "residual", m))
-            other = codec.decode(payload.clone(), out=take(scratch, "decoded1", m),  # the other island's, as received
-                                 scratch=scratch)
-            merged = outer.merge([own, other], [1.0, 1.0], out=take(scratch, "merged", m),
-                                 scratch=take(scratch, "term", m))
-            del part, own, payload, other
-            if scratch is not None and stop == chunks[-1][1]:
-                scratch.clear()  # as the strategy does: the last chunk's scatters get the room
-        grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
-        layout.scatter_from_leader(dropped, params, cpu, start=start, stop=stop, into=residual)
-        del merged, dropped
-    return grads, base
+    pending = engine.start(locals_)
+    assert pending.grads is not None
+    return pending.grads, base
 
 
-def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, codec: str, chunk: int) -> None:
+def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, codec: str, chunk: float) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -100,27 +72,21 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, 
         mesh = init_device_mesh("cpu", (world,))
         names = [f"w{i}" for i in range(8)]  # 8 matrices of 1024 columns
         params = [distribute_tensor(torch.zeros(numel // 8 // 1024, 1024), mesh, [Shard(0)]) for _ in names]
-        layout = CanonicalLayout(list(zip(names, params)))
+        layout = CanonicalLayout.from_parameters(list(zip(names, params)), TorchGroup(torch.device("cpu")))
         locals_ = [p.to_local() + 1.0 for p in params]  # the round's pseudo-gradient shards
         cpu = torch.device("cpu")
         dist.barrier()
         _reset_peak()
         base = _peak_rss()
         t0 = time.perf_counter()
-        if mode.startswith("exchange"):
-            grads, base = _leader_round(layout, locals_, params, codec, chunk if "chunk" in mode else None,
-                                        reuse="fresh" not in mode)
+        if mode.startswith("round"):
+            grads, base = _engine_round(layout, locals_, codec, chunk if "chunk" in mode else 0)
             grads[0].reshape(-1)[:1] = 0.5  # (the merged value itself depends on the codec)
-        elif mode == "all-gather":
-            full = layout.gather(locals_, params)
-            merged = full * 0.5 if rank == 0 else torch.empty_like(full)
-            dist.broadcast(merged, src=0)
-            grads = [layout.shard_of(merged, i, p) for i, p in enumerate(params)]
         else:
-            full = layout.gather_to_leader(locals_, params, cpu)
+            full = layout.gather_to_leader(locals_, cpu)
             merged = full * 0.5 if full is not None else None
-            full = None  # as the strategy does once the leader has encoded it
-            grads = layout.scatter_from_leader(merged, params, cpu)
+            full = None  # as the round does once the leader has encoded it
+            grads = layout.scatter_from_leader(merged, cpu)
         assert float(grads[0].reshape(-1)[0]) == 0.5 if grads[0].numel() else True
         seconds = time.perf_counter() - t0
         rise = _peak_rss() - base
@@ -142,11 +108,10 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of the chunked exchange row")
     parser.add_argument("--out", default="results/exchange_memory.json")
     args = parser.parse_args()
-    chunk = outer.exchange_chunk_numel(args.chunk_mib, 2048)
-    modes = ["all-gather", "to leader"]
+    chunk = args.chunk_mib
+    modes = ["to leader"]
     if args.codec:
-        chunked = f"exchange {args.codec}, chunks of {args.chunk_mib:g} MiB"
-        modes += [f"exchange {args.codec}", chunked, f"{chunked}, fresh buffers"]
+        modes += [f"round {args.codec}", f"round {args.codec}, chunks of {args.chunk_mib:g} MiB"]
     rows = []
     for mode in modes:
         with tempfile.TemporaryDirectory() as tmp:

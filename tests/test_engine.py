@@ -161,18 +161,32 @@ def test_quantized_rounds_stay_identical_across_shardings(codec):
     assert not torch.equal(got[0], got[1])
 
 
-def _ef(decay: float | None) -> list[torch.Tensor]:
+def _ef(decay: float | None) -> tuple[list[torch.Tensor], list[dict[str, float]]]:
     settings = {"codec": "int2", "error_feedback": decay is not None,
                 "error_feedback_decay": 1.0 if decay is None else decay}
-    return assert_identical(run(Plan(sizes=[1, 2], tokens=[4, 4], rounds=3, settings=settings)))
+    results = run(Plan(sizes=[1, 2], tokens=[4, 4], rounds=3, settings=settings))
+    return assert_identical(results), leaders(results)[0]["metrics"]
 
 
 def test_error_feedback_and_its_decay():
-    none, plain, zero, quarter = _ef(None), _ef(1.0), _ef(0.0), _ef(0.25)
+    # int2 drops most of each round, so error feedback changes the run. A decay of 0 must be no error
+    # feedback at all, bit for bit; 0.25 a run of its own, equal to plain error feedback and to none
+    # only in round 1 (no residual yet).
+    (none, m_none), (plain, m_plain), (zero, m_zero), (quarter, m_quarter) = (_ef(d) for d in (None, 1.0, 0.0, 0.25))
     assert all(torch.equal(a, b) for a, b in zip(none, zero)), "decay 0 is no error feedback, bit for bit"
     assert torch.equal(none[0], plain[0]) and torch.equal(plain[0], quarter[0]), "round 1 has no residual yet"
     for r in (1, 2):
         assert not torch.equal(quarter[r], plain[r]) and not torch.equal(quarter[r], none[r])
+        assert not torch.equal(plain[r], none[r])
+    assert "islands/residual_norm" not in m_none[1]
+    for name, metrics in (("plain", m_plain), ("zero", m_zero), ("quarter", m_quarter)):
+        for r, m in enumerate(metrics):
+            # what the round sent, and the part of it the codec held back: the residual it leaves
+            sent = m["islands/residual_norm"] / m["islands/quant_rel_error"]
+            if r == 0 or name == "zero":  # nothing carried in: the round sent its pseudo-gradient alone
+                assert sent == pytest.approx(m["islands/pseudo_grad_norm"], rel=1e-5), (name, r)
+            else:
+                assert sent != pytest.approx(m["islands/pseudo_grad_norm"], rel=1e-3), (name, r)
 
 
 def test_the_residual_is_what_the_codec_dropped_and_the_metric_its_norm():

@@ -14,7 +14,7 @@ from conftest import SCRIPTS, launch, load_rounds
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_islands import IslandStrategy
-from lightning_islands.codecs import default_error_feedback, make_codec
+from lightning_islands.codecs import default_error_feedback
 from lightning_islands.launch import run_islands
 
 sys.path.insert(0, str(SCRIPTS))
@@ -213,10 +213,6 @@ def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
         assert a[r]["digest"] == b[r]["digest"] == b1[r]["digest"]
         for name, t in a[r]["params"].items():
             assert torch.equal(t, b[r]["params"][name]), f"round {r}: {name} differs from the uninterrupted run"
-    # resuming the finished run without more steps trains nothing and stops cleanly
-    launch([1, 1], ["islands_regression.py", "--out", tmp_path / "same", "--steps", 4, *common,
-                    "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l4")
-    assert not list((tmp_path / "same").glob("island*_round*.pt"))
     # Lightning skips on_train_start when a fit has no steps left; such an island still takes part in
     # the start agreement (from teardown), so its partner stops at once instead of waiting timeout_s
     # (60 s in the script) for a round that never comes
@@ -242,7 +238,6 @@ def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
 
 @pytest.mark.parametrize("args, needle", [
     (["--hidden", "8,9"], "parameters"),
-    (["--outer-lrs", "0.7,0.5"], "outer"),
     (["--flush-subnormals", "0,1"], "subnormals"),
 ])
 def test_mismatched_islands_fail_fast_with_a_clear_message(tmp_path, args, needle):
@@ -292,69 +287,14 @@ def test_run_command_names_the_failing_island(tmp_path):
     assert "island 1 was told to fail" in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp8", "int8", "int4", "int2", "topk:0.25+int4"])
-def test_every_codec_keeps_global_state_bit_identical(tmp_path, codec):
+@pytest.mark.parametrize("codec", ["topk:0.25+int4"])  # the others, across shardings: tests/test_engine.py
+def test_a_quantized_codec_keeps_global_state_bit_identical(tmp_path, codec):
     launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, "--codec", codec],
            tmp_path / "logs")
     per_island = assert_islands_equal(tmp_path, 4)
     m = per_island[0][4]["metrics"]
     assert m["islands/compression_ratio"] > 1.0
     assert 0.0 < m["islands/quant_rel_error"] < 1.0
-
-
-def test_error_feedback_decay_fades_the_residual_and_keeps_islands_identical(tmp_path):
-    # int2 drops most of each round, so error feedback changes the run. A decay of 0 must be no error
-    # feedback at all, bit for bit; 0.25 a run of its own, equal to plain error feedback and to none
-    # only in round 1 (no residual yet).
-    runs = {}
-    for name, flags in (("off", ["--error-feedback", 0]), ("plain", []), ("zero", ["--ef-decay", 0]),
-                        ("quarter", ["--ef-decay", 0.25])):
-        out = tmp_path / name
-        launch([2, 1], ["islands_regression.py", "--out", out, "--steps", 4, "--H", 2, "--codec", "int2", *flags],
-               out / "logs")
-        runs[name] = assert_islands_equal(out, 2)[0]
-
-    def same(a: str, b: str, r: int) -> bool:
-        return all(torch.equal(runs[a][r]["params"][n], t) for n, t in runs[b][r]["params"].items())
-
-    assert all(same("zero", "off", r) for r in (1, 2))
-    assert same("quarter", "off", 1) and same("quarter", "plain", 1) and same("plain", "off", 1)
-    assert not same("quarter", "off", 2) and not same("quarter", "plain", 2) and not same("plain", "off", 2)
-    assert "islands/residual_norm" not in runs["off"][2]["metrics"]
-    for name in ("plain", "zero", "quarter"):
-        for r in (1, 2):
-            m = runs[name][r]["metrics"]
-            # what the round sent, and the part of it the codec held back: the residual it leaves
-            sent = m["islands/residual_norm"] / m["islands/quant_rel_error"]
-            if r == 1 or name == "zero":  # nothing carried in: the round sent its pseudo-gradient alone
-                assert sent == pytest.approx(m["islands/pseudo_grad_norm"], rel=1e-5), (name, r)
-            else:
-                assert sent != pytest.approx(m["islands/pseudo_grad_norm"], rel=1e-3), (name, r)
-
-
-def test_a_round_exchanged_in_chunks_equals_one_exchanged_whole(tmp_path):
-    # 9,002 values in chunks of 2,048 (1/128 MiB): the 5 chunk boundaries cut through parameters and
-    # through the two ranks' shards of island 0. With int4 (whole blocks and packing groups per chunk)
-    # and error feedback (each rank's shards of the residual come back chunk by chunk), every island
-    # must compute the same global state as with one chunk, bit for bit.
-    runs = {}
-    for name, mib in (("whole", 0), ("chunked", 2048 / (1 << 18))):
-        out = tmp_path / name
-        launch([2, 1], ["islands_regression.py", "--out", out, "--steps", 8, "--H", 2, "--codec", "int4",
-                        "--inner", "adamw", "--hidden", 1000, "--exchange-chunk-mib", mib], out / "logs")
-        runs[name] = assert_islands_equal(out, 4)
-    for r in range(1, 5):
-        whole, chunked = runs["whole"][0][r], runs["chunked"][0][r]
-        for name, t in whole["params"].items():
-            assert torch.equal(chunked["params"][name], t), f"round {r}: {name} differs from the one-chunk run"
-        assert whole["metrics"]["islands/exchange_chunks"] == 1 and chunked["metrics"]["islands/exchange_chunks"] == 5
-        # each chunk is one payload: the same values, a header (and a partial packing group) each
-        codec = make_codec("int4")
-        assert whole["metrics"]["islands/payload_bytes"] == codec.nbytes(9002)
-        assert chunked["metrics"]["islands/payload_bytes"] == sum(codec.nbytes(min(2048, 9002 - s))
-                                                                  for s in range(0, 9002, 2048))
-        for key in ("islands/quant_rel_error", "islands/pseudo_grad_norm", "islands/cosine", "islands/merged_norm"):
-            assert chunked["metrics"][key] == pytest.approx(whole["metrics"][key], rel=1e-6), key
 
 
 def test_time_balanced_rounds_differ_in_steps_and_stay_bit_identical(tmp_path):
