@@ -189,12 +189,13 @@ class IslandStrategy(FSDP2Strategy):
 
     def _exchange_device(self) -> torch.device:
         """Where the leader runs the round's exchange (encode, decode, merge): ``outer_device`` if
-        set; else the training device for an island of one process (on a GPU the codecs run their
-        Triton kernels there), the host for larger islands, whose leader holds several unsharded
-        fp32 copies of a chunk on top of its own shards."""
+        set, else the training device (on a GPU the codecs run their Triton kernels there and only
+        payloads cross to the host). The leader then holds about ``6 + islands`` chunk-sized
+        temporaries there (``exchange_chunk_mib`` each) on top of its shards; lower the chunk if
+        that does not fit."""
         if self.settings.outer_device:
             return torch.device(self.settings.outer_device)
-        return self.root_device if self.world_size == 1 else torch.device("cpu")
+        return self.root_device
 
     # ------------------------------------------------------------------ rendezvous
     @override

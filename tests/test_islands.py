@@ -351,8 +351,8 @@ def test_islands_with_different_precision_share_one_fp32_global_state(tmp_path, 
 
 
 @pytest.mark.parametrize("devices, outer_device, expected", [
-    (["cuda:0"], None, "cuda:0"),  # a one-process GPU island quantizes, decodes and merges on its GPU
-    (["cuda:0", "cuda:1"], None, "cpu"),  # a larger island's leader does it on the host (unsharded copies)
+    (["cuda:0"], None, "cuda:0"),  # a GPU island quantizes, decodes and merges on its GPU, chunk by chunk
+    (["cuda:0", "cuda:1"], None, "cuda:0"),
     (["cuda:0"], "cpu", "cpu"),
     (["cpu", "cpu"], None, "cpu"),
 ])

@@ -28,9 +28,56 @@ def sync_warmup_list(value: Any) -> list[int]:
 
 @dataclass
 class IslandSettings:
-    """How the islands train together; :class:`~lightning_islands.IslandStrategy` documents each
-    field. Validated on construction: a bad value raises a ValueError that names it and the fix.
-    Everything that must agree between islands enters :meth:`fingerprint`."""
+    """How the islands train together. Validated on construction: a bad value raises a ValueError
+    that names it and the fix. Everything that must agree between islands enters :meth:`fingerprint`.
+
+    Args:
+        sync_every: inner steps per round (H).
+        sync_warmup: H of the first rounds, one entry per round, before ``sync_every`` applies
+            (e.g. ``[10, 20, 40]``: sync often while the islands' models still diverge quickly, then
+            rarely). An island with a fixed ``steps_per_round`` scales it by ``H_round / sync_every``.
+        outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
+        outer_lr_warmup, outer_momentum_warmup: rounds over which the outer learning rate and the
+            outer momentum rise linearly to ``outer_lr`` and ``outer_momentum`` (round ``r`` of
+            ``W`` uses ``r / W`` of each; 0: no warm-up). Each round logs the values it used.
+        codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
+            ``int2``, ``sign``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
+        error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
+            bits and below.
+        error_feedback_decay: the share of the residual a round carries into the next: each round
+            sends ``pseudo_gradient + decay * residual`` (1: all of it, plain error feedback; 0: none,
+            the same as no error feedback). Below 1, what a codec held back for many rounds fades
+            instead of arriving late, after the model has moved on. Needs error feedback on.
+        steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
+            slower island may run fewer, the merge stays token-weighted).
+        lanes: parallel TCP streams between islands.
+        outer_device: where anchors, outer momentum, the error-feedback residual (each rank its
+            shards of all three) and the leader's round exchange (encoding, decoding, merging) live:
+            ``"cpu"`` offloads them. ``None``: all on the training device (on a GPU the exchange
+            runs the codecs' Triton kernels there, a chunk at a time).
+        weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
+        expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
+            that expert in the round (the module must implement ``island_token_counts()`` and
+            ``reset_island_token_counts()``, as the provided MoE does).
+        balance: ``"none"`` (every island runs ``steps_per_round``) or ``"time"``: after each round
+            the islands agree on a wall-clock budget (H times the slowest island's step time) and
+            each runs the inner steps that fit, so a fast island does not wait idle.
+        max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
+            where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
+        timeout_s: how long to wait for an island that shows no progress (no step or validation
+            batch started), at rendezvous and every round; a slow island that keeps stepping is
+            waited for, up to ``max_wait_s``.
+        max_wait_s: the longest a round may wait for islands that are still stepping. The island's
+            own process group (its ranks other than the leader wait in it meanwhile) gets a
+            timeout of at least ``max_wait_s + timeout_s``.
+        exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
+            of fp32 (rounded down to whole codec blocks and packing groups), one after another:
+            gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
+            back, so the leader holds one chunk's copies at a time (the error-feedback residual stays
+            sharded like the anchors: each rank adds its shards before the gather and gets its
+            shards of the new residual back). ``None`` or 0: one chunk. Top-k keeps its fraction
+            of each chunk. Part of the fingerprint.
+    """
 
     sync_every: int = 50
     sync_warmup: Sequence[int] | None = None
