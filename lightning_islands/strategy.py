@@ -13,6 +13,7 @@ The round itself lives in :mod:`lightning_islands.engine` (no Lightning there). 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
+from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
 from lightning_islands.transport import (
@@ -42,7 +44,7 @@ from lightning_islands.transport import (
     IslandLink,
 )
 
-_OUTER_DIR = "islands_outer"
+_SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
 
 
 def _env_int(name: str) -> int | None:
@@ -105,14 +107,8 @@ class IslandStrategy(FSDP2Strategy):
                  max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
                  exchange_chunk_mib: float | None = 1024.0, unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
-        self.settings = IslandSettings(
-            sync_every=sync_every, sync_warmup=sync_warmup, outer_lr=outer_lr, outer_momentum=outer_momentum,
-            nesterov=nesterov, outer_lr_warmup=outer_lr_warmup, outer_momentum_warmup=outer_momentum_warmup,
-            codec=codec, block_size=block_size, error_feedback=error_feedback,
-            error_feedback_decay=error_feedback_decay, steps_per_round=steps_per_round, lanes=lanes,
-            outer_device=outer_device, weighting=weighting, expert_weighting=expert_weighting, balance=balance,
-            max_rounds=max_rounds, timeout_s=timeout_s, max_wait_s=max_wait_s,
-            exchange_chunk_mib=exchange_chunk_mib)
+        # every argument that is a setting of the islands (the same names) goes to IslandSettings
+        self.settings = IslandSettings(**{k: v for k, v in locals().items() if k in _SETTINGS})
         super().__init__(
             unit_classes=unit_classes, reshard_after_forward=reshard_after_forward, save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
@@ -139,16 +135,11 @@ class IslandStrategy(FSDP2Strategy):
         self._start_agreed = False  # this fit took part in the islands' start agreement
         self._resuming = False
 
-    # ------------------------------------------------------------------ the engine's state, read-only
+    # ------------------------------------------------------------------ what the app reads
     @property
     def round(self) -> int:
         """Outer rounds completed."""
         return self.engine.schedule.round if self.engine else 0
-
-    @property
-    def inner_steps(self) -> int:
-        """Inner steps closed since training started (counted in rounds)."""
-        return self.engine.schedule.inner_steps if self.engine else 0
 
     @property
     def total_tokens(self) -> int:
@@ -164,21 +155,6 @@ class IslandStrategy(FSDP2Strategy):
     def last_round_metrics(self) -> dict[str, float]:
         """The ``islands/`` metrics of the last round."""
         return self.engine.last_round_metrics if self.engine else {}
-
-    @property
-    def initial_state_broadcast(self) -> bool | None:
-        """Whether island 0's initial state had to be sent (None until the islands have met)."""
-        return self.engine.initial_state_broadcast if self.engine else None
-
-    @property
-    def residual(self) -> list[Tensor] | None:
-        """This rank's shards of the error-feedback residual (None before the first round or without it)."""
-        return self.engine.state.residual if self.engine else None
-
-    @property
-    def is_leader(self) -> bool:
-        """Whether this process is its island's rank 0 (the one that talks to other islands)."""
-        return self.global_rank == 0
 
     def _ready(self) -> bool:
         return self.engine is not None and self.engine.state.ready
@@ -299,14 +275,14 @@ class IslandStrategy(FSDP2Strategy):
 
     def _log(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.is_leader:
+        if trainer is None or not self.global_rank == 0:
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
     def _publish_status(self) -> None:
         link = self.engine.link if self.engine else None
-        if link is None or not self.is_leader or time.monotonic() - self._last_status < 0.5:
+        if link is None or not self.global_rank == 0 or time.monotonic() - self._last_status < 0.5:
             return
         self._last_status = time.monotonic()
         self._beats += 1
@@ -323,7 +299,7 @@ class IslandStrategy(FSDP2Strategy):
         """The leader keeps beating while a long step without training steps runs (a checkpoint
         write): waiting islands see ``phase`` in its status and do not give it up as silent."""
         link = self.engine.link if self.engine else None
-        if link is None or not self.is_leader:
+        if link is None or not self.global_rank == 0:
             return nullcontext()
         return link.beating({**self._status(), "phase": phase})  # type: ignore[attr-defined]
 
@@ -335,7 +311,7 @@ class IslandStrategy(FSDP2Strategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         link = self.engine.link if self.engine else None
-        if link is not None and self.is_leader and not isinstance(exception, IslandAborted):
+        if link is not None and self.global_rank == 0 and not isinstance(exception, IslandAborted):
             with suppress(Exception):
                 link.abort(f"island {self.island_index}: {type(exception).__name__}: {exception}")
         super().on_exception(exception)
@@ -412,27 +388,10 @@ class IslandStrategy(FSDP2Strategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
         self._start_agreed = True
-        self._act_on_start_agreement(self.engine.agree_on_start(more))  # type: ignore[union-attr]
-
-    def _act_on_start_agreement(self, done: list[int]) -> None:
-        """Every island has steps (``done`` empty): go on, also after the agreed end of an earlier
-        run (``final.ckpt`` with a raised ``max_steps``). Some island has none: no round could
-        complete (that island never joins one), so stop at once."""
-        trainer, schedule = self.lightning_module.trainer, self.engine.schedule  # type: ignore[union-attr]
-        if not done:
-            if schedule.stopping:
-                schedule.stopping = False
-                rank_zero_info(f"islands: continuing after round {self.round}, where the previous run ended")
-            return
-        if schedule.stopping:
-            rank_zero_info(f"islands: this checkpoint is the agreed end of a run (round {self.round}) and not "
-                           "every island has steps left; stopping. Raise trainer.max_steps to train further.")
-        else:
-            rank_zero_warn(f"islands: island(s) {done} have no steps left (trainer.max_steps reached), so no round "
-                           f"can complete; not every island has steps left, stopping at round {self.round}. Give "
-                           "every island a max_steps above the step it resumes from.")
-            schedule.stopping = True  # the end of training must not start a round the others never join
-        trainer.should_stop = True
+        stop, message, warn = self.engine.settle_start(self.engine.agree_on_start(more))  # type: ignore[union-attr]
+        if message:
+            (rank_zero_warn if warn else rank_zero_info)(message)
+        trainer.should_stop = trainer.should_stop or stop
 
     def _join_start_if_skipped(self) -> None:
         """A fit with no steps left skips ``on_train_start``: take part in the start agreement anyway,
@@ -449,15 +408,6 @@ class IslandStrategy(FSDP2Strategy):
                            f"steps left: {err}")
 
     # ------------------------------------------------------------------ checkpoints
-    def _as_dtensors(self, tensors: Sequence[Tensor], layout: CanonicalLayout) -> dict[str, Tensor]:
-        """This rank's shards of an outer-state list, by parameter name, as DTensors placed like the
-        parameters (what distributed checkpointing saves and loads)."""
-        from torch.distributed.tensor import DTensor
-
-        return {e.name: DTensor.from_local(t.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                           shape=p.shape, stride=p.stride()) if isinstance(p, DTensor) else t
-                for e, p, t in zip(layout.entries, self._params, tensors)}
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A checkpoint taken while validation has the global model swapped in must still hold the
@@ -474,72 +424,49 @@ class IslandStrategy(FSDP2Strategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._ready():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint import save as dcp_save
-
         engine = self.engine
         assert engine is not None
-        outer = engine.state.state_dict()
         fingerprint = self.settings.fingerprint(engine.layout, self.num_islands, self._resuming, self.root_device)
-        checkpoint["islands"] = {
-            **engine.schedule.state_dict(), "round_tokens": engine.group.sum([engine.round_tokens])[0],
-            "stepped_batch": self._stepped_batch, "totals": dict(engine.totals), "outer_steps": outer["outer_steps"],
-            "has_momentum": outer["momentum"] is not None, "has_residual": outer["residual"] is not None,
-            "island": self.island_index, "num_islands": self.num_islands, "fingerprint": fingerprint}
+        checkpoint["islands"] = {**engine.checkpoint_meta(), "stepped_batch": self._stepped_batch,
+                                 "island": self.island_index, "num_islands": self.num_islands,
+                                 "fingerprint": fingerprint}
         with self._beating("saving checkpoint"):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             path = Path(self.broadcast(str(filepath)))
-            state = {k: self._as_dtensors(outer[k], engine.layout) for k in ("anchor", "momentum", "residual")
-                     if outer[k] is not None}
-            dcp_save(state, storage_writer=FileSystemWriter(path / _OUTER_DIR, overwrite=True))
+            save_outer_state(path, engine.state.state_dict(), self._params, engine.layout)
             self.barrier()
-
-    def _load_outer(self, path: Path, like: Sequence[Tensor], layout: CanonicalLayout,
-                    keys: Sequence[str]) -> dict[str, list[Tensor]]:
-        """The outer-state lists ``keys`` of the checkpoint at ``path``, this rank's shards, fp32."""
-        from torch.distributed.checkpoint import load as dcp_load
-
-        state = {k: self._as_dtensors([torch.zeros_like(t, dtype=torch.float32) for t in like], layout) for k in keys}
-        try:
-            dcp_load(state, checkpoint_id=path / _OUTER_DIR)
-        except Exception as err:
-            raise RuntimeError(f"could not read the islands' outer state from {path / _OUTER_DIR} ({err}); the "
-                               "checkpoint is incomplete or damaged: resume from an earlier one") from err
-        return {k: [local_view(state[k][e.name]) for e in layout.entries] for k in keys}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         meta = checkpoint.get("islands")
         path = Path(self.broadcast(str(checkpoint_path)))
+        module, engine = self.lightning_module, self.engine
+        assert module is not None
         if not self._ready():
             if meta is not None:  # not fitting (validate/test/predict from a checkpoint): the global model
-                named = list(self.lightning_module.named_parameters())  # type: ignore[union-attr]
+                named = list(module.named_parameters())
                 self._params = [p for _, p in named]
                 layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device))
                 locals_ = self._locals()
                 with torch.no_grad():
-                    for loc, a in zip(locals_, self._load_outer(path, locals_, layout, ["anchor"])["anchor"]):
+                    for loc, a in zip(locals_, load_outer_state(path, ["anchor"], self._params, layout,
+                                                                locals_)["anchor"]):
                         loc.copy_(a)
                 self._params = []
             return checkpoint
-        engine = self.engine
         assert engine is not None
         if meta is None:  # a plain (e.g. FSDP) checkpoint: every island starts again from island 0's state
-            engine.adopt_initial_state(self._locals(), dict(self.lightning_module.named_buffers()))  # type: ignore
+            engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
             return checkpoint
         if meta["island"] != self.island_index or meta.get("num_islands", self.num_islands) != self.num_islands:
             raise ValueError(
                 f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
                 f"{self.island_index} of {self.num_islands}; give each island its own checkpoint (resume=[...])")
-        has_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
-        keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * has_residual
-        loaded = self._load_outer(path, engine.state.anchors, engine.layout, keys)
-        engine.state.load_state_dict({"anchor": loaded["anchor"], "momentum": loaded.get("momentum"),
-                                      "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
-        engine.schedule.load_state_dict(meta)
-        engine.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
-        engine.totals = dict(meta["totals"])
+        use_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
+        keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * use_residual
+        engine.load_checkpoint_meta(meta, load_outer_state(path, keys, self._params, engine.layout,
+                                                           engine.state.anchors))
         self._stepped_batch = meta["stepped_batch"]
         return checkpoint
 

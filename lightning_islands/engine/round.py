@@ -220,6 +220,46 @@ class IslandEngine:
 
         return self.agree(compare)
 
+    def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
+        """Act on the start agreement (``done``: the islands without steps left). Returns whether
+        to stop at once, and a message for the user (``None``: nothing to say) with whether it is
+        a warning.
+
+        Every island has steps: go on, also after the agreed end of an earlier run (a final
+        checkpoint resumed with more steps). Some island has none: no round could complete (that
+        island never joins one), so every island stops at once.
+        """
+        schedule = self.schedule
+        if not done:
+            if not schedule.stopping:
+                return False, None, False
+            schedule.stopping = False
+            return False, f"islands: continuing after round {schedule.round}, where the previous run ended", False
+        if schedule.stopping:
+            return True, (f"islands: this checkpoint is the agreed end of a run (round {schedule.round}) and not "
+                          "every island has steps left; stopping. Raise trainer.max_steps to train further."), False
+        schedule.stopping = True  # the end of training must not start a round the others never join
+        return True, (f"islands: island(s) {done} have no steps left (trainer.max_steps reached), so no round can "
+                      f"complete; not every island has steps left, stopping at round {schedule.round}. Give every "
+                      "island a max_steps above the step it resumes from."), True
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps beside the outer state (a collective of the island: the
+        round's tokens are summed over its ranks)."""
+        state = self.state.state_dict()
+        return {**self.schedule.state_dict(), "round_tokens": self.group.sum([self.round_tokens])[0],
+                "totals": dict(self.totals), "outer_steps": state["outer_steps"],
+                "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None}
+
+    def load_checkpoint_meta(self, meta: dict[str, Any], loaded: dict[str, list[Tensor]]) -> None:
+        """Restore the counters of :meth:`checkpoint_meta` and the outer state ``loaded`` from the
+        checkpoint (``anchor``, and ``momentum`` and ``residual`` where it holds them)."""
+        self.state.load_state_dict({"anchor": loaded["anchor"], "momentum": loaded.get("momentum"),
+                                    "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
+        self.schedule.load_state_dict(meta)
+        self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
+        self.totals = dict(meta["totals"])
+
     # ------------------------------------------------------------------ the round
     def count_tokens(self, tokens: int) -> None:
         """Add a batch's tokens to this rank's count for the round (the merge weight)."""

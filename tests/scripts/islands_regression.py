@@ -191,9 +191,10 @@ def main() -> None:
         digest = s.global_state_digest()
         if s.global_rank == 0:
             torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
-                        "inner_steps": s.inner_steps, "initial_state_broadcast": s.initial_state_broadcast,
+                        "inner_steps": s.engine.schedule.inner_steps,
+                        "initial_state_broadcast": s.engine.initial_state_broadcast,
                         "buffers": {n: b.detach().cpu().clone() for n, b in s.lightning_module.named_buffers()},
-                        "ef_device": str(s.residual[0].device) if s.residual else None},
+                        "ef_device": str(s.engine.state.residual[0].device) if s.engine.state.residual else None},
                        out / f"island{s.island_index}_round{s.round}.pt")
 
     strategy.round_callbacks.append(save_round)
