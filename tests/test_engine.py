@@ -347,3 +347,20 @@ def test_no_module_the_engine_reaches_imports_lightning():
                         todo.append(candidate)
     assert root / "engine" / "round.py" in seen and root / "transport.py" in seen
     assert sys.modules  # the walk is static: nothing was imported
+
+
+def test_the_outer_state_round_trips_through_a_checkpoint_and_a_damaged_one_names_itself(tmp_path):
+    from lightning_islands.engine.checkpoint import OUTER_DIR, load_outer_state, save_outer_state
+
+    layout = CanonicalLayout(SPECS)
+    params = [torch.zeros(s) for _, s, _ in SPECS]
+    state = {"anchor": [torch.randn(s) for _, s, _ in SPECS], "momentum": [torch.randn(s) for _, s, _ in SPECS],
+             "residual": None, "outer_steps": 3}
+    save_outer_state(tmp_path, state, params, layout)
+    loaded = load_outer_state(tmp_path, ["anchor", "momentum"], params, layout, params)
+    for key in ("anchor", "momentum"):
+        assert all(torch.equal(a, b) for a, b in zip(loaded[key], state[key]))
+    for f in (tmp_path / OUTER_DIR).glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])  # a write cut short
+    with pytest.raises(RuntimeError, match=r"(?s)islands_outer .*incomplete or damaged: resume from an earlier one"):
+        load_outer_state(tmp_path, ["anchor"], params, layout, params)

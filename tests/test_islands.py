@@ -198,6 +198,28 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
         assert a[r]["digest"] == b[r]["digest"]
 
 
+def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
+    """tests/fixtures/checkpoint_0.1.0 holds the step-4 checkpoints of both islands and the global
+    state of rounds 3 and 4 of the same run, written by release 0.1.0 (commit 7b36b34, before the
+    engine left the strategy) with `--steps 8 --H 2 --codec int4 --inner adamw --ckpt-every 4`."""
+    import shutil
+
+    fixture = SCRIPTS.parent / "fixtures" / "checkpoint_0.1.0"
+    for i in (0, 1):
+        shutil.copytree(fixture / f"island{i}.ckpt", tmp_path / f"island{i}.ckpt")
+    out = tmp_path / "out"
+    launch([1, 1], ["islands_regression.py", "--out", out, "--steps", 8, "--H", 2, "--codec", "int4",
+                    "--inner", "adamw", "--batch-sizes", "4,8", "--resume", str(tmp_path / "island{island}.ckpt")],
+           tmp_path / "logs")
+    want = torch.load(fixture / "rounds_3_4.pt", weights_only=False)
+    got, other = load_rounds(out, 0), load_rounds(out, 1)
+    assert sorted(got) == sorted(other) == [2, 3, 4]  # the step-4 checkpoint precedes round 2's outer step
+    for r in (3, 4):
+        assert got[r]["digest"] == other[r]["digest"] == want[r]["digest"], f"round {r} differs from 0.1.0's"
+        for name, t in want[r]["params"].items():
+            assert torch.equal(got[r]["params"][name], t), f"round {r}: {name}"
+
+
 def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
     common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
