@@ -45,12 +45,13 @@ def load_outer_state(checkpoint: Path, keys: Sequence[str], params: Sequence[Ten
     like ``like``; a collective of the island. A missing or damaged folder is a RuntimeError that
     names it and the fix."""
     from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.tensor import DTensor
 
     state = {k: _as_dtensors([torch.zeros_like(t, dtype=torch.float32) for t in like], params, layout) for k in keys}
     try:
         dcp_load(state, checkpoint_id=checkpoint / OUTER_DIR)
-    except Exception as err:
+    except (Exception, CheckpointException) as err:
         raise RuntimeError(f"could not read the islands' outer state from {checkpoint / OUTER_DIR} ({err}); the "
                            "checkpoint is incomplete or damaged: resume from an earlier one") from err
     return {k: [t.to_local() if isinstance(t, DTensor) else t for t in (state[k][e.name] for e in layout.entries)]
