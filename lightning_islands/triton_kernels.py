@@ -3,17 +3,17 @@
 The torch reference path of a blockwise codec makes about ten passes over memory (absmax, scale,
 reciprocal, multiply, round, cast, pack); these kernels make three: one reads the vector and
 writes the block scales, one reads it again and writes the packed values, and decoding reads the
-packed values and writes the vector once. They produce the same bytes as the reference path and
-the CPU kernels, because every operation is one of the codec's exact or correctly rounded IEEE
-fp32 steps (see the docstring of :mod:`lightning_islands.codecs.wire`):
+packed values and writes the vector once. They produce the same bytes as the reference path,
+because every operation is one of the codec's exact or correctly rounded IEEE fp32 steps (see the
+docstring of :mod:`lightning_islands.codecs.wire`):
 
 - ``scale = div_rn(absmax, qmax)`` and ``inv = min(div_rn(1, scale), FLT_MAX)``: correctly rounded
   divisions (Triton's ``/`` on fp32 is an approximate division);
 - ``t = x * inv``, then round half to even by adding and subtracting 1.5 * 2**23 (exact for
   |t| < 2**22) with FMA contraction switched off (``enable_fp_fusion=False``): a fused
   ``x * inv + 1.5 * 2**23`` would round the exact product instead of ``fl(x * inv)``;
-- fp8 codes are made from the fp32 bits by integer arithmetic (as in ``csrc/liq_kernels.c``), not
-  by a hardware conversion, which older GPUs lack and whose rounding mode Triton chooses;
+- fp8 codes are made from the fp32 bits by integer arithmetic, not by a hardware conversion, which
+  older GPUs lack and whose rounding mode Triton chooses;
 - decoding is ``value * scale``, the one rounding, after an exact int-to-float conversion.
 
 The same kernel source runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which

@@ -21,7 +21,7 @@ Codecs are selected by a spec string (see :func:`make_codec`)::
 The wire format (header, body layouts, packing) and the quantization rule are documented in
 :mod:`lightning_islands.codecs.wire`. The modules of this package, one idea each:
 
-    wire        header, codec ids, body layouts           paths       which fast path a tensor takes
+    wire        header, codec ids, body layouts           paths       Triton or torch, per tensor
     checksum    CRC-32 of payloads (CPU threads, GPU)     base        the Codec interface and validation
     dense       fp32, bf16                                blockwise   fp8, int8/4/2 (BlockCodec)
     packing     planar 4/2/1-bit packing                  sign        the 1-bit sign codec
@@ -33,11 +33,10 @@ CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 ele
 loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
 instead of streaming through DRAM; on other devices the whole vector is one slab.
 
-Fast paths, same bytes: on CPU the C kernels of :mod:`lightning_islands.native`; on CUDA the Triton
-kernels of :mod:`lightning_islands.triton_kernels` for the blockwise codecs, each checked against
-the torch path on a probe vector before its first use on a device
-(:meth:`~lightning_islands.codecs.blockwise.BlockCodec._triton`).
-``native.disabled()`` turns both off in its thread; ``LI_TRITON=0`` turns the Triton ones off.
+Fast paths, same bytes: on CUDA the Triton kernels of :mod:`lightning_islands.triton_kernels` for
+the blockwise codecs, each checked against the torch path on a probe vector before its first use
+on a device (:meth:`~lightning_islands.codecs.blockwise.BlockCodec._triton`); everything else,
+and everything on CPU, runs the torch path. ``LI_TRITON=0`` turns the Triton kernels off.
 """
 
 from __future__ import annotations

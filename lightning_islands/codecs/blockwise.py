@@ -1,8 +1,8 @@
 """Blockwise codecs: one fp32 scale per block, values as fp8 or 8/4/2-bit integers.
 
 :class:`BlockCodec` holds what they share: the absmax scales, cache-blocked slabs on CPU, the
-partial last block, and the choice among the fused CPU kernels, the Triton kernels (trusted per
-device only after they reproduced the torch path's bytes on a probe) and the torch path.
+partial last block, and the choice between the Triton kernels (trusted per device only after they
+reproduced the torch path's bytes on a probe) and the torch path.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import codec_probe, native
+from lightning_islands import codec_probe
 from lightning_islands.codecs import paths
 from lightning_islands.codecs.base import Codec, nonfinite_error
-from lightning_islands.codecs.checksum import run_checksummed
 from lightning_islands.codecs.packing import pack_planar, unpack_planar
 from lightning_islands.codecs.wire import (
     CODEC_IDS,
@@ -82,9 +81,6 @@ class BlockCodec(Codec):
     def _values_nbytes(self, m: int) -> int:
         return 4 * ceil_div(m, self.block_size) + ceil_div(m, self.pack)
 
-    def _checksums_while_decoding(self, body: Tensor) -> bool:
-        return self._triton(body) is None and super()._checksums_while_decoding(body)
-
     def _slab_elems(self, device: torch.device, m: int) -> int:
         """Slab length: a multiple of the block size and (if packed) of the packing group."""
         unit = self.alignment
@@ -92,8 +88,8 @@ class BlockCodec(Codec):
             return max(unit, m)  # one slab: no cache blocking needed, fewer kernel launches
         return max(1, _CPU_SLAB_ELEMS // unit) * unit
 
-    # per-slab kernels: x / out are flat slices of whole blocks (the last may be partial),
-    # scale the matching fp32 scales, values the matching packed bytes
+    # per-slab steps of the torch path: x / out are flat slices of whole blocks (the last may be
+    # partial), scale the matching fp32 scales, values the matching packed bytes
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
         raise NotImplementedError
 
@@ -188,10 +184,9 @@ class BlockCodec(Codec):
         ours, ref = (torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2))
         self._tk_encode(tk, x, *self._body_parts(ours, n))
         ref_scales, ref_values = self._body_parts(ref, n)
-        with native.disabled():
-            self._torch_encode(x, ref_scales, ref_values)
-            expected = torch.empty(n, device=device)
-            self._decode_values(ref, n, expected)
+        self._torch_encode(x, ref_scales, ref_values)
+        expected = torch.empty(n, device=device)
+        self._torch_decode(ref_values, ref_scales, expected)
         got = torch.empty(n, device=device)
         self._tk_decode(tk, ref_values, ref_scales, got)
         if not torch.equal(ours, ref):
@@ -217,66 +212,31 @@ class BlockCodec(Codec):
             b0 = s // self.pack
             yield slice(s, e), scales[s // bsz : ceil_div(e, bsz)], values[b0 : b0 + ceil_div(e - s, self.pack)], work
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
         scales, values = self._body_parts(body, v.numel())
-        crc = None
         if not self._run_triton(v, lambda tk: self._tk_encode(tk, v, scales, values)):
-            ran, crc = self._native_encode(v, scales, values)
-            if not ran:
-                self._torch_encode(v, scales, values)
-        if scales.numel() and self._check_scales(v, scales):
-            crc = None  # scales were nudged after they were checksummed
-        return crc
+            self._torch_encode(v, scales, values)
+        if scales.numel():
+            self._check_scales(v, scales)
 
     def _torch_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> None:
+        """The reference encoder: the block scales and packed values of ``v``, a slab at a time."""
         for span, scale, packed, work in self._slabs(v.device, v.numel(), scales, values):
             self._encode_slab(v[span], scale, packed, work)
+
+    def _torch_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> None:
+        """The reference decoder: ``out`` (as many values as it holds) from packed values and scales."""
+        for span, scale, packed, work in self._slabs(out.device, out.numel(), scales, values):
+            self._decode_slab(packed, scale, out[span], work)
 
     @property
     def alignment(self) -> int:
         """Whole blocks and (packed values) whole packing groups: see :attr:`Codec.alignment`. Also
-        the alignment of the slabs and of the ranges handed to the fused kernels."""
+        the alignment of the slabs."""
         return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> tuple[bool, int | None]:
-        """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
-        the kernels did not take it)``; ``(False, None)`` (nothing done) to use the torch path."""
-        return self._run_native(v, scales, values, "encode",
-                                lambda s, e, c: self._encode_job(v, scales, values, s, e, c))
-
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> tuple[bool, int | None]:
-        """Decode with the fused CPU kernel if there is one; returns as :meth:`_native_encode`."""
-        return self._run_native(out, scales, values, "decode",
-                                lambda s, e, c: self._decode_job(values, scales, out, s, e, c))
-
-    def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
-                    job: Callable[[int, int, int], native.Job]) -> tuple[bool, int | None]:
-        """Run the kernel calls ``job(start, stop, crc)`` over unit-aligned ranges of the fp32
-        ``vector`` on the kernel threads, the kernel checksumming the matching pieces of ``scales`` and ``values``
-        while they are in cache (:func:`run_checksummed`). Returns ``(True, the CRC-32 of scales +
-        values, i.e. the body, or None if the kernels did not take it)``, or ``(False, None)``
-        (nothing run) if there are no fused kernels."""
-        if paths.kernels(vector) is None:
-            return False, None
-        bsz, pack = self.block_size, self.pack
-        failed, crc = run_checksummed(
-            vector.numel(), self.alignment, job,
-            lambda s, e: (scales[s // bsz : ceil_div(e, bsz)], values[s // pack : ceil_div(e, pack)]))
-        if any(failed):
-            raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
-        return True, crc
-
-    # the kernel call (native.Job) on the unit-aligned value range [s, e), advancing the two CRC-32s
-    # at address crc (scales, values); the kernel returns its status (0 = ok)
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        raise NotImplementedError
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        raise NotImplementedError
-
-    def _check_scales(self, v: Tensor, scales: Tensor) -> bool:
-        """Raise if a scale is non-finite; nudge scales whose decode could overflow. True if any
-        scale was changed."""
+    def _check_scales(self, v: Tensor, scales: Tensor) -> None:
+        """Raise if a scale is non-finite; nudge scales whose decode could overflow."""
         smax = float(scales.amax())
         if not math.isfinite(smax):
             err = nonfinite_error(v)
@@ -288,19 +248,11 @@ class BlockCodec(Codec):
             if bool(risky.any()):
                 nudged = torch.nextafter(scales, torch.zeros_like(scales))
                 scales.copy_(torch.where(risky, nudged, scales))
-                return True
-        return False
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
         scales, values = self._body_parts(body, m)
-        if self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
-            return None
-        ran, crc = self._native_decode(values, scales, out[:m])
-        if ran:
-            return crc
-        for span, scale, packed, work in self._slabs(body.device, m, scales, values):
-            self._decode_slab(packed, scale, out[span], work)
-        return None
+        if not self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
+            self._torch_decode(values, scales, out[:m])
 
 
 class Float8Codec(BlockCodec):
@@ -314,16 +266,6 @@ class Float8Codec(BlockCodec):
     qmax = _FP8_MAX
     bits = 8.0
     fp8 = True
-
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_fp8_encode", (native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s),
-                                  crc)
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_fp8_decode", (native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(out, s),
-                                  crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
         t = self._scaled(x, scale, work)
@@ -356,16 +298,6 @@ class IntCodec(BlockCodec):
         self.qmax = float(2 ** (bits - 1) - 1)
         self.pack = 8 // bits
         super().__init__(block_size)
-
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_int_encode", (native.ptr(v, s), e - s, bsz, int(self.bits), native.ptr(scales, s // bsz),
-                                  native.ptr(values, s // self.pack), crc)
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_int_decode", (native.ptr(values, s // self.pack), native.ptr(scales, s // bsz), e - s, bsz,
-                                  int(self.bits), native.ptr(out, s), crc)
 
     def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
         t = self._scaled(x, scale, work)
