@@ -14,8 +14,9 @@ see the same machine state), this measures:
   (``LI_TRITON_ONE_PASS=0``: block scales, then values) instead of once, side by side;
 * ``torch rt/copy`` (CUDA): the round trip on the torch reference path (``LI_TRITON=0``), i.e. what
   a GPU without triton runs, side by side with the Triton kernels that the other columns use for
-  the blockwise codecs (``lightning_islands/triton_kernels.py``; the checksum of bodies of 256 KiB
-  and more is then taken on the GPU, ``triton_crc.py``). On CPU every column is the torch path.
+  the blockwise codecs (``lightning_islands/codecs/triton_kernels.py``; the checksum of bodies of
+  256 KiB and more is then taken on the GPU, ``triton_crc.py``). On CPU every column is the torch
+  path.
 
 Before every timed operation a read-only pass over a clean buffer of twice the last-level cache
 (``--scrub-mib``) writes back and evicts what the previous operation left in the caches, so each
@@ -48,8 +49,8 @@ from pathlib import Path
 import torch
 
 from lightning_islands import codecs as C
-from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import blockwise, checksum, paths
+from lightning_islands.codecs.buffers import Buffers
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
 

@@ -14,7 +14,7 @@ rounds) to its pseudo-gradient; the leader encodes what it gathered, decodes its
 second island's (here its own payload again) and merges; the merged update and the new residual go
 back to the ranks as shards. Three rows: the whole vector at once, chunks of ``--chunk-mib`` MiB
 (``exchange_chunk_mib``) with the leader's chunk-sized temporaries reused from chunk to chunk
-(``lightning_islands.buffers.Buffers``, as the strategy does), and the same chunks with fresh
+(``lightning_islands.codecs.buffers.Buffers``, as the strategy does), and the same chunks with fresh
 temporaries for every chunk (as it did until session 14). Every row also gives each rank's wall
 time for the round.
 
@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_islands import outer
-from lightning_islands.buffers import Buffers, take
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import make_codec
+from lightning_islands.codecs.buffers import Buffers, take
 
 
 def _peak_rss() -> int:

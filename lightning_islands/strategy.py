@@ -37,9 +37,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_islands import floatenv, outer
-from lightning_islands.buffers import Buffers
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import check_decay, default_error_feedback, make_codec, with_residual
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.parallel import local_view, reshard_all
 from lightning_islands.roundstats import RoundStats, sum_sq

@@ -18,13 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_islands import codecs as C
-from lightning_islands import crc32
-from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import (
     ErrorFeedback,
     blockwise,
     checksum,
     compression_ratio,
+    crc32,
     crc32_combine,
     default_error_feedback,
     elias_fano,
@@ -34,6 +33,7 @@ from lightning_islands.codecs import (
     selection,
     wire,
 )
+from lightning_islands.codecs.buffers import Buffers
 
 _SUPPRESS = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=_SUPPRESS)
@@ -862,7 +862,7 @@ def test_error_feedback_state_of_a_gpu_residual_loads_anywhere():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_payload_checksums_are_taken_on_the_gpu():
     pytest.importorskip("triton", reason="the CUDA build of torch brings triton")
-    from lightning_islands import triton_crc
+    from lightning_islands.codecs import triton_crc
 
     g = torch.Generator().manual_seed(9)
     for n in [1, 1023, 1025, 262_145, (3 << 20) + 7]:

@@ -1,4 +1,4 @@
-"""The GPU codec kernels (lightning_islands/triton_kernels.py, triton_crc.py), checked on the CPU.
+"""The GPU codec kernels (lightning_islands/codecs/triton_kernels.py, triton_crc.py), checked on the CPU.
 
 Triton's interpreter runs the same kernel source on CPU tensors when ``TRITON_INTERPRET=1`` is set
 before triton is imported, and ``LI_TRITON=interpret`` routes the blockwise codecs' CPU tensors to
@@ -70,7 +70,7 @@ def fresh_trust(monkeypatch):
 
 @interpreted
 def test_interpreted_blockwise_codecs_run_the_triton_kernels_and_trust_them(fresh_trust, monkeypatch):
-    from lightning_islands import triton_kernels
+    from lightning_islands.codecs import triton_kernels
 
     calls = []
     real = triton_kernels.encode_blockwise
@@ -103,7 +103,7 @@ def test_interpreted_a_kernel_that_disagrees_with_the_reference_is_not_used(faul
     """The first-use check compares a probe's bytes and decoded bits with the torch path; a kernel
     that differs in one bit (or does not compile) is dropped with a warning, and the payload stays
     the reference one. (Which faults the probe reveals: tests/test_codec_probe.py.)"""
-    from lightning_islands import triton_kernels
+    from lightning_islands.codecs import triton_kernels
 
     enc, dec = triton_kernels.encode_blockwise, triton_kernels.decode_blockwise
 
@@ -145,8 +145,8 @@ def test_interpreted_one_pass_encoder_gives_the_reference_bytes(one_pass, monkey
     whole and cut short, both give the torch path's bytes. A NaN or an Inf in a block shows in
     that block's scale (the codec then refuses the input). ``LI_TRITON_ONE_PASS=0`` keeps every
     value on the two-pass encoder."""
-    from lightning_islands import codec_probe
-    from lightning_islands import triton_kernels as tk
+    from lightning_islands.codecs import probe as codec_probe
+    from lightning_islands.codecs import triton_kernels as tk
 
     monkeypatch.setenv("LI_TRITON_ONE_PASS", one_pass)
     launched = []
@@ -200,11 +200,11 @@ def test_interpreted_one_pass_encoder_gives_the_reference_bytes(one_pass, monkey
                          [(1, 2, 2, 1), (2, 2, 2, 1), (33, 2, 2, 1), (64, 16, 4, 1), (300, 16, 4, 8), (257, 256, 2, 1),
                           (2000, 1024, 256, 1)])
 def test_interpreted_gpu_crc_kernel_gives_zlibs_crc32(n, byte_group, raw_group, rows, monkeypatch):
-    """lightning_islands/triton_crc.py: the fold tree gives zlib's CRC-32 for lengths that fill,
+    """lightning_islands/codecs/triton_crc.py: the fold tree gives zlib's CRC-32 for lengths that fill,
     straddle and miss its groups, over one to six levels, with one group per program and with
     several (the last program's extra rows masked). Small fan-ins make deep trees cheap under the
     interpreter; the defaults (1024, then 256) run too."""
-    from lightning_islands import crc32, triton_crc
+    from lightning_islands.codecs import crc32, triton_crc
 
     monkeypatch.setattr(triton_crc, "_ROWS", rows)  # the interpreter computes masked rows too: 1 is cheap
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
@@ -215,7 +215,7 @@ def test_interpreted_gpu_crc_kernel_gives_zlibs_crc32(n, byte_group, raw_group, 
 
 @interpreted
 def test_interpreted_crc_kernel_checks_its_arguments_and_passes_its_first_use_check(monkeypatch):
-    from lightning_islands import triton_crc
+    from lightning_islands.codecs import triton_crc
 
     data = torch.zeros(10, dtype=torch.uint8)
     assert triton_crc.raw_crc(data[:0]) == 0
@@ -247,7 +247,7 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
     contracted ``x * inv + 1.5 * 2**23`` rounds differently), only correctly rounded ``.rn``
     arithmetic and division (Triton's plain ``/`` would be ``div.full``), and nothing that flushes
     subnormals (``.ftz``)."""
-    from lightning_islands import triton_kernels as tk
+    from lightning_islands.codecs import triton_kernels as tk
 
     # every kernel, each way its floating-point code differs: fp8 codes against integer ones, and
     # the int8 decode's conversion (from a byte) against the packed ones' (from an int32); the
@@ -285,7 +285,7 @@ def test_the_crc_kernel_addresses_bodies_over_2_gib(arch, bits, group):
     is widened to 64 bits before any arithmetic (``pid * ROWS * GROUP`` in 32 bits wraps past
     2**31 bytes and folds the wrong bytes), and the store of each raw CRC is guarded by a 64-bit
     comparison with ``ngroups`` (the last program's rows past the end must not be written)."""
-    from lightning_islands import triton_crc
+    from lightning_islands.codecs import triton_crc
 
     text = triton_crc.ptx(arch, bits, group)
     lines = [line.split("//")[0].strip() for line in text.splitlines()]
@@ -303,7 +303,7 @@ def test_the_crc_kernel_addresses_bodies_over_2_gib(arch, bits, group):
 
 def test_every_launch_switches_fp_fusion_off(monkeypatch):
     """The PTX test compiles with the options the launches use; this pins that the launches use them."""
-    from lightning_islands import triton_kernels as tk
+    from lightning_islands.codecs import triton_kernels as tk
 
     launches = []
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.buffers import Buffers
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.checksum import crc32_of
 from lightning_islands.codecs.wire import (
     CODEC_NAMES,
@@ -129,7 +129,7 @@ class Codec:
 
         ``out`` (optional): a contiguous uint8 tensor of exactly ``nbytes(x.numel())`` bytes on
         ``x``'s device to write the payload into (reusing a buffer avoids page-faulting fresh
-        memory on every call). ``scratch`` (optional): a :class:`~lightning_islands.buffers.Buffers`
+        memory on every call). ``scratch`` (optional): a :class:`~lightning_islands.codecs.buffers.Buffers`
         that a codec with large temporaries (top-k) takes them from, for a caller that encodes
         many times. Raises ``ValueError`` if ``x`` contains NaN/Inf. Identical input gives
         identical bytes.

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import codec_probe
 from lightning_islands.codecs import paths
+from lightning_islands.codecs import probe as codec_probe
 from lightning_islands.codecs.base import Codec, nonfinite_error
 from lightning_islands.codecs.packing import pack_planar, unpack_planar
 from lightning_islands.codecs.wire import (
@@ -163,7 +163,7 @@ class BlockCodec(Codec):
                       f"check ({problem}); this codec uses the slower torch path there (same bytes)", stacklevel=6)
 
     def _triton_disagrees(self, tk: Any, device: torch.device) -> str | None:
-        """Encode and decode a probe (:mod:`lightning_islands.codec_probe`: exact and rounded ties,
+        """Encode and decode a probe (:mod:`lightning_islands.codecs.probe`: exact and rounded ties,
         subnormal and near-overflow blocks; whole, and cut to a partial block and packing group)
         with the Triton kernels and with the torch path; None if every byte and every decoded bit
         agree, else what differed. A compiler that rounds differently must not change the wire

@@ -1,7 +1,7 @@
 """CRC-32 (zlib polynomial) of payloads: zlib(-ng) in threads on CPU, a Triton kernel on GPUs.
 
 Large bodies are checksummed in pieces, concurrently, and the pieces' CRCs are combined exactly
-(:mod:`lightning_islands.crc32`).
+(:mod:`lightning_islands.codecs.crc32`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import crc32
-from lightning_islands.codecs import paths
+from lightning_islands.codecs import crc32, paths
 
 try:  # same CRC-32 as zlib, ~10x faster (PCLMUL); optional
     from zlib_ng import zlib_ng as _zlib_fast
@@ -71,19 +70,19 @@ def crc32_of(prefix: bytes, body: Tensor) -> int:
 
 
 _GPU_CRC_MIN_BYTES = 256 << 10  # below this, copying the body to the host costs less than the kernel launches
-CRC_PROBE_BYTES = (1 << 20) + 777  # three fold levels of lightning_islands.triton_crc, the last ones partial
+CRC_PROBE_BYTES = (1 << 20) + 777  # three fold levels of triton_crc, the last ones partial
 CRC_KERNEL_TRUSTED: dict[str, bool] = {}  # device -> the GPU CRC-32 kernel agreed with zlib there
 
 
 def device_raw_crc(body: Tensor) -> int | None:
-    """The raw CRC-32 of a CUDA body taken on its GPU (:mod:`lightning_islands.triton_crc`); None
+    """The raw CRC-32 of a CUDA body taken on its GPU (:mod:`lightning_islands.codecs.triton_crc`); None
     for small or CPU bodies, without triton, with ``LI_TRITON=0``, or where the kernel failed its
     check against zlib on this device."""
     if body.device.type != "cuda" or body.numel() < _GPU_CRC_MIN_BYTES:
         return None
     if paths.triton_mode() == "0" or paths.import_triton_kernels() is None:
         return None
-    from lightning_islands import triton_crc
+    from lightning_islands.codecs import triton_crc
 
     return triton_crc.raw_crc(body) if crc_kernel_trusted(triton_crc, body.device) else None
 

@@ -27,9 +27,9 @@ def triton_mode() -> str:
 
 @functools.cache
 def import_triton_kernels() -> Any:
-    """:mod:`lightning_islands.triton_kernels`, or None (said once) if triton cannot be imported."""
+    """:mod:`lightning_islands.codecs.triton_kernels`, or None (said once) if triton cannot be imported."""
     try:
-        from lightning_islands import triton_kernels
+        from lightning_islands.codecs import triton_kernels
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken triton install failing on import
         warnings.warn(f"lightning_islands: triton is not importable ({e}); the codecs use the slower torch "
                       "path on the GPU (pip install triton)", stacklevel=5)
@@ -38,7 +38,7 @@ def import_triton_kernels() -> Any:
 
 
 def triton_module(t: Tensor) -> Any:
-    """:mod:`lightning_islands.triton_kernels` if the blockwise codecs should run it on
+    """:mod:`lightning_islands.codecs.triton_kernels` if the blockwise codecs should run it on
     ``t``'s device, else None (the torch path)."""
     mode = triton_mode()
     if mode == "0" or t.device.type != ("cpu" if mode == "interpret" else "cuda"):

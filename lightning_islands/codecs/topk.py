@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.buffers import Buffers, take
 from lightning_islands.codecs.base import Codec, raise_if_nonfinite_sum
+from lightning_islands.codecs.buffers import Buffers, take
 from lightning_islands.codecs.dense import Float32Codec
 from lightning_islands.codecs.elias_fano import ef_decode, ef_encode, ef_layout
 from lightning_islands.codecs.selection import magnitude_bits, topk_indices

@@ -5,7 +5,7 @@ payload on a GPU that checksum used to be taken on the host after copying the wh
 an H200 that took 0.72 s for the 1 GiB body of an fp32 payload, hundreds of times the codec
 kernels' own time.
 
-The raw CRC (no conditioning) is linear over GF(2) (:mod:`lightning_islands.crc32`), so it is
+The raw CRC (no conditioning) is linear over GF(2) (:mod:`lightning_islands.codecs.crc32`), so it is
 computed here as a tree of folds. The first level turns every 1024 bytes into their raw CRC; each
 further level turns 256 raw CRCs into the raw CRC of their concatenation, until one is left. The
 message is padded with zero bytes in front to whole groups, which leaves a raw CRC unchanged. A
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_islands import crc32
-from lightning_islands.triton_kernels import _on_device, compile_ptx
+from lightning_islands.codecs import crc32
+from lightning_islands.codecs.triton_kernels import _on_device, compile_ptx
 
 __all__ = ["BYTE_GROUP", "RAW_GROUP", "raw_crc"]
 

@@ -6,7 +6,7 @@ the message bits: the raw CRC of a concatenation ``A + B`` is ``raw(A) * x^(8*le
 is that raw CRC plus a term that depends only on ``start`` and the length. So a checksum can be
 taken in pieces, in any order, on any device, and joined exactly; :mod:`lightning_islands.codecs`
 joins the CRCs of pieces of large payloads that threads took this way, and
-:mod:`lightning_islands.triton_crc` takes the CRC of GPU payloads as a tree of such joins. Plain
+:mod:`lightning_islands.codecs.triton_crc` takes the CRC of GPU payloads as a tree of such joins. Plain
 Python integers; no torch (zlib-ng's combine, where installed, for speed).
 """
 
