@@ -237,6 +237,34 @@ def test_interpret_mode_without_the_interpreter_is_a_clear_error(monkeypatch):
 
 # (bits, fp8) of fp8, int8, int4 and int2
 _VARIANTS = [(8, True), (8, False), (4, False), (2, False)]
+# the kernels' argument types, for compiling them ahead of time
+_SIGNATURES = {
+    "scales": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "count": "i64", "nblocks": "i64",
+               "qmax": "fp32"},
+    "encode": {"x_ptr": "*fp32", "inv_ptr": "*fp32", "out_ptr": "*u8", "count": "i64"},
+    "units": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "qmax": "fp32"},
+    "decode": {"val_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "count": "i64"},
+}
+
+
+def _ptx(fn, signature: dict, constexprs: dict, arch: int, options: dict | None = None) -> str:
+    """PTX of the Triton function ``fn`` for compute capability ``arch`` (80 Ampere, 90 Hopper, 100
+    Blackwell), compiled without a GPU (Triton ships its own LLVM and ptxas); ``signature`` types
+    every argument, constexprs included."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options or {}).asm["ptx"]
+
+
+def _kernel_ptx(kernel: str, arch: int, **constexprs: int | bool) -> str:
+    """One codec kernel compiled with the launch options the codecs use."""
+    from lightning_islands.codecs import triton_kernels as tk
+
+    signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
+    return _ptx(getattr(tk.kernels(), kernel), signature, constexprs, arch, tk._OPTIONS)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for GPUs")
@@ -254,18 +282,18 @@ def test_the_kernels_compile_for_gpus_with_every_rounding_as_written(arch):
     # integer bit fields of int4 and int2 do not change the float arithmetic, nor do block sizes
     programs = {}
     rows, chunk = tk.scale_tiling(96)
-    programs["scales/96"] = tk.ptx("scales", arch, BLOCK=96, ROWS=rows, CHUNK=chunk)
+    programs["scales/96"] = _kernel_ptx("scales", arch, BLOCK=96, ROWS=rows, CHUNK=chunk)
     for (bits, fp8), block in zip(_VARIANTS, (128, 96, 4096, 36)):
         const = {"BLOCK": block, "BITS": bits, "OFFSET": tk.offset(bits), "FP8": fp8, "GROUP": PACK_GROUP}
         if bits != 2:
-            programs[f"decode/{bits}/{fp8}/{block}"] = tk.ptx("decode", arch, **const)
+            programs[f"decode/{bits}/{fp8}/{block}"] = _kernel_ptx("decode", arch, **const)
         if bits == 4 or fp8:
-            programs[f"encode/{bits}/{fp8}/{block}"] = tk.ptx("encode", arch, **const)
+            programs[f"encode/{bits}/{fp8}/{block}"] = _kernel_ptx("encode", arch, **const)
     for (bits, fp8), block in zip(_VARIANTS, (4096, 128, 64, 16384)):
         if bits == 4 or fp8:
             const = {"BLOCK": block, "UNIT": tk.one_pass_unit(block, PACK_GROUP), "BITS": bits,
                      "OFFSET": tk.offset(bits), "FP8": fp8, "GROUP": PACK_GROUP}
-            programs[f"units/{bits}/{fp8}/{block}"] = tk.ptx("units", arch, **const)
+            programs[f"units/{bits}/{fp8}/{block}"] = _kernel_ptx("units", arch, **const)
     for name, text in programs.items():
         ops = [line.split()[0] for line in text.splitlines() if line.strip() and not line.strip().startswith("//")]
         float_ops = {op for op in ops if ".f32" in op or ".f16" in op}
@@ -287,7 +315,9 @@ def test_the_crc_kernel_addresses_bodies_over_2_gib(arch, bits, group):
     comparison with ``ngroups`` (the last program's rows past the end must not be written)."""
     from lightning_islands.codecs import triton_crc
 
-    text = triton_crc.ptx(arch, bits, group)
+    signature = {"src_ptr": "*u8" if bits == 8 else "*i32", "tab_ptr": "*i32", "out_ptr": "*i32", "n": "i64",
+                 "pad": "i32", "ngroups": "i64", "BITS": "constexpr", "GROUP": "constexpr", "ROWS": "constexpr"}
+    text = _ptx(triton_crc._fold, signature, {"BITS": bits, "GROUP": group, "ROWS": triton_crc._ROWS}, arch)
     lines = [line.split("//")[0].strip() for line in text.splitlines()]
     pid = [m.group(1) for line in lines if (m := re.match(r"mov\.u32\s+(%r\d+), %ctaid\.x;", line))]
     assert len(pid) == 1, pid

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from lightning_islands.codecs.base import Codec
 from lightning_islands.codecs.blockwise import Float8Codec, IntCodec
-from lightning_islands.codecs.crc32 import crc32_combine
 from lightning_islands.codecs.dense import BFloat16Codec, Float32Codec
 from lightning_islands.codecs.feedback import (
     ErrorFeedback,
@@ -89,7 +88,6 @@ __all__ = [
     "TopKCodec",
     "check_decay",
     "compression_ratio",
-    "crc32_combine",
     "default_error_feedback",
     "make_codec",
     "quantization_error",

@@ -193,19 +193,6 @@ class Codec:
         self._decode_body(body, n, k, out, scratch)
         return out
 
-    def describe_header(self, payload: Tensor) -> dict[str, Any]:
-        """Parse a payload header without validating it against this codec (for diagnostics)."""
-        magic, version, codec_id, kind, block, n, k, crc = HEADER.unpack(header_bytes(payload))
-        return {
-            "magic": magic,
-            "version": version,
-            "codec": describe(codec_id, kind, block),
-            "block_size": block,
-            "n": n,
-            "k": k,
-            "crc32": crc,
-        }
-
     def _validate_header(self, payload: Tensor) -> tuple[int, int, bytes]:
         """Check everything but the checksum; ``(n, k, header bytes)``."""
         raw = header_bytes(payload)
