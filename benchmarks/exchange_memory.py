@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from lightning_islands import outer
 from lightning_islands.canonical import CanonicalLayout
 from lightning_islands.codecs import make_codec
-from lightning_islands.codecs.buffers import Buffers, take
+from lightning_islands.codecs.buffers import Buffers
 
 
 def _peak_rss() -> int:
@@ -49,6 +49,14 @@ def _peak_rss() -> int:
 
 def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+
+
+class _Fresh(Buffers):
+    """Buffers that keep nothing: every take is a fresh tensor (the exchange until session 14)."""
+
+    def take(self, name: str, numel: int, dtype: torch.dtype = torch.float32,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_spec: str,
@@ -66,23 +74,23 @@ def _leader_round(layout: CanonicalLayout, locals_: list, params: list, codec_sp
     sent = [torch.add(loc, r) for loc, r in zip(locals_, residual)]
     chunks = outer.chunk_bounds(layout.numel, chunk)
     into = None if len(chunks) == 1 else [torch.zeros_like(loc) for loc in locals_]
-    scratch = Buffers() if reuse else None  # None: every take is a fresh tensor
+    scratch = Buffers() if reuse else _Fresh()
     leader = dist.get_rank() == 0
     for start, stop in chunks:
         m = stop - start
         part = layout.gather_to_leader(sent, params, cpu, start=start, stop=stop,
-                                       into=take(scratch, "part", m) if leader else None)
+                                       into=scratch.take("part", m) if leader else None)
         merged = dropped = None
         if part is not None:
-            payload = codec.encode(part, out=take(scratch, "payload", codec.nbytes(m), torch.uint8), scratch=scratch)
-            own = codec.decode(payload, out=take(scratch, "own", m), scratch=scratch)
-            dropped = torch.sub(part, own, out=take(scratch, "residual", m))
-            other = codec.decode(payload.clone(), out=take(scratch, "decoded1", m),  # the other island's, as received
+            payload = codec.encode(part, out=scratch.take("payload", codec.nbytes(m), torch.uint8), scratch=scratch)
+            own = codec.decode(payload, out=scratch.take("own", m), scratch=scratch)
+            dropped = torch.sub(part, own, out=scratch.take("residual", m))
+            other = codec.decode(payload.clone(), out=scratch.take("decoded1", m),  # the other island's, as received
                                  scratch=scratch)
-            merged = outer.merge([own, other], [1.0, 1.0], out=take(scratch, "merged", m),
-                                 scratch=take(scratch, "term", m))
+            merged = outer.merge([own, other], [1.0, 1.0], out=scratch.take("merged", m),
+                                 scratch=scratch.take("term", m))
             del part, own, payload, other
-            if scratch is not None and stop == chunks[-1][1]:
+            if reuse and stop == chunks[-1][1]:
                 scratch.clear()  # as the strategy does: the last chunk's scatters get the room
         grads = layout.scatter_from_leader(merged, params, cpu, start=start, stop=stop, into=into)
         layout.scatter_from_leader(dropped, params, cpu, start=start, stop=stop, into=residual)

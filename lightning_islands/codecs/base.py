@@ -91,11 +91,12 @@ class Codec:
     def _body_nbytes(self, n: int) -> int:
         return self._values_nbytes(n)
 
-    # scratch: where a body format may take large temporaries from (see Codec.encode)
-    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> None:
+    # scratch: where a body format takes large temporaries from (the caller's, see Codec.encode, or
+    # one for this call)
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers) -> None:
         self._encode_values(x, body)
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> None:
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers) -> None:
         self._decode_values(body, n, out)
 
     # -- public API -----------------------------------------------------------------------------
@@ -154,7 +155,7 @@ class Codec:
                 )
             payload = out
         body = payload[HEADER_BYTES:]
-        self._encode_body(x, body, scratch)
+        self._encode_body(x, body, scratch if scratch is not None else Buffers())
         header = HEADER.pack(
             MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
         )[:CRC_OFFSET]
@@ -190,7 +191,7 @@ class Codec:
                 f"out must be a contiguous 1-D float32 tensor of {n} elements on {payload.device}, got "
                 f"{out.dtype} shape {tuple(out.shape)} on {out.device}"
             )
-        self._decode_body(body, n, k, out, scratch)
+        self._decode_body(body, n, k, out, scratch if scratch is not None else Buffers())
         return out
 
     def _validate_header(self, payload: Tensor) -> tuple[int, int, bytes]:

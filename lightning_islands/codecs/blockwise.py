@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_islands.codecs import paths
 from lightning_islands.codecs import probe as codec_probe
 from lightning_islands.codecs.base import Codec, nonfinite_error
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.packing import pack_planar, unpack_planar
 from lightning_islands.codecs.wire import (
     CODEC_IDS,
@@ -37,26 +38,6 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _FP8_BITS_MASK = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20..26, as a signed int32
-
-
-class Work:
-    """Per-call scratch buffers, allocated lazily and reused across slabs."""
-
-    def __init__(self, device: torch.device, elems: int) -> None:
-        self.device = device
-        self.elems = elems
-        self._f32: Tensor | None = None
-        self._u8: Tensor | None = None
-
-    def f32(self, numel: int) -> Tensor:
-        if self._f32 is None or self._f32.numel() < numel:
-            self._f32 = torch.empty(max(numel, self.elems), dtype=torch.float32, device=self.device)
-        return self._f32[:numel]
-
-    def u8(self, numel: int) -> Tensor:
-        if self._u8 is None or self._u8.numel() < numel:
-            self._u8 = torch.empty(max(numel, self.elems), dtype=torch.uint8, device=self.device)
-        return self._u8[:numel]
 
 
 TRITON_TRUSTED: dict[tuple[str, str], bool] = {}  # (device, codec name) -> Triton kernels agree there
@@ -89,11 +70,12 @@ class BlockCodec(Codec):
         return max(1, _CPU_SLAB_ELEMS // unit) * unit
 
     # per-slab steps of the torch path: x / out are flat slices of whole blocks (the last may be
-    # partial), scale the matching fp32 scales, values the matching packed bytes
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    # partial), scale the matching fp32 scales, values the matching packed bytes; work holds the
+    # temporaries that the slabs of one call share
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         raise NotImplementedError
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         raise NotImplementedError
 
     def _scale_rows(self, x: Tensor, scale: Tensor, t: Tensor) -> None:
@@ -110,9 +92,9 @@ class BlockCodec(Codec):
         inv = torch.reciprocal(scale).clamp_(max=FP32_MAX)
         torch.mul(x, inv.unsqueeze(1), out=t)
 
-    def _scaled(self, x: Tensor, scale: Tensor, work: Work) -> Tensor:
+    def _scaled(self, x: Tensor, scale: Tensor, work: Buffers) -> Tensor:
         """Write the block scales of flat ``x`` into ``scale``; return ``x * (1/scale)`` (workspace)."""
-        t = work.f32(x.numel())
+        t = work.take("scaled", x.numel(), device=x.device)
         for s, e, rows, b in block_pieces(x.numel(), self.block_size):
             self._scale_rows(x[s:e].view(rows, -1), scale[b : b + rows], t[s:e].view(rows, -1))
         return t
@@ -201,12 +183,12 @@ class BlockCodec(Codec):
         return body[: 4 * nblocks].view(torch.float32), body[4 * nblocks :]
 
     def _slabs(self, device: torch.device, m: int, scales: Tensor,
-               values: Tensor) -> Iterator[tuple[slice, Tensor, Tensor, Work]]:
+               values: Tensor) -> Iterator[tuple[slice, Tensor, Tensor, Buffers]]:
         """The torch path's pieces of ``m`` values: ``(their range, their scales, their values, the
         scratch buffers all slabs share)``."""
         bsz = self.block_size
         slab = self._slab_elems(device, m)
-        work = Work(device, min(slab, m))
+        work = Buffers()
         for s in range(0, m, slab):
             e = min(s + slab, m)
             b0 = s // self.pack
@@ -267,11 +249,11 @@ class Float8Codec(BlockCodec):
     bits = 8.0
     fp8 = True
 
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         t = self._scaled(x, scale, work)
         values.view(torch.float8_e4m3fn).copy_(t)  # round to nearest even; |t| <= 448
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         # float8_e4m3fn -> fp32 by bit placement (the built-in CPU cast is scalar and ~6x slower):
         # sign-extend the byte, shift it so mantissa/exponent land at fp32 bits 20..26 and the sign
         # at bit 31, and rescale by 2**120 (exact). fp8 subnormals become fp32 subnormals, so this
@@ -299,21 +281,21 @@ class IntCodec(BlockCodec):
         self.pack = 8 // bits
         super().__init__(block_size)
 
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         t = self._scaled(x, scale, work)
         t.round_()  # half to even; |t| <= qmax (see :mod:`lightning_islands.codecs.wire`), so no clamp is needed
         if self.pack == 1:
             values.view(torch.int8).copy_(t)
             return
-        q = work.u8(t.numel())
+        q = work.take("codes", t.numel(), torch.uint8, x.device)
         q.view(torch.int8).copy_(t)
         pack_planar(q, values, self.pack)
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         if self.pack == 1:
             out.copy_(values.view(torch.int8))
         else:
-            q = work.u8(out.numel())
+            q = work.take("codes", out.numel(), torch.uint8, out.device)
             unpack_planar(values, q, self.pack)
             out.copy_(q.view(torch.int8))
         self._rescale(out, scale)  # the one rounding: q.float() * scale

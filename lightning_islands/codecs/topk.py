@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs.base import Codec, raise_if_nonfinite_sum
-from lightning_islands.codecs.buffers import Buffers, take
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.dense import Float32Codec
 from lightning_islands.codecs.elias_fano import ef_decode, ef_encode, ef_layout
 from lightning_islands.codecs.selection import magnitude_bits, topk_indices
@@ -63,7 +63,7 @@ class TopKCodec(Codec):
         _, low_bytes, high_bytes = ef_layout(n, k)
         return self.inner._values_nbytes(k) + low_bytes + high_bytes
 
-    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> None:
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers) -> None:
         n = x.numel()
         k = self._count(n)
         raise_if_nonfinite_sum(x)
@@ -78,9 +78,9 @@ class TopKCodec(Codec):
             self.inner._encode_values(values, body[:inner_bytes])
         ef_encode(idx, n, body[inner_bytes:])
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> None:
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers) -> None:
         inner_bytes = self.inner._values_nbytes(k)
-        values = take(scratch, "topk.values", k, device=body.device)
+        values = scratch.take("topk.values", k, device=body.device)
         if k:
             self.inner._decode_values(body[:inner_bytes], k, values)
         idx = ef_decode(body[inner_bytes:], n, k)
