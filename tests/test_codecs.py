@@ -818,6 +818,23 @@ def test_triton_kernels_match_torch_on_edge_values(spec):
         _both_paths(codec, x)
 
 
+def test_topk_selection_ignores_the_flush_to_zero_mode():
+    # subnormal magnitudes rank above zeros, whatever the CPU's denormal mode
+    x = torch.zeros(1000)
+    x[500:] = torch.arange(1, 501).float() * 1e-45
+    x[0] = 1.0
+    codec = make_codec("topk:0.01")
+    expected = make_codec("topk:0.01").encode(x)
+    assert torch.set_flush_denormal(True)
+    try:
+        got = codec.encode(x)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(got, expected)
+    idx = elias_fano.ef_decode(got[C.HEADER_BYTES + 4 * 10 :], 1000, 10)
+    assert idx.tolist() == [0, *range(991, 1000)]
+
+
 def test_decode_is_q_times_scale_with_one_rounding():
     codec = make_codec("int8/64")
     x = make_vector(1000, 11, -3.0, "gauss")
@@ -1118,3 +1135,9 @@ def test_a_gpu_crc_kernel_that_disagrees_with_zlib_is_not_used(monkeypatch, faul
     assert len(said) == 1, [str(w.message) for w in caught]  # said once
     assert ("where zlib gives" if fault == "wrong" else "PassManager") in said[0], said
     assert "taken on the host" in said[0], said
+
+
+def test_parallel_crc_equals_zlib():
+    body = torch.randint(0, 256, ((9 << 20) + 12345,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    prefix = b"0123456789abcdefghijklmnopqr"
+    assert checksum.crc32_of(prefix, body) == zlib.crc32(np.asarray(body.numpy()).tobytes(), zlib.crc32(prefix))
