@@ -407,6 +407,17 @@ def test_topk_sampled_threshold_selects_an_exact_topk_set(kind, fraction):
     assert torch.equal(d[mask], x[mask]) and (d[~mask] == 0).all()
 
 
+def test_topk_selection_searches_everything_when_the_sample_misses():
+    # the strided sample sees only the largest entries, so its estimate leaves fewer than k candidates
+    n, k = 140_009, 1000
+    x = torch.rand(n, generator=torch.Generator().manual_seed(2)) * 1e-3
+    sampled = x[:: n // selection._TOPK_SAMPLE]
+    sampled.copy_(torch.arange(1, sampled.numel() + 1, dtype=torch.float32))
+    a = selection.magnitude_bits(x)
+    assert selection._candidates(a, k) is None
+    assert torch.equal(selection.topk_indices(a, k), reference_topk(x, k))
+
+
 def test_topk_k_rounding_and_small_n():
     codec = make_codec("topk:0.01")
     assert [codec._count(n) for n in (0, 1, 99, 100, 101, 300)] == [0, 1, 1, 1, 2, 3]

@@ -20,34 +20,38 @@ def magnitude_bits(x: Tensor) -> Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
-def _kth_largest(a: Tensor, k: int) -> Tensor:
-    """The k-th largest entry of ``a`` (1 <= k <= n), as a 0-d tensor.
+def _candidates(a: Tensor, k: int) -> Tensor | None:
+    """Increasing indices of a subset of ``a`` that holds its k largest entries (about 2k of them),
+    or None to search all of ``a``.
 
-    ``torch.topk`` over the whole vector is slow on CPU (~0.1-0.5 GB/s), so for small k we first
-    estimate a threshold from a strided sample (over-selecting about 2x), keep the candidates at
-    or above it and run the exact top-k on those; if the estimate was too high to leave k
-    candidates, fall back to the full ``torch.topk``. The value is unique whatever the route.
+    ``torch.topk`` over the whole vector is slow on CPU, so for small k the threshold is first
+    estimated from a strided sample (over-selecting about 2x); the entries at or above the estimate
+    are the candidates. If the estimate was too high to leave k of them, None.
     """
     n = a.numel()
     if n < _TOPK_SAMPLE * 4 or 4 * k >= n:
-        return torch.topk(a, k, sorted=False).values.min()
+        return None
     sample = a[:: n // _TOPK_SAMPLE]
     rank = min(sample.numel(), 2 * ceil_div(k * sample.numel(), n) + 32)
     estimate = torch.topk(sample, rank, sorted=False).values.min()
-    candidates = a[a >= estimate]
-    if candidates.numel() < k:  # pragma: no cover - needs a very unlucky sample
-        candidates = a
-    return torch.topk(candidates, k, sorted=False).values.min()
+    idx = torch.nonzero(a >= estimate).view(-1)
+    return idx if idx.numel() >= k else None  # fewer: needs a very unlucky sample
 
 
 def topk_indices(a: Tensor, k: int) -> Tensor:
-    """Indices of the k largest entries of ``a`` in increasing order. ``a`` holds magnitudes as
-    :func:`magnitude_bits` (or any non-negative values without NaN).
+    """Indices of the k largest entries of ``a`` (1 <= k <= n) in increasing order. ``a`` holds
+    magnitudes as :func:`magnitude_bits` (or any non-negative values without NaN).
 
     The selection rule: all entries above the k-th largest value, then the lowest-index entries
-    equal to it until there are k.
+    equal to it until there are k. (The candidates of :func:`_candidates` hold every entry at or
+    above that value, so the result does not depend on the sample.)
     """
-    threshold = _kth_largest(a, k)
-    above = torch.nonzero(a > threshold).view(-1)
-    ties = torch.nonzero(a == threshold).view(-1)[: k - above.numel()]
-    return torch.cat([above, ties]).sort().values
+    idx = _candidates(a, k)
+    values = a if idx is None else a.index_select(0, idx)
+    threshold = torch.topk(values, k, sorted=False).values.min()
+    kept = torch.nonzero(values >= threshold).view(-1)  # every entry above it and every tie, in order
+    if kept.numel() > k:  # too many ties: keep the lowest-index ones
+        tie = values.index_select(0, kept) == threshold
+        allowed = k - (kept.numel() - int(tie.sum()))
+        kept = kept[~tie | (torch.cumsum(tie, 0) <= allowed)]
+    return kept if idx is None else idx.index_select(0, kept)
