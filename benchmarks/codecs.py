@@ -8,18 +8,15 @@ see the same machine state), this measures:
   its buffers (as a round's chunks do);
 * ``alloc``: the same with fresh outputs (on CPU, page-faulting fresh multi-MiB allocations can cost
   more than the codec itself);
-* ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header; on the fused
-  CPU path this includes the CRC-32 the kernel threads take of each piece while it is in cache
-  (``crc ms`` is one separate CRC-32 of the whole payload: what the torch path pays per direction);
-* ``own/copy`` (CPU, where the fused kernels run on torch's OpenMP threads): the round trip with
-  the kernel calls on the library's own threads instead (``native.own_threads()``), side by side;
+* ``kern``: the body alone (quantize+pack / unpack+dequantize), without the header and its
+  checksum (``crc ms`` is one CRC-32 of the whole payload, paid once per direction);
 * ``2pass/copy`` (CUDA, blockwise codecs): ``kern`` with the Triton encoder reading the input twice
   (``LI_TRITON_ONE_PASS=0``: block scales, then values) instead of once, side by side;
-* ``torch rt/copy``: the round trip on the torch reference path (``native.disabled()``), i.e. what
-  a machine without a C compiler (or a GPU without triton) runs, side by side with the fused kernels
-  that the other columns use when available: the C kernels of ``lightning_islands/native.py`` on
-  CPU, the Triton kernels of ``lightning_islands/triton_kernels.py`` for the blockwise codecs on CUDA
-  (on CUDA the checksum of bodies of 256 KiB and more is taken on the GPU, ``triton_crc.py``).
+* ``torch rt/copy`` (CUDA): the round trip on the torch reference path (``LI_TRITON=0``), i.e. what
+  a GPU without triton runs, side by side with the Triton kernels that the other columns use for
+  the blockwise codecs (``lightning_islands/codecs/triton_kernels.py``; the checksum of bodies of
+  256 KiB and more is then taken on the GPU, ``triton_crc.py``). On CPU every column is the torch
+  path.
 
 Before every timed operation a read-only pass over a clean buffer of twice the last-level cache
 (``--scrub-mib``) writes back and evicts what the previous operation left in the caches, so each
@@ -40,19 +37,20 @@ reported as the median over rounds; the other ratio columns likewise. Times are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from lightning_islands import codecs as C
-from lightning_islands import native
-from lightning_islands.buffers import Buffers
 from lightning_islands.codecs import blockwise, checksum, paths
+from lightning_islands.codecs.buffers import Buffers
 
 DEFAULT_CODECS = "fp32,bf16,fp8,int8,int4,int2,sign,topk:0.01,topk:0.01+int4"
 
@@ -103,23 +101,30 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` within the block (the codecs read these switches on every call)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def _reference(fn) -> None:
-    with native.disabled():
-        fn()
-
-
-def _own_threads(fn) -> None:
-    with native.own_threads():
+    """``fn()`` on the torch reference path (no Triton kernels)."""
+    with _env("LI_TRITON", "0"):
         fn()
 
 
 def _two_pass(fn) -> None:
     """``fn()`` with the Triton blockwise encoder in its two-pass form (scales, then values)."""
-    os.environ["LI_TRITON_ONE_PASS"] = "0"
-    try:
+    with _env("LI_TRITON_ONE_PASS", "0"):
         fn()
-    finally:
-        del os.environ["LI_TRITON_ONE_PASS"]
 
 
 def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> dict:
@@ -143,16 +148,14 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "kern_enc": lambda: codec._encode_body(x, kbody, sbuf),
         "kern_dec": lambda: codec._decode_body(body, n, k, dbuf, sbuf),
         "crc": lambda: checksum.crc32_of(b"", body),
-        "enc_ref": lambda: _reference(lambda: codec.encode(x, out=pbuf, scratch=sbuf)),
-        "dec_ref": lambda: _reference(lambda: codec.decode(payload, out=dbuf, scratch=sbuf)),
     }
-    two_pass = isinstance(codec, blockwise.BlockCodec) and paths.triton_module(x) is not None
+    triton = paths.triton_module(x) is not None  # else every op already runs the torch path
+    if triton:
+        ops["enc_ref"] = lambda: _reference(lambda: codec.encode(x, out=pbuf, scratch=sbuf))
+        ops["dec_ref"] = lambda: _reference(lambda: codec.decode(payload, out=dbuf, scratch=sbuf))
+    two_pass = triton and isinstance(codec, blockwise.BlockCodec)
     if two_pass:
         ops["kern_enc_2pass"] = lambda: _two_pass(lambda: codec._encode_body(x, kbody, sbuf))
-    own = x.device.type == "cpu" and native.openmp()
-    if own:
-        ops["enc_own"] = lambda: _own_threads(lambda: codec.encode(x, out=pbuf, scratch=sbuf))
-        ops["dec_own"] = lambda: _own_threads(lambda: codec.decode(payload, out=dbuf, scratch=sbuf))
     samples: dict[str, list[float]] = {name: [] for name in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
@@ -183,9 +186,8 @@ def bench_codec(spec: str, x: torch.Tensor, args: argparse.Namespace, timed) -> 
         "roundtrip_over_copy": over_copy("enc", "dec"),
         "kernel_roundtrip_over_copy": over_copy("kern_enc", "kern_dec"),
         "alloc_roundtrip_over_copy": over_copy("enc_alloc", "dec_alloc"),
-        "torch_roundtrip_over_copy": over_copy("enc_ref", "dec_ref"),
+        "torch_roundtrip_over_copy": over_copy("enc_ref", "dec_ref") if triton else None,
         "kernel_two_pass_over_copy": over_copy("kern_enc_2pass", "kern_dec") if two_pass else None,
-        "own_threads_roundtrip_over_copy": over_copy("enc_own", "dec_own") if own else None,
         "crc_ms": med["crc"] * 1e3,
     }
 
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device={device} ({name}) torch={torch.__version__} threads={torch.get_num_threads()} "
         f"numel={args.numel} ({4 * args.numel / 2**20:.0f} MiB fp32) repeats={args.repeats} (median) "
         f"scrub={args.scrub_mib} MiB "
-        f"fused_cpu_kernels={native.available()} openmp={native.openmp()} crc32={checksum.IMPLEMENTATION} "
+        f"crc32={checksum.IMPLEMENTATION} "
         f"triton={_triton_version()}"
     )
 
@@ -231,12 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_codec(spec, x, args, timed))
 
     triton_columns = paths.triton_module(x) is not None
-    own_columns = device.type == "cpu" and native.openmp()
     cols = (
         f"{'codec':<20} {'B/elem':>7} {'ratio':>7} {'rel.err':>8} {'enc GB/s':>9} {'dec GB/s':>9} "
         f"{'rt GB/s':>8} {'copy GB/s':>9} {'rt/copy':>8} {'kern/copy':>9} {'alloc/copy':>10} "
-        f"{'torch rt/copy':>13} {'crc ms':>7}" + (f" {'2pass/copy':>10}" if triton_columns else "")
-        + (f" {'own/copy':>8}" if own_columns else "")
+        f"{'crc ms':>7}" + (f" {'torch rt/copy':>13} {'2pass/copy':>10}" if triton_columns else "")
     )
     print(cols)
     print("-" * len(cols))
@@ -246,10 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['rel_error_gaussian']:>8.2e} {r['enc_gbs']:>9.2f} {r['dec_gbs']:>9.2f} "
             f"{r['roundtrip_gbs']:>8.2f} {r['copy_gbs']:>9.2f} {r['roundtrip_over_copy']:>8.2f} "
             f"{r['kernel_roundtrip_over_copy']:>9.2f} {r['alloc_roundtrip_over_copy']:>10.2f} "
-            f"{r['torch_roundtrip_over_copy']:>13.2f} "
             f"{r['crc_ms']:>7.2f}"
-            + (f" {r['kernel_two_pass_over_copy'] or float('nan'):>10.2f}" if triton_columns else "")
-            + (f" {r['own_threads_roundtrip_over_copy']:>8.2f}" if own_columns else "")
+            + (f" {r['torch_roundtrip_over_copy']:>13.2f} {r['kernel_two_pass_over_copy'] or float('nan'):>10.2f}"
+               if triton_columns else "")
         )
 
     if device.type == "cuda":
@@ -268,8 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         "scrub_mib": args.scrub_mib,
         "block_size": args.block_size,
         "format_version": C.FORMAT_VERSION,
-        "fused_cpu_kernels": native.available(),
-        "kernels_on_torch_openmp": native.openmp(),
         "crc32": checksum.IMPLEMENTATION,
         "triton": _triton_version(),
         "triton_trusted": {f"{dev} {name}": ok for (dev, name), ok in blockwise.TRITON_TRUSTED.items()},

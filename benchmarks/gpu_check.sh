@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks in one run, for a machine with one NVIDIA GPU and a CUDA build of torch (with triton):
-# the codec tests (CPU and CUDA: C, Triton and CRC kernels) beside the GPU island tests, then the
+# the codec tests (CPU and CUDA: Triton and CRC kernels) beside the GPU island tests, then the
 # CUDA and CPU codec benchmarks and a short two-island training job of the 149M MoE on the GPU.
 #
 #   OUT=results/gpu_check bash benchmarks/gpu_check.sh        # from the repository root
@@ -31,21 +31,20 @@ step() {  # step NAME SECONDS CMD...
 {
   nvidia-smi -L; nproc --all; free -g | head -2; lscpu | grep -E "Model name|L3|Flags" | cut -c1-200
   "$PY" -c "import torch, triton, lightning; print(torch.__version__, torch.version.cuda, triton.__version__, lightning.__version__, torch.cuda.get_device_name())"
-  gcc --version | head -1
 } >> "$LOG" 2>&1
 if [ -n "$WHEELS" ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$WHEELS"/*.whl >> "$LOG" 2>&1
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir . >> "$LOG" 2>&1 \
     || { echo "install failed" >> "$LOG"; exit 1; }
 fi
-# correctness: codec tests (CPU and CUDA: C, Triton and CRC kernels) beside the GPU island tests
+# correctness: codec tests (CPU and CUDA: Triton and CRC kernels) beside the GPU island tests
 (step test_codecs 120 "$PY" -m pytest tests/test_codecs.py -q -p no:cacheprovider -rs) &
 step test_gpu_islands 150 "$PY" -m pytest tests/test_islands.py -q -k "gpu" -p no:cacheprovider -rs
 wait
 # timings, one at a time
 step bench_cuda 90 "$PY" benchmarks/codecs.py --device cuda --numel 67108864 --repeats 5 --warmup 2 \
   --out "$OUT/codecs_cuda.json"
-# the CPU kernels on every core, on torch's OpenMP threads and (own/copy) on threads of their own
+# the CPU codecs (the torch path) on every core
 step bench_cpu 75 "$PY" benchmarks/codecs.py --device cpu --threads "$(nproc)" --numel 67108864 --repeats 5 \
   --warmup 1 --out "$OUT/codecs_cpu.json"
 step train_gpu 120 "$PY" -m lightning_islands.cli train trainer=gpu model=moe_gpu \

@@ -1,10 +1,10 @@
-"""lightning_islands/buffers.py: named scratch tensors reused across the passes of a loop."""
+"""lightning_islands/codecs/buffers.py: named scratch tensors reused across the passes of a loop."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_islands.buffers import Buffers
+from lightning_islands.codecs.buffers import Buffers
 
 
 def test_take_reuses_the_named_buffer_while_it_is_big_enough():

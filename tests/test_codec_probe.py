@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_islands.codec_probe import probe
+from lightning_islands.codecs.probe import probe
 
 _FMAX = torch.finfo(torch.float32).max
 

@@ -392,7 +392,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @needs_cuda
 @pytest.mark.parametrize("accelerators, precisions, codec", [
-    # a GPU island (NCCL inside, Triton codec kernels, bf16) beside a CPU island (gloo, C kernels)
+    # a GPU island (NCCL inside, Triton codec kernels, bf16) beside a CPU island (gloo)
     ("gpu,cpu", "bf16-mixed,32-true", "int4"),
     ("gpu,cpu", "32-true,32-true", "sign"),
     ("gpu,gpu", "bf16-mixed,bf16-mixed", "fp8"),

@@ -1,9 +1,9 @@
 """The wheel ships every file the checkout runs from: each folder is a listed package, each file a
 listed pattern.
 
-Hydra composes from `lightning_islands.conf` and `lightning_islands.recipes`, and the codec library
-compiles from `lightning_islands/csrc`, so a folder or file left out of pyproject.toml works from a
-checkout (editable install) and breaks only for a user who installed a wheel.
+Hydra composes from `lightning_islands.conf` and `lightning_islands.recipes`, so a folder or file left
+out of pyproject.toml works from a checkout (editable install) and breaks only for a user who
+installed a wheel.
 """
 
 from __future__ import annotations

@@ -21,23 +21,30 @@ Codecs are selected by a spec string (see :func:`make_codec`)::
 The wire format (header, body layouts, packing) and the quantization rule are documented in
 :mod:`lightning_islands.codecs.wire`. The modules of this package, one idea each:
 
-    wire        header, codec ids, body layouts           paths       which fast path a tensor takes
-    checksum    CRC-32 of payloads (CPU threads, GPU)     base        the Codec interface and validation
-    dense       fp32, bf16                                blockwise   fp8, int8/4/2 (BlockCodec)
-    packing     planar 4/2/1-bit packing                  sign        the 1-bit sign codec
+    wire        header, codec ids, body layouts           spec        spec strings -> codecs
+    base        the Codec interface and validation        dense       fp32, bf16
+    blockwise   fp8, int8/4/2 (BlockCodec)                sign        the 1-bit sign codec
+    packing     planar 4/2/1-bit packing                  topk        the top-k codec
     selection   which entries top-k keeps                 elias_fano  top-k index coding
-    topk        the top-k codec                           spec        spec strings -> codecs
-    feedback    error feedback and metrics
+    feedback    error feedback and metrics                buffers     named scratch tensors, reused
+    checksum    CRC-32 of payloads (zlib-ng, GPU)         crc32       CRC-32 algebra (shift, combine)
+    paths       Triton or torch, per tensor               probe       inputs a fast kernel must match
+    triton_kernels  the blockwise codecs on CUDA (Triton, imported on first use)
+    triton_crc      the CRC-32 of GPU payloads, on the GPU (Triton, imported on first use)
 
-CPU work is cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python
-loop over ~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache
-instead of streaming through DRAM; on other devices the whole vector is one slab.
+Every codec has one reference implementation in torch, which runs on every device. On CPU it is
+cache-blocked: the blockwise codecs process slabs of about 2**20 elements (a Python loop over
+~4 MiB slabs, never over blocks or elements) so their fp32 temporaries stay in cache instead of
+streaming through DRAM; on other devices the whole vector is one slab.
 
-Fast paths, same bytes: on CPU the C kernels of :mod:`lightning_islands.native`; on CUDA the Triton
-kernels of :mod:`lightning_islands.triton_kernels` for the blockwise codecs, each checked against
-the torch path on a probe vector before its first use on a device
-(:meth:`~lightning_islands.codecs.blockwise.BlockCodec._triton`).
-``native.disabled()`` turns both off in its thread; ``LI_TRITON=0`` turns the Triton ones off.
+On CUDA the blockwise codecs (fp8, int8/4/2, also inside top-k) run the Triton kernels of
+:mod:`lightning_islands.codecs.triton_kernels` instead, which write the same bytes in fewer passes;
+each codec checks them against the torch path on a probe vector (:mod:`lightning_islands.codecs.probe`)
+before their first use on a device and keeps the torch path, with a warning, where they differ
+(:meth:`~lightning_islands.codecs.blockwise.BlockCodec._triton`). Payload checksums of large CUDA
+bodies are taken on the GPU the same way. ``LI_TRITON=0`` turns both off; ``LI_TRITON=interpret``
+(with ``TRITON_INTERPRET=1``) runs the kernels on CPU tensors under Triton's interpreter, to check
+them without a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +70,6 @@ from lightning_islands.codecs.wire import (
     MAGIC,
     PACK_GROUP,
 )
-from lightning_islands.crc32 import crc32_combine
 
 __all__ = [
     "BASE_CODECS",
@@ -82,7 +88,6 @@ __all__ = [
     "TopKCodec",
     "check_decay",
     "compression_ratio",
-    "crc32_combine",
     "default_error_feedback",
     "make_codec",
     "quantization_error",

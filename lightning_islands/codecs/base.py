@@ -9,10 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import native
-from lightning_islands.buffers import Buffers
-from lightning_islands.codecs import paths
-from lightning_islands.codecs.checksum import payload_crc
+from lightning_islands.codecs.buffers import Buffers
+from lightning_islands.codecs.checksum import crc32_of
 from lightning_islands.codecs.wire import (
     CODEC_NAMES,
     CRC_OFFSET,
@@ -79,12 +77,10 @@ class Codec:
     def _values_nbytes(self, m: int) -> int:
         raise NotImplementedError
 
-    # The fused CPU paths also checksum the body while it is in cache and return its CRC-32 (no
-    # prefix, zlib conditioning); other paths return None and the caller checksums separately.
-    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
         raise NotImplementedError
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
         raise NotImplementedError
 
     # -- overridable for sparse codecs ----------------------------------------------------------
@@ -95,17 +91,13 @@ class Codec:
     def _body_nbytes(self, n: int) -> int:
         return self._values_nbytes(n)
 
-    # scratch: where a body format may take large temporaries from (see Codec.encode)
-    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> int | None:
-        return self._encode_values(x, body)
+    # scratch: where a body format takes large temporaries from (the caller's, see Codec.encode, or
+    # one for this call)
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers) -> None:
+        self._encode_values(x, body)
 
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> int | None:
-        return self._decode_values(body, n, out)
-
-    def _checksums_while_decoding(self, body: Tensor) -> bool:
-        """Whether ``_decode_body`` returns the body's CRC-32 (the fused CPU kernels do; the checksum
-        is then verified after decoding instead of in a separate pass before it)."""
-        return paths.kernels(body) is not None and native.kernel_checksums()
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers) -> None:
+        self._decode_values(body, n, out)
 
     # -- public API -----------------------------------------------------------------------------
     def nbytes(self, n: int) -> int:
@@ -138,7 +130,7 @@ class Codec:
 
         ``out`` (optional): a contiguous uint8 tensor of exactly ``nbytes(x.numel())`` bytes on
         ``x``'s device to write the payload into (reusing a buffer avoids page-faulting fresh
-        memory on every call). ``scratch`` (optional): a :class:`~lightning_islands.buffers.Buffers`
+        memory on every call). ``scratch`` (optional): a :class:`~lightning_islands.codecs.buffers.Buffers`
         that a codec with large temporaries (top-k) takes them from, for a caller that encodes
         many times. Raises ``ValueError`` if ``x`` contains NaN/Inf. Identical input gives
         identical bytes.
@@ -163,11 +155,11 @@ class Codec:
                 )
             payload = out
         body = payload[HEADER_BYTES:]
-        body_crc = self._encode_body(x, body, scratch)
+        self._encode_body(x, body, scratch if scratch is not None else Buffers())
         header = HEADER.pack(
             MAGIC, FORMAT_VERSION, self.codec_id, self.kind, self.block_size or 0, n, self._count(n), 0
         )[:CRC_OFFSET]
-        header += struct.pack("<I", payload_crc(header, body, body_crc))
+        header += struct.pack("<I", crc32_of(header, body))
         payload[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return payload
 
@@ -177,18 +169,15 @@ class Codec:
         ``out`` (optional): a contiguous float32 tensor of the original length on the payload's
         device to decode into, avoiding a fresh allocation (large fresh CPU allocations cost
         page faults that can exceed the decode itself); ``scratch`` as for :meth:`encode`.
-        Raises ``ValueError`` on any mismatch
-        (wrong codec, truncation, corruption) with expected vs. got values. Where the fused CPU
-        kernels checksum the body while decoding it, a corrupted payload is detected after ``out``
-        was written: its contents are then unspecified (the error is raised all the same).
+        Raises ``ValueError`` on any mismatch (wrong codec, truncation, corruption) with expected
+        vs. got values, before anything is written to ``out``.
         """
         if isinstance(payload, Tensor) and (not payload.is_contiguous() or payload.storage_offset() % 4):
             payload = payload.clone(memory_format=torch.contiguous_format)  # fp32 views need alignment
         n, k, raw = self._validate_header(payload)
         body = payload[HEADER_BYTES:]
-        late = self._checksums_while_decoding(body)
-        if not late:  # check first: decoding a corrupted body could fail with a misleading error
-            self._verify_crc(raw, payload_crc(raw[:CRC_OFFSET], body, None))
+        # check first: decoding a corrupted body could fail with a misleading error
+        self._verify_crc(raw, crc32_of(raw[:CRC_OFFSET], body))
         if out is None:
             out = torch.empty(n, dtype=torch.float32, device=payload.device)
         elif (
@@ -202,25 +191,8 @@ class Codec:
                 f"out must be a contiguous 1-D float32 tensor of {n} elements on {payload.device}, got "
                 f"{out.dtype} shape {tuple(out.shape)} on {out.device}"
             )
-        body_crc = self._decode_body(body, n, k, out, scratch)
-        if late:
-            if body_crc is None:  # pragma: no cover - a codec that claims to checksum must do so
-                raise RuntimeError(f"codec {self.name!r} did not checksum the body while decoding")
-            self._verify_crc(raw, payload_crc(raw[:CRC_OFFSET], body, body_crc))
+        self._decode_body(body, n, k, out, scratch if scratch is not None else Buffers())
         return out
-
-    def describe_header(self, payload: Tensor) -> dict[str, Any]:
-        """Parse a payload header without validating it against this codec (for diagnostics)."""
-        magic, version, codec_id, kind, block, n, k, crc = HEADER.unpack(header_bytes(payload))
-        return {
-            "magic": magic,
-            "version": version,
-            "codec": describe(codec_id, kind, block),
-            "block_size": block,
-            "n": n,
-            "k": k,
-            "crc32": crc,
-        }
 
     def _validate_header(self, payload: Tensor) -> tuple[int, int, bytes]:
         """Check everything but the checksum; ``(n, k, header bytes)``."""

@@ -1,8 +1,8 @@
 """Blockwise codecs: one fp32 scale per block, values as fp8 or 8/4/2-bit integers.
 
 :class:`BlockCodec` holds what they share: the absmax scales, cache-blocked slabs on CPU, the
-partial last block, and the choice among the fused CPU kernels, the Triton kernels (trusted per
-device only after they reproduced the torch path's bytes on a probe) and the torch path.
+partial last block, and the choice between the Triton kernels (trusted per device only after they
+reproduced the torch path's bytes on a probe) and the torch path.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import codec_probe, native
 from lightning_islands.codecs import paths
+from lightning_islands.codecs import probe as codec_probe
 from lightning_islands.codecs.base import Codec, nonfinite_error
-from lightning_islands.codecs.checksum import run_checksummed
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.packing import pack_planar, unpack_planar
 from lightning_islands.codecs.wire import (
     CODEC_IDS,
@@ -38,26 +38,6 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _FP8_BITS_MASK = 0x87F00000 - (1 << 32)  # fp32 bit 31 and bits 20..26, as a signed int32
-
-
-class Work:
-    """Per-call scratch buffers, allocated lazily and reused across slabs."""
-
-    def __init__(self, device: torch.device, elems: int) -> None:
-        self.device = device
-        self.elems = elems
-        self._f32: Tensor | None = None
-        self._u8: Tensor | None = None
-
-    def f32(self, numel: int) -> Tensor:
-        if self._f32 is None or self._f32.numel() < numel:
-            self._f32 = torch.empty(max(numel, self.elems), dtype=torch.float32, device=self.device)
-        return self._f32[:numel]
-
-    def u8(self, numel: int) -> Tensor:
-        if self._u8 is None or self._u8.numel() < numel:
-            self._u8 = torch.empty(max(numel, self.elems), dtype=torch.uint8, device=self.device)
-        return self._u8[:numel]
 
 
 TRITON_TRUSTED: dict[tuple[str, str], bool] = {}  # (device, codec name) -> Triton kernels agree there
@@ -82,9 +62,6 @@ class BlockCodec(Codec):
     def _values_nbytes(self, m: int) -> int:
         return 4 * ceil_div(m, self.block_size) + ceil_div(m, self.pack)
 
-    def _checksums_while_decoding(self, body: Tensor) -> bool:
-        return self._triton(body) is None and super()._checksums_while_decoding(body)
-
     def _slab_elems(self, device: torch.device, m: int) -> int:
         """Slab length: a multiple of the block size and (if packed) of the packing group."""
         unit = self.alignment
@@ -92,12 +69,13 @@ class BlockCodec(Codec):
             return max(unit, m)  # one slab: no cache blocking needed, fewer kernel launches
         return max(1, _CPU_SLAB_ELEMS // unit) * unit
 
-    # per-slab kernels: x / out are flat slices of whole blocks (the last may be partial),
-    # scale the matching fp32 scales, values the matching packed bytes
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    # per-slab steps of the torch path: x / out are flat slices of whole blocks (the last may be
+    # partial), scale the matching fp32 scales, values the matching packed bytes; work holds the
+    # temporaries that the slabs of one call share
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         raise NotImplementedError
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         raise NotImplementedError
 
     def _scale_rows(self, x: Tensor, scale: Tensor, t: Tensor) -> None:
@@ -114,9 +92,9 @@ class BlockCodec(Codec):
         inv = torch.reciprocal(scale).clamp_(max=FP32_MAX)
         torch.mul(x, inv.unsqueeze(1), out=t)
 
-    def _scaled(self, x: Tensor, scale: Tensor, work: Work) -> Tensor:
+    def _scaled(self, x: Tensor, scale: Tensor, work: Buffers) -> Tensor:
         """Write the block scales of flat ``x`` into ``scale``; return ``x * (1/scale)`` (workspace)."""
-        t = work.f32(x.numel())
+        t = work.take("scaled", x.numel(), device=x.device)
         for s, e, rows, b in block_pieces(x.numel(), self.block_size):
             self._scale_rows(x[s:e].view(rows, -1), scale[b : b + rows], t[s:e].view(rows, -1))
         return t
@@ -167,7 +145,7 @@ class BlockCodec(Codec):
                       f"check ({problem}); this codec uses the slower torch path there (same bytes)", stacklevel=6)
 
     def _triton_disagrees(self, tk: Any, device: torch.device) -> str | None:
-        """Encode and decode a probe (:mod:`lightning_islands.codec_probe`: exact and rounded ties,
+        """Encode and decode a probe (:mod:`lightning_islands.codecs.probe`: exact and rounded ties,
         subnormal and near-overflow blocks; whole, and cut to a partial block and packing group)
         with the Triton kernels and with the torch path; None if every byte and every decoded bit
         agree, else what differed. A compiler that rounds differently must not change the wire
@@ -188,10 +166,9 @@ class BlockCodec(Codec):
         ours, ref = (torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2))
         self._tk_encode(tk, x, *self._body_parts(ours, n))
         ref_scales, ref_values = self._body_parts(ref, n)
-        with native.disabled():
-            self._torch_encode(x, ref_scales, ref_values)
-            expected = torch.empty(n, device=device)
-            self._decode_values(ref, n, expected)
+        self._torch_encode(x, ref_scales, ref_values)
+        expected = torch.empty(n, device=device)
+        self._torch_decode(ref_values, ref_scales, expected)
         got = torch.empty(n, device=device)
         self._tk_decode(tk, ref_values, ref_scales, got)
         if not torch.equal(ours, ref):
@@ -206,77 +183,42 @@ class BlockCodec(Codec):
         return body[: 4 * nblocks].view(torch.float32), body[4 * nblocks :]
 
     def _slabs(self, device: torch.device, m: int, scales: Tensor,
-               values: Tensor) -> Iterator[tuple[slice, Tensor, Tensor, Work]]:
+               values: Tensor) -> Iterator[tuple[slice, Tensor, Tensor, Buffers]]:
         """The torch path's pieces of ``m`` values: ``(their range, their scales, their values, the
         scratch buffers all slabs share)``."""
         bsz = self.block_size
         slab = self._slab_elems(device, m)
-        work = Work(device, min(slab, m))
+        work = Buffers()
         for s in range(0, m, slab):
             e = min(s + slab, m)
             b0 = s // self.pack
             yield slice(s, e), scales[s // bsz : ceil_div(e, bsz)], values[b0 : b0 + ceil_div(e - s, self.pack)], work
 
-    def _encode_values(self, v: Tensor, body: Tensor) -> int | None:
+    def _encode_values(self, v: Tensor, body: Tensor) -> None:
         scales, values = self._body_parts(body, v.numel())
-        crc = None
         if not self._run_triton(v, lambda tk: self._tk_encode(tk, v, scales, values)):
-            ran, crc = self._native_encode(v, scales, values)
-            if not ran:
-                self._torch_encode(v, scales, values)
-        if scales.numel() and self._check_scales(v, scales):
-            crc = None  # scales were nudged after they were checksummed
-        return crc
+            self._torch_encode(v, scales, values)
+        if scales.numel():
+            self._check_scales(v, scales)
 
     def _torch_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> None:
+        """The reference encoder: the block scales and packed values of ``v``, a slab at a time."""
         for span, scale, packed, work in self._slabs(v.device, v.numel(), scales, values):
             self._encode_slab(v[span], scale, packed, work)
+
+    def _torch_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> None:
+        """The reference decoder: ``out`` (as many values as it holds) from packed values and scales."""
+        for span, scale, packed, work in self._slabs(out.device, out.numel(), scales, values):
+            self._decode_slab(packed, scale, out[span], work)
 
     @property
     def alignment(self) -> int:
         """Whole blocks and (packed values) whole packing groups: see :attr:`Codec.alignment`. Also
-        the alignment of the slabs and of the ranges handed to the fused kernels."""
+        the alignment of the slabs."""
         return self.block_size if self.pack == 1 else math.lcm(self.block_size, PACK_GROUP)
 
-    def _native_encode(self, v: Tensor, scales: Tensor, values: Tensor) -> tuple[bool, int | None]:
-        """Encode with the fused CPU kernel if there is one: ``(True, the body's CRC-32 or None if
-        the kernels did not take it)``; ``(False, None)`` (nothing done) to use the torch path."""
-        return self._run_native(v, scales, values, "encode",
-                                lambda s, e, c: self._encode_job(v, scales, values, s, e, c))
-
-    def _native_decode(self, values: Tensor, scales: Tensor, out: Tensor) -> tuple[bool, int | None]:
-        """Decode with the fused CPU kernel if there is one; returns as :meth:`_native_encode`."""
-        return self._run_native(out, scales, values, "decode",
-                                lambda s, e, c: self._decode_job(values, scales, out, s, e, c))
-
-    def _run_native(self, vector: Tensor, scales: Tensor, values: Tensor, what: str,
-                    job: Callable[[int, int, int], native.Job]) -> tuple[bool, int | None]:
-        """Run the kernel calls ``job(start, stop, crc)`` over unit-aligned ranges of the fp32
-        ``vector`` on the kernel threads, the kernel checksumming the matching pieces of ``scales`` and ``values``
-        while they are in cache (:func:`run_checksummed`). Returns ``(True, the CRC-32 of scales +
-        values, i.e. the body, or None if the kernels did not take it)``, or ``(False, None)``
-        (nothing run) if there are no fused kernels."""
-        if paths.kernels(vector) is None:
-            return False, None
-        bsz, pack = self.block_size, self.pack
-        failed, crc = run_checksummed(
-            vector.numel(), self.alignment, job,
-            lambda s, e: (scales[s // bsz : ceil_div(e, bsz)], values[s // pack : ceil_div(e, pack)]))
-        if any(failed):
-            raise MemoryError(f"fused {self.name} {what} could not allocate its scratch buffer")
-        return True, crc
-
-    # the kernel call (native.Job) on the unit-aligned value range [s, e), advancing the two CRC-32s
-    # at address crc (scales, values); the kernel returns its status (0 = ok)
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        raise NotImplementedError
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        raise NotImplementedError
-
-    def _check_scales(self, v: Tensor, scales: Tensor) -> bool:
-        """Raise if a scale is non-finite; nudge scales whose decode could overflow. True if any
-        scale was changed."""
+    def _check_scales(self, v: Tensor, scales: Tensor) -> None:
+        """Raise if a scale is non-finite; nudge scales whose decode could overflow."""
         smax = float(scales.amax())
         if not math.isfinite(smax):
             err = nonfinite_error(v)
@@ -288,19 +230,11 @@ class BlockCodec(Codec):
             if bool(risky.any()):
                 nudged = torch.nextafter(scales, torch.zeros_like(scales))
                 scales.copy_(torch.where(risky, nudged, scales))
-                return True
-        return False
 
-    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> int | None:
+    def _decode_values(self, body: Tensor, m: int, out: Tensor) -> None:
         scales, values = self._body_parts(body, m)
-        if self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
-            return None
-        ran, crc = self._native_decode(values, scales, out[:m])
-        if ran:
-            return crc
-        for span, scale, packed, work in self._slabs(body.device, m, scales, values):
-            self._decode_slab(packed, scale, out[span], work)
-        return None
+        if not self._run_triton(out, lambda tk: self._tk_decode(tk, values, scales, out[:m])):
+            self._torch_decode(values, scales, out[:m])
 
 
 class Float8Codec(BlockCodec):
@@ -315,21 +249,11 @@ class Float8Codec(BlockCodec):
     bits = 8.0
     fp8 = True
 
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_fp8_encode", (native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz), native.ptr(values, s),
-                                  crc)
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_fp8_decode", (native.ptr(values, s), native.ptr(scales, s // bsz), e - s, bsz, native.ptr(out, s),
-                                  crc)
-
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         t = self._scaled(x, scale, work)
         values.view(torch.float8_e4m3fn).copy_(t)  # round to nearest even; |t| <= 448
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         # float8_e4m3fn -> fp32 by bit placement (the built-in CPU cast is scalar and ~6x slower):
         # sign-extend the byte, shift it so mantissa/exponent land at fp32 bits 20..26 and the sign
         # at bit 31, and rescale by 2**120 (exact). fp8 subnormals become fp32 subnormals, so this
@@ -357,31 +281,21 @@ class IntCodec(BlockCodec):
         self.pack = 8 // bits
         super().__init__(block_size)
 
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_int_encode", (native.ptr(v, s), e - s, bsz, int(self.bits), native.ptr(scales, s // bsz),
-                                  native.ptr(values, s // self.pack), crc)
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_int_decode", (native.ptr(values, s // self.pack), native.ptr(scales, s // bsz), e - s, bsz,
-                                  int(self.bits), native.ptr(out, s), crc)
-
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         t = self._scaled(x, scale, work)
         t.round_()  # half to even; |t| <= qmax (see :mod:`lightning_islands.codecs.wire`), so no clamp is needed
         if self.pack == 1:
             values.view(torch.int8).copy_(t)
             return
-        q = work.u8(t.numel())
+        q = work.take("codes", t.numel(), torch.uint8, x.device)
         q.view(torch.int8).copy_(t)
         pack_planar(q, values, self.pack)
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
         if self.pack == 1:
             out.copy_(values.view(torch.int8))
         else:
-            q = work.u8(out.numel())
+            q = work.take("codes", out.numel(), torch.uint8, out.device)
             unpack_planar(values, q, self.pack)
             out.copy_(q.view(torch.int8))
         self._rescale(out, scale)  # the one rounding: q.float() * scale

@@ -1,7 +1,7 @@
 """Group-planar packing of 4-, 2- and 1-bit values, two, four or eight to a byte (torch path).
 
-The layout is part of the wire format (see :mod:`lightning_islands.codecs.wire`); the fused CPU
-and Triton kernels write the same bytes.
+The layout is part of the wire format (see :mod:`lightning_islands.codecs.wire`); the Triton
+kernels write the same bytes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Which fast path a tensor takes: the fused C kernels on CPU, Triton on CUDA, else torch.
+"""Which path a tensor takes: the Triton kernels on CUDA (blockwise codecs), else the torch reference.
 
-``LI_TRITON`` selects the Triton kernels (see :func:`triton_mode`); ``native.disabled()`` turns
-both fast paths off in its thread. Every path writes the same bytes.
+``LI_TRITON`` selects the Triton kernels (see :func:`triton_mode`); it is read on every call, so
+setting it to 0 for a block of code runs that code on the torch path. Every path writes the same
+bytes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,6 @@ import warnings
 from typing import Any
 
 from torch import Tensor
-
-from lightning_islands import native
-
-
-def kernels(t: Tensor) -> Any:
-    """The fused CPU kernels (a ctypes library) for a CPU tensor; None on other devices or without them."""
-    return native.library() if t.device.type == "cpu" and triton_mode() != "interpret" else None
 
 
 def triton_mode() -> str:
@@ -33,9 +27,9 @@ def triton_mode() -> str:
 
 @functools.cache
 def import_triton_kernels() -> Any:
-    """:mod:`lightning_islands.triton_kernels`, or None (said once) if triton cannot be imported."""
+    """:mod:`lightning_islands.codecs.triton_kernels`, or None (said once) if triton cannot be imported."""
     try:
-        from lightning_islands import triton_kernels
+        from lightning_islands.codecs import triton_kernels
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken triton install failing on import
         warnings.warn(f"lightning_islands: triton is not importable ({e}); the codecs use the slower torch "
                       "path on the GPU (pip install triton)", stacklevel=5)
@@ -44,10 +38,10 @@ def import_triton_kernels() -> Any:
 
 
 def triton_module(t: Tensor) -> Any:
-    """:mod:`lightning_islands.triton_kernels` if the blockwise codecs should run it on ``t``'s
-    device, else None (the fused CPU kernels or the torch path)."""
+    """:mod:`lightning_islands.codecs.triton_kernels` if the blockwise codecs should run it on
+    ``t``'s device, else None (the torch path)."""
     mode = triton_mode()
-    if not native.enabled() or mode == "0" or t.device.type != ("cpu" if mode == "interpret" else "cuda"):
+    if mode == "0" or t.device.type != ("cpu" if mode == "interpret" else "cuda"):
         return None
     triton_kernels = import_triton_kernels()
     if triton_kernels is None:

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import native
-from lightning_islands.codecs.blockwise import BlockCodec, Work
+from lightning_islands.codecs.blockwise import BlockCodec
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.packing import pack_planar, unpack_planar
 from lightning_islands.codecs.wire import CODEC_IDS, DEFAULT_BLOCK_SIZE, block_pieces
 
@@ -40,7 +40,7 @@ def _sign_flip(out: Tensor, bits: Tensor, scale: Tensor, block: int) -> None:
     """``out = scale`` of each element's block with its sign bit flipped where ``bits`` is 1.
 
     A bit operation on the scale's fp32 pattern, not an arithmetic negation, so it is exact and the
-    same on every device for any scale bits a payload may carry (the C kernels do the same).
+    same on every device for any scale bits a payload may carry.
     """
     o = out.view(torch.int32)
     o.copy_(bits).bitwise_left_shift_(31)  # 1 -> 0x80000000, 0 -> 0
@@ -78,25 +78,15 @@ class SignCodec(BlockCodec):
         unit = self.alignment
         return max(1, (1 << 24) // unit) * unit
 
-    def _encode_job(self, v: Tensor, scales: Tensor, values: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_sign_encode", (native.ptr(v, s), e - s, bsz, native.ptr(scales, s // bsz),
-                                   native.ptr(values, s // 8), crc)
-
-    def _decode_job(self, values: Tensor, scales: Tensor, out: Tensor, s: int, e: int, crc: int) -> native.Job:
-        bsz = self.block_size
-        return "liq_sign_decode", (native.ptr(values, s // 8), native.ptr(scales, s // bsz), e - s, bsz,
-                                   native.ptr(out, s), crc)
-
-    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Work) -> None:
+    def _encode_slab(self, x: Tensor, scale: Tensor, values: Tensor, work: Buffers) -> None:
         count = x.numel()
         for s, e, rows, b in block_pieces(count, self.block_size):
             _mean_abs_rows(x[s:e].view(rows, -1), scale[b : b + rows], self._span)
-        q = work.u8(count)
+        q = work.take("codes", count, torch.uint8, x.device)
         torch.signbit(x, out=q.view(torch.bool))
         pack_planar(q, values, self.pack)
 
-    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Work) -> None:
-        q = work.u8(out.numel())
+    def _decode_slab(self, values: Tensor, scale: Tensor, out: Tensor, work: Buffers) -> None:
+        q = work.take("codes", out.numel(), torch.uint8, out.device)
         unpack_planar(values, q, self.pack)
         _sign_flip(out, q, scale, self.block_size)  # no rounding at all

@@ -9,16 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands import native
-from lightning_islands.buffers import Buffers, take
-from lightning_islands.codecs import paths
 from lightning_islands.codecs.base import Codec, raise_if_nonfinite_sum
-from lightning_islands.codecs.checksum import crc_piece
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.codecs.dense import Float32Codec
 from lightning_islands.codecs.elias_fano import ef_decode, ef_encode, ef_layout
-from lightning_islands.codecs.selection import NATIVE_TOPK_MAX, magnitude_bits, native_topk, topk_indices
+from lightning_islands.codecs.selection import magnitude_bits, topk_indices
 from lightning_islands.codecs.wire import KIND_TOPK, ceil_div
-from lightning_islands.crc32 import crc32_combine
 
 
 def _fmt_fraction(f: Fraction) -> str:
@@ -67,50 +63,32 @@ class TopKCodec(Codec):
         _, low_bytes, high_bytes = ef_layout(n, k)
         return self.inner._values_nbytes(k) + low_bytes + high_bytes
 
-    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers | None = None) -> int | None:
+    def _encode_body(self, x: Tensor, body: Tensor, scratch: Buffers) -> None:
         n = x.numel()
         k = self._count(n)
-        lib = paths.kernels(x)
-        if k < n and lib is not None and n <= NATIVE_TOPK_MAX:
-            idx, values = native_topk(x, k, scratch)  # refuses NaN/Inf in its first pass
-        elif k == n:
-            raise_if_nonfinite_sum(x)
+        raise_if_nonfinite_sum(x)
+        if k == n:
             idx = torch.arange(n, dtype=torch.int64, device=x.device)
             values = x
         else:
-            raise_if_nonfinite_sum(x)
             idx = topk_indices(magnitude_bits(x), k)
             values = x.index_select(0, idx)
         inner_bytes = self.inner._values_nbytes(k)
-        inner_crc = self.inner._encode_values(values, body[:inner_bytes]) if k else None
+        if k:
+            self.inner._encode_values(values, body[:inner_bytes])
         ef_encode(idx, n, body[inner_bytes:])
-        if inner_crc is None:
-            return None
-        ef_crc, ef_bytes = crc_piece(body[inner_bytes:])  # the index part is small: the values took the pass
-        return crc32_combine(inner_crc, ef_crc, ef_bytes)
 
-    def _checksums_while_decoding(self, body: Tensor) -> bool:
-        return False  # the body is index-decoded first: verify it before trusting its indices
-
-    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers | None = None) -> None:
+    def _decode_body(self, body: Tensor, n: int, k: int, out: Tensor, scratch: Buffers) -> None:
         inner_bytes = self.inner._values_nbytes(k)
-        values = take(scratch, "topk.values", k, device=body.device)
+        values = scratch.take("topk.values", k, device=body.device)
         if k:
             self.inner._decode_values(body[:inner_bytes], k, values)
-        idx = ef_decode(body[inner_bytes:], n, k, scratch)
+        idx = ef_decode(body[inner_bytes:], n, k)
         if k == n:
             out.copy_(values)
             return
-        lib = paths.kernels(out)
-        if lib is None:
-            out.zero_()
-            out.index_copy_(0, idx, values)  # unique indices: deterministic
-            return
-        ranges = native.split(n, 1)
-        cuts = torch.searchsorted(idx, torch.tensor([s for s, _ in ranges] + [n])).tolist()
-        native.run_jobs([("liq_topk_scatter", (native.ptr(idx, cuts[r]), native.ptr(values, cuts[r]),
-                                               cuts[r + 1] - cuts[r], s, e, native.ptr(out)))
-                         for r, (s, e) in enumerate(ranges)])
+        out.zero_()
+        out.index_copy_(0, idx, values)  # unique indices: deterministic
 
     def spec(self) -> dict[str, Any]:
         """Wire-format description including the top-k fraction and index encoding."""

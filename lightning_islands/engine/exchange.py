@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_islands.buffers import Buffers  # moves to codecs.buffers
 from lightning_islands.codecs import Codec
+from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.engine import outer
 from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout

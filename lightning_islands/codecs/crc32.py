@@ -5,9 +5,9 @@ the message bits: the raw CRC of a concatenation ``A + B`` is ``raw(A) * x^(8*le
 (mod the CRC polynomial), and leading zero bytes do not change it. zlib's ``crc32(data, start)``
 is that raw CRC plus a term that depends only on ``start`` and the length. So a checksum can be
 taken in pieces, in any order, on any device, and joined exactly; :mod:`lightning_islands.codecs`
-joins the per-thread CRCs of its CPU kernels this way, and :mod:`lightning_islands.triton_crc`
-takes the CRC of GPU payloads as a tree of such joins. Plain Python integers; no torch (zlib-ng's
-combine, where installed, for speed).
+joins the CRCs of pieces of large payloads that threads took this way, and
+:mod:`lightning_islands.codecs.triton_crc` takes the CRC of GPU payloads as a tree of such joins. Plain
+Python integers; no torch (zlib-ng's combine, where installed, for speed).
 """
 
 from __future__ import annotations

@@ -3,17 +3,17 @@
 The torch reference path of a blockwise codec makes about ten passes over memory (absmax, scale,
 reciprocal, multiply, round, cast, pack); these kernels make three: one reads the vector and
 writes the block scales, one reads it again and writes the packed values, and decoding reads the
-packed values and writes the vector once. They produce the same bytes as the reference path and
-the CPU kernels, because every operation is one of the codec's exact or correctly rounded IEEE
-fp32 steps (see the docstring of :mod:`lightning_islands.codecs.wire`):
+packed values and writes the vector once. They produce the same bytes as the reference path,
+because every operation is one of the codec's exact or correctly rounded IEEE fp32 steps (see the
+docstring of :mod:`lightning_islands.codecs.wire`):
 
 - ``scale = div_rn(absmax, qmax)`` and ``inv = min(div_rn(1, scale), FLT_MAX)``: correctly rounded
   divisions (Triton's ``/`` on fp32 is an approximate division);
 - ``t = x * inv``, then round half to even by adding and subtracting 1.5 * 2**23 (exact for
   |t| < 2**22) with FMA contraction switched off (``enable_fp_fusion=False``): a fused
   ``x * inv + 1.5 * 2**23`` would round the exact product instead of ``fl(x * inv)``;
-- fp8 codes are made from the fp32 bits by integer arithmetic (as in ``csrc/liq_kernels.c``), not
-  by a hardware conversion, which older GPUs lack and whose rounding mode Triton chooses;
+- fp8 codes are made from the fp32 bits by integer arithmetic, not by a hardware conversion, which
+  older GPUs lack and whose rounding mode Triton chooses;
 - decoding is ``value * scale``, the one rounding, after an exact int-to-float conversion.
 
 The same kernel source runs on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``), which
@@ -33,15 +33,13 @@ import functools
 import math
 import os
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["compile_ptx", "decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "one_pass_unit",
-           "ptx", "scale_tiling"]
+__all__ = ["decode_blockwise", "encode_blockwise", "interpreted", "kernels", "offset", "one_pass_unit", "scale_tiling"]
 
 # Globals used inside kernels must be constexpr (compiled Triton refuses other globals).
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -169,13 +167,6 @@ def _decode_group(val_ptr, scale_ptr, out_ptr, count,  # noqa: ANN001, ANN202
 
 _SOURCES = {"scales": _block_scales, "encode": _encode_group, "units": _encode_units,
             "decode": _decode_group}
-_SIGNATURES = {  # argument types, for compiling ahead of time (see :func:`ptx`)
-    "scales": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "inv_ptr": "*fp32", "count": "i64", "nblocks": "i64",
-               "qmax": "fp32"},
-    "encode": {"x_ptr": "*fp32", "inv_ptr": "*fp32", "out_ptr": "*u8", "count": "i64"},
-    "units": {"x_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*u8", "qmax": "fp32"},
-    "decode": {"val_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "count": "i64"},
-}
 
 
 @functools.cache
@@ -194,7 +185,7 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_OPTIONS = {"enable_fp_fusion": False}  # no FMA contraction: every rounding as written
+_OPTIONS = {"enable_fp_fusion": False}  # no FMA contraction: every rounding as written (every launch passes it)
 
 
 def scale_tiling(block: int) -> tuple[int, int]:
@@ -274,21 +265,3 @@ def _on_device(t: Tensor) -> contextlib.AbstractContextManager:
     """Triton launches on the current CUDA device and stream: make them ``t``'s."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
-
-def ptx(kernel: str, arch: int, **constexprs: int | bool) -> str:
-    """Compile one kernel for an NVIDIA GPU of compute capability ``arch`` (80 Ampere, 90 Hopper,
-    100 Blackwell) without needing one, with the launch options the codecs use; returns the PTX.
-    The tests read it to check that no rounding step was contracted or approximated."""
-    signature = {**_SIGNATURES[kernel], **{name: "constexpr" for name in constexprs}}
-    return compile_ptx(getattr(kernels(), kernel), signature, constexprs, arch, _OPTIONS)
-
-
-def compile_ptx(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int,
-                options: dict[str, Any] | None = None) -> str:
-    """PTX of the Triton function ``fn`` for compute capability ``arch``, compiled without a GPU
-    (Triton ships its own LLVM and ptxas); ``signature`` types every argument, constexprs included."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options or {}).asm["ptx"]

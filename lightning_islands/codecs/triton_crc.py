@@ -5,7 +5,7 @@ payload on a GPU that checksum used to be taken on the host after copying the wh
 an H200 that took 0.72 s for the 1 GiB body of an fp32 payload, hundreds of times the codec
 kernels' own time.
 
-The raw CRC (no conditioning) is linear over GF(2) (:mod:`lightning_islands.crc32`), so it is
+The raw CRC (no conditioning) is linear over GF(2) (:mod:`lightning_islands.codecs.crc32`), so it is
 computed here as a tree of folds. The first level turns every 1024 bytes into their raw CRC; each
 further level turns 256 raw CRCs into the raw CRC of their concatenation, until one is left. The
 message is padded with zero bytes in front to whole groups, which leaves a raw CRC unchanged. A
@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_islands import crc32
-from lightning_islands.triton_kernels import _on_device, compile_ptx
+from lightning_islands.codecs import crc32
+from lightning_islands.codecs.triton_kernels import _on_device
 
 __all__ = ["BYTE_GROUP", "RAW_GROUP", "raw_crc"]
 
@@ -58,15 +58,6 @@ def _fold(src_ptr, tab_ptr, out_ptr, n, pad, ngroups,  # noqa: ANN001, ANN202
         bits = (v[None, :] >> b[:, None]) & 1
         folded = tl.xor_sum(tl.xor_sum(bits * tab, axis=0), axis=0)
         tl.store(out_ptr + g, folded.to(tl.int32, bitcast=True), mask=g < ngroups)
-
-
-def ptx(arch: int, bits: int, group: int, rows: int = _ROWS) -> str:
-    """Compile one level of :func:`_fold` (``bits`` 8: bytes, 32: raw CRCs) for an NVIDIA GPU of
-    compute capability ``arch`` without needing one, with 64-bit lengths (a body of 2 GiB or more);
-    returns the PTX. The tests read its address arithmetic."""
-    signature = {"src_ptr": "*u8" if bits == 8 else "*i32", "tab_ptr": "*i32", "out_ptr": "*i32", "n": "i64",
-                 "pad": "i32", "ngroups": "i64", "BITS": "constexpr", "GROUP": "constexpr", "ROWS": "constexpr"}
-    return compile_ptx(_fold, signature, {"BITS": bits, "GROUP": group, "ROWS": rows}, arch)
 
 
 @functools.cache

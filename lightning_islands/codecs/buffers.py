@@ -35,11 +35,3 @@ class Buffers:
         """Drop every buffer (tensors taken from them keep their own memory alive)."""
         self._held.clear()
 
-
-def take(scratch: Buffers | None, name: str, numel: int, dtype: torch.dtype = torch.float32,
-         device: torch.device | str = "cpu") -> Tensor:
-    """``scratch.take(...)``, or a new tensor where there is no ``scratch``: for code whose caller
-    may or may not keep its temporaries."""
-    if scratch is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    return scratch.take(name, numel, dtype, device)
