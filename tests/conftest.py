@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_islands.launch import report_failures, run_islands
+from lightning_islands.app.launch import report_failures, run_islands
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

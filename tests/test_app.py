@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_islands.train import config_dir, island_plan
-from lightning_islands.worker import build_strategy, island_member
+from lightning_islands.app.train import config_dir, island_plan
+from lightning_islands.app.worker import build_strategy, island_member
 
 CONF = Path(config_dir())
 GROUPS = ["model", "data", "strategy", "islands", "trainer", "logger", "experiment"]
@@ -107,7 +107,7 @@ def test_default_config_is_two_heterogeneous_islands_with_the_moe():
 
 
 def _train(args, cwd, env, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "lightning_islands.train", *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, "-m", "lightning_islands.app.train", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout

@@ -14,9 +14,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import lightning_islands.report as report
-from lightning_islands.cli import main as cli_main
-from lightning_islands.train import config_dir
+import lightning_islands.app.report as report
+from lightning_islands.app.cli import main as cli_main
+from lightning_islands.app.train import config_dir
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
@@ -181,9 +181,9 @@ def runs(tmp_path_factory):
     env["LIGHTNING_ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     env["WANDB_MODE"] = "offline"
     env["OMP_NUM_THREADS"] = "1"
-    single = subprocess.Popen([sys.executable, "-m", "lightning_islands.train", "strategy=single", *TINY],
+    single = subprocess.Popen([sys.executable, "-m", "lightning_islands.app.train", "strategy=single", *TINY],
                               cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    sweep = subprocess.run([sys.executable, "-m", "lightning_islands.train", "-m", "experiment=sweep_h",
+    sweep = subprocess.run([sys.executable, "-m", "lightning_islands.app.train", "-m", "experiment=sweep_h",
                             "islands.sync_every=2,4", "islands=two_equal", *TINY],  # replaces the recipe's H grid
                            cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     single_out, _ = single.communicate(timeout=300)
