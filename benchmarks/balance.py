@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def run(balance: str, args: argparse.Namespace, workdir: Path) -> dict:
-    cmd = [sys.executable, "-m", "lightning_islands.train", "islands=slow_island", f"islands.balance={balance}",
+    cmd = [sys.executable, "-m", "lightning_islands.app.train", "islands=slow_island", f"islands.balance={balance}",
            f"islands.max_rounds={args.rounds}", f"islands.sync_every={args.H}",
            f"islands.members.1.step_delay_s={args.delay}", "trainer.max_steps=100000",
            "trainer.val_check_interval=100000", "trainer.checkpoint_every_n_steps=0", "experiment.name=balance"]

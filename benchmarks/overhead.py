@@ -28,7 +28,7 @@ SIDES = {
 
 
 def run_once(side: str, steps: int, workdir: Path) -> dict:
-    cmd = [sys.executable, "-m", "lightning_islands.train", *SIDES[side], *COMMON, f"trainer.max_steps={steps}",
+    cmd = [sys.executable, "-m", "lightning_islands.app.train", *SIDES[side], *COMMON, f"trainer.max_steps={steps}",
            "experiment.name=overhead"]
     out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, check=True).stdout
     run_dir = Path(out.split("run folder ", 1)[1].split()[0])

@@ -9,7 +9,7 @@ Usage (from the repository root, with the package installed)::
     python benchmarks/quality.py --extra model=dense_cpu --extra seed=7
     python benchmarks/quality.py --seeds 1234,2 --H 10      # every run once per seed, plus mean/spread
 
-Every run is one ``python -m lightning_islands.train`` subprocess of the provided MoE on the default
+Every run is one ``python -m lightning_islands.app.train`` subprocess of the provided MoE on the default
 corpus (the standard library's source), with the shared settings of the recipe ``quality_quick``
 (or ``quality_large``) and its own overrides:
 
@@ -43,7 +43,7 @@ Per run, the table reports:
   parameter of the MoE, experts included).
 
 Outputs go to ``results/quality/<timestamp>/``: ``table.md``, ``table.csv``, ``results.json``,
-``val_loss_vs_tokens.png`` and ``loss_vs_bytes.png`` (via :mod:`lightning_islands.report`, when
+``val_loss_vs_tokens.png`` and ``loss_vs_bytes.png`` (via :mod:`lightning_islands.app.report`, when
 matplotlib is installed), and each run's folder under ``runs/<name>/`` with its log ``runs/<name>.log``.
 Losses do not depend on speed, so ``--parallel 2`` (two runs at once) changes wall times only;
 wall times are then measured on a shared machine and only roughly comparable.
@@ -71,7 +71,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_islands.report import (
+from lightning_islands.app.report import (
     RunRecord,
     fmt_bytes,
     load_run,
@@ -155,7 +155,7 @@ def run_job(job: Job, workdir: Path, env: dict[str, str]) -> Job:
         print(f"[quality] {job.name}: already done, reusing {run_dir}", flush=True)
         job.returncode = 0
         return job
-    cmd = [sys.executable, "-m", "lightning_islands.train", *job.overrides]
+    cmd = [sys.executable, "-m", "lightning_islands.app.train", *job.overrides]
     log = workdir / "runs" / f"{job.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[quality] start {job.name}: {shlex.join(cmd[1:])}", flush=True)
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = plan(setting, steps, hs, codecs, args.extra, seeds)
     if args.dry_run:
         for job in jobs:
-            print(f"{job.name}: python -m lightning_islands.train {shlex.join(job.overrides)}")
+            print(f"{job.name}: python -m lightning_islands.app.train {shlex.join(job.overrides)}")
         return 0
 
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")

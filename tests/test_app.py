@@ -5,37 +5,25 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import TINY_DATA, TINY_MODEL, run_dir_of, train, train_together
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_islands.train import config_dir, island_plan
-from lightning_islands.worker import build_strategy, island_member
+from lightning_islands.app.train import config_dir, island_plan
+from lightning_islands.app.worker import build_loggers, build_strategy, island_member
 
 CONF = Path(config_dir())
 GROUPS = ["model", "data", "strategy", "islands", "trainer", "logger", "experiment"]
-SMALL = ["trainer.max_steps=12", "trainer.val_check_interval=6", "trainer.checkpoint_every_n_steps=6",
-         "data.max_bytes=400000", "data.val_windows=16", "data.val_batch_size=8", "islands.sync_every=3"]
 
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    env = dict(os.environ)
-    env["LIGHTNING_ISLANDS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    env["WANDB_MODE"] = "offline"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -77,16 +65,16 @@ def _one_island_strategy(overrides: list[str]) -> tuple[Any, Any]:
 
 def test_outer_warmup_reaches_the_strategy():
     cfg, strategy = _one_island_strategy(["islands.outer_lr_warmup=10", "islands.outer_momentum_warmup=5"])
-    opt = strategy.outer_opt
+    opt = strategy.settings.outer_optimizer()
     assert (opt.lr_warmup, opt.momentum_warmup) == (10, 5)
     assert opt.lr_at(1) == pytest.approx(cfg.islands.outer_lr / 10)
     assert opt.momentum_at(1) == pytest.approx(cfg.islands.outer_momentum / 5)
 
 
 def test_error_feedback_decay_reaches_the_strategy_and_bad_values_are_named():
-    assert _one_island_strategy([])[1].error_feedback_decay == 1.0
+    assert _one_island_strategy([])[1].settings.error_feedback_decay == 1.0
     _, decayed = _one_island_strategy(["islands.codec=int4", "islands.error_feedback_decay=0.9"])
-    assert decayed.error_feedback_decay == 0.9
+    assert decayed.settings.error_feedback_decay == 0.9
     with pytest.raises(ValueError, match=r"error feedback is off \(the default for codec 'fp32'\).*"
                                          r"islands.error_feedback=true"):
         _one_island_strategy(["islands.codec=fp32", "islands.error_feedback_decay=0.9"])
@@ -106,24 +94,60 @@ def test_default_config_is_two_heterogeneous_islands_with_the_moe():
     assert members[0].batch_size != members[1].batch_size
 
 
-def _train(args, cwd, env, timeout=600):
-    proc = subprocess.run([sys.executable, "-m", "lightning_islands.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+def _losses(metrics_csv: Path) -> list[float]:
+    with metrics_csv.open() as f:
+        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-def _run_dir(stdout: str) -> Path:
-    return Path(stdout.split("run folder ", 1)[1].split()[0])
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp_then_islands(tmp_path_factory, app_env):
+    """FSDP2 over two processes from scratch (16 steps, a checkpoint every 8), then at the same time:
+    the same job resumed from its last checkpoint to 20 steps, and the default job (two heterogeneous
+    islands of 2 and 1 processes) seeded with that plain FSDP checkpoint, 6 more steps in two rounds
+    of H=3, resharded from 2 ranks to 2 and 1 on load. Returns their outputs and run folders."""
+    cwd = tmp_path_factory.mktemp("fsdp")
+    fsdp = ["strategy=fsdp", *TINY_MODEL, *TINY_DATA, "trainer.val_check_interval=8",
+            "trainer.checkpoint_every_n_steps=8", "trainer.log_every_n_steps=1"]
+    out = train([*fsdp, "trainer.max_steps=16"], cwd, app_env)
+    ckpt = run_dir_of(out) / "island0" / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), out[-3000:]
+    outs = train_together({  # each in a folder of its own: runs started in the same second share a name
+        "resumed": ([*fsdp, "trainer.max_steps=20", f"resume={ckpt}"], tmp_path_factory.mktemp("resumed")),
+        "islands": ([*TINY_MODEL, *TINY_DATA, "trainer.max_steps=22", "trainer.val_check_interval=6",
+                     "trainer.checkpoint_every_n_steps=6", "islands.sync_every=3", f"resume={ckpt}"],
+                    tmp_path_factory.mktemp("islands")),
+    }, app_env)
+    return {name: (text, run_dir_of(text)) for name, text in {"fsdp": out, **outs}.items()}
 
 
 @pytest.mark.slow
-def test_main_job_runs_and_prints_its_summary(tmp_path, cache_env):
-    out = _train(SMALL, tmp_path, cache_env)
+def test_fsdp2_two_processes_loss_falls(fsdp_then_islands):
+    _, run = fsdp_then_islands["fsdp"]
+    assert _json(run / "island0" / "result.json")["world_size"] == 2
+    losses = _losses(run / "logs" / "island0" / "metrics.csv")
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_resumes(fsdp_then_islands):
+    _, run = fsdp_then_islands["resumed"]
+    assert _json(run / "island0" / "result.json")["global_step"] == 20
+    resumed = _losses(run / "logs" / "island0" / "metrics.csv")
+    assert len(resumed) == 4, "the resumed run trains only the 4 remaining steps"
+
+
+@pytest.mark.slow
+def test_main_job_runs_and_prints_its_summary(fsdp_then_islands):
+    """The default job (two heterogeneous islands): here the one that starts from the FSDP checkpoint."""
+    out, run = fsdp_then_islands["islands"]
     assert "=== lightning-islands summary ===" in out
-    run = _run_dir(out)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["strategy"] == "islands" and summary["rounds"] == 4
+    summary = _json(run / "summary.json")
+    assert summary["strategy"] == "islands" and summary["rounds"] == 2  # 6 steps after the checkpoint's 16, H=3
+    assert [r["world_size"] for r in summary["islands"]] == [2, 1]
     losses = summary["val_loss_per_island"]
     # same global model on every island; only the split of the validation set over ranks differs
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
@@ -132,62 +156,50 @@ def test_main_job_runs_and_prints_its_summary(tmp_path, cache_env):
     assert (run / "logs" / "island1" / "metrics.csv").is_file()
 
 
-def _losses(metrics_csv: Path) -> list[float]:
-    with metrics_csv.open() as f:
-        return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
-
-
 @pytest.mark.slow
-def test_fsdp2_two_processes_loss_falls_and_checkpoint_resumes(tmp_path, cache_env):
-    args = ["strategy=fsdp", "trainer.max_steps=30", "trainer.val_check_interval=15",
-            "trainer.checkpoint_every_n_steps=15", "trainer.log_every_n_steps=1", "data.max_bytes=400000",
-            "data.val_windows=16", "data.val_batch_size=8"]
-    out = _train(args, tmp_path, cache_env)
-    run = _run_dir(out)
-    losses = _losses(run / "logs" / "island0" / "metrics.csv")
-    assert len(losses) >= 20 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
-    ckpt = run / "island0" / "checkpoints" / "last.ckpt"
-    assert ckpt.is_dir()
-    longer = [a for a in args if not a.startswith("trainer.max_steps")] + ["trainer.max_steps=40"]
-    out2 = _train([*longer, f"resume={ckpt}"], tmp_path, cache_env)
-    result = json.loads((_run_dir(out2) / "island0" / "result.json").read_text())
-    assert result["global_step"] == 40
-    resumed = _losses(_run_dir(out2) / "logs" / "island0" / "metrics.csv")
-    assert len(resumed) == 10, "the resumed run trains only the 10 remaining steps"
-
-    # the same plain FSDP checkpoint seeds a two-island run (2 ranks and 1 rank: resharded on load)
-    fsdp_val = json.loads((run / "summary.json").read_text())["val_loss"]
-    out3 = _train(["trainer.max_steps=36", "trainer.val_check_interval=6", "trainer.checkpoint_every_n_steps=6",
-                   "data.max_bytes=400000", "data.val_windows=16", "data.val_batch_size=8", "islands.sync_every=3",
-                   f"resume={ckpt}"], tmp_path, cache_env)
-    seeded = json.loads((_run_dir(out3) / "summary.json").read_text())
-    assert seeded["strategy"] == "islands" and seeded["rounds"] == 2
+def test_a_plain_fsdp_checkpoint_seeds_the_islands(fsdp_then_islands):
+    _, run = fsdp_then_islands["islands"]
     for island in (0, 1):
-        result = json.loads((_run_dir(out3) / f"island{island}" / "result.json").read_text())
-        assert result["global_step"] == 36
-    # 6 steps from random weights land far above (~4.5); from the checkpoint they continue its curve
-    assert seeded["val_loss_per_island"][0] < fsdp_val + 0.15, (seeded["val_loss_per_island"], fsdp_val)
+        assert _json(run / f"island{island}" / "result.json")["global_step"] == 22
+    assert _json(run / "summary.json")["rounds"] == 2, "only the 6 steps after the checkpoint's 16 are trained"
+    fsdp_val = _json(fsdp_then_islands["fsdp"][1] / "summary.json")["val_loss"]
+    seeded = _json(run / "summary.json")["val_loss_per_island"][0]
+    # 6 steps from random weights land far above (~4.7); from the checkpoint they continue its curve
+    assert seeded < fsdp_val + 0.15, (seeded, fsdp_val)
 
 
 @pytest.mark.slow
-def test_multirun_sweep_of_two_jobs(tmp_path, cache_env):
-    out = _train(["-m", "islands.sync_every=2,3", "islands=two_equal", *SMALL[:-1]], tmp_path, cache_env)
-    summaries = sorted(tmp_path.glob("runs/default/multirun_*/*/summary.json"))
-    assert len(summaries) == 2, out[-2000:]
-    rounds = sorted(json.loads(p.read_text())["rounds"] for p in summaries)
-    assert rounds == [4, 6]
+def test_multirun_sweep_of_two_jobs(finished_runs):
+    """``lightning-islands train -m`` runs one launch per job of the sweep (see conftest.finished_runs)."""
+    summaries = sorted(finished_runs.glob("sweep_h/multirun_*/*/summary.json"))
+    assert len(summaries) == 2
+    jobs = [OmegaConf.load(p.parent / "job.yaml") for p in summaries]
+    assert sorted(job.islands.sync_every for job in jobs) == [2, 4]
+    rounds = sorted(_json(p)["rounds"] for p in summaries)
+    assert rounds == [1, 2]  # 4 steps / H
+
+
+@pytest.fixture(scope="module")
+def moe_and_ddp(tmp_path_factory, app_env):
+    """Two launches at once: the MoE with expert weighting on two islands, one slowed down and
+    balanced by time (3 rounds of H=2 on the slow island), and DDP over two processes logging to W&B
+    (offline). Returns their run folders."""
+    moe = ["islands=slow_island", "islands.expert_weighting=true", "islands.balance=time", "islands.max_rounds=3",
+           # 0.5 s per step on top of the slow island's compute (tens of ms for this model): the fast island
+           # stays far more than 1.25x faster (what it needs to be given more steps) even on a loaded machine
+           "islands.sync_every=2", "islands.members.1.step_delay_s=0.5", "trainer.max_steps=1000",
+           "trainer.val_check_interval=1000", "trainer.checkpoint_every_n_steps=0", *TINY_MODEL, *TINY_DATA]
+    ddp = ["strategy=ddp", "logger=wandb", "trainer.max_steps=4", "trainer.val_check_interval=2",
+           "trainer.checkpoint_every_n_steps=0", *TINY_MODEL, *TINY_DATA, "experiment.name=smoke"]
+    outs = train_together({"moe": (moe, tmp_path_factory.mktemp("moe")),
+                           "ddp": (ddp, tmp_path_factory.mktemp("ddp"))}, app_env)
+    return {name: run_dir_of(text) for name, text in outs.items()}
 
 
 @pytest.mark.slow
-def test_moe_expert_weighting_with_time_balanced_slow_island(tmp_path, cache_env):
-    args = ["islands=slow_island", "islands.expert_weighting=true", "islands.balance=time", "islands.max_rounds=3",
-            # 1 s per step on top of the slow island's compute: the fast island stays >1.25x faster (what it
-            # needs to be given more steps) even on a loaded machine, where 0.3 s once was not enough
-            "islands.sync_every=2", "islands.members.1.step_delay_s=1.0", "trainer.max_steps=1000",
-            "trainer.val_check_interval=1000", "trainer.checkpoint_every_n_steps=0", "data.max_bytes=400000",
-            "data.val_windows=8", "data.val_batch_size=8"]
-    run = _run_dir(_train(args, tmp_path, cache_env))
-    summary = json.loads((run / "summary.json").read_text())
+def test_moe_expert_weighting_with_time_balanced_slow_island(moe_and_ddp):
+    run = moe_and_ddp["moe"]
+    summary = _json(run / "summary.json")
     fast, slow = summary["islands"]
     assert summary["rounds"] == 3
     assert fast["global_step"] > slow["global_step"], "the fast island runs more inner steps"
@@ -202,16 +214,28 @@ def test_moe_expert_weighting_with_time_balanced_slow_island(tmp_path, cache_env
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, logger", [("ddp", "wandb"), ("single", "tensorboard")])
-def test_other_strategies_and_loggers_run(tmp_path, cache_env, strategy, logger):
-    args = [f"strategy={strategy}", f"logger={logger}", "trainer.max_steps=4", "trainer.val_check_interval=2",
-            "trainer.checkpoint_every_n_steps=0", "data.max_bytes=300000", "data.val_windows=8",
-            "data.val_batch_size=4", "experiment.name=smoke"]
-    run = _run_dir(_train(args, tmp_path, cache_env))
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["strategy"] == strategy and summary["islands"][0]["global_step"] == 4
-    if logger == "wandb":
-        offline_runs = list((run / "wandb").glob("offline-run-*"))
-        assert len(offline_runs) == 1, "one offline W&B run for the island"
-    else:
-        assert list((run / "tb" / "island0").glob("events.out.tfevents.*"))
+def test_ddp_with_wandb_runs(moe_and_ddp):
+    run = moe_and_ddp["ddp"]
+    summary = _json(run / "summary.json")
+    assert summary["strategy"] == "ddp" and summary["islands"][0]["global_step"] == 4
+    assert summary["islands"][0]["world_size"] == 2
+    offline_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1, "one offline W&B run for the island"
+
+
+@pytest.mark.slow
+def test_single_strategy_runs(finished_runs):
+    summaries = [p for p in finished_runs.rglob("summary.json") if "sweep_h" not in str(p)]
+    assert len(summaries) == 1
+    summary = _json(summaries[0])
+    assert summary["strategy"] == "single" and summary["islands"][0]["global_step"] == 4
+    assert summary["islands"][0]["world_size"] == 1
+
+
+def test_tensorboard_logger_writes_events_in_the_run_folder(tmp_path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["logger=tensorboard"])
+    (logger,) = build_loggers(cfg, tmp_path, 1)
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert list((tmp_path / "tb" / "island1").glob("events.out.tfevents.*"))

@@ -14,8 +14,8 @@ from conftest import SCRIPTS, launch, load_rounds
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_islands import IslandStrategy
+from lightning_islands.app.launch import run_islands
 from lightning_islands.codecs import default_error_feedback
-from lightning_islands.launch import run_islands
 
 sys.path.insert(0, str(SCRIPTS))
 from islands_regression import Regression, batch_for  # noqa: E402
@@ -300,7 +300,7 @@ def test_islands_on_one_machine_share_its_cores(tmp_path, monkeypatch):
 
 def test_run_command_names_the_failing_island(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_islands.cli", "run", "--islands", "1,1", "--live", "off", "--",
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off", "--",
          sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path), "--fail-island", "1"],
         capture_output=True, text=True, timeout=300,
     )
@@ -448,7 +448,7 @@ def test_terminating_the_launcher_stops_every_island(tmp_path):
 
     marker = str(tmp_path / "long-run")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lightning_islands.cli", "run", "--islands", "1,1", "--live", "off", "--",
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off", "--",
          sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", marker, "--steps", "100000", "--H", "5"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
     )

@@ -259,7 +259,7 @@ def test_presets():
 def test_model_configs_build_their_presets(preset):
     from hydra import compose, initialize_config_dir
 
-    from lightning_islands.train import config_dir
+    from lightning_islands.app.train import config_dir
 
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model=moe_{preset}"])

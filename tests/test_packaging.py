@@ -9,6 +9,7 @@ installed a wheel.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import sys
 from pathlib import Path
 
@@ -20,9 +21,13 @@ else:  # pragma: no cover - Python 3.10; the test extra installs tomli there
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _setuptools_table() -> dict:
+def _pyproject() -> dict:
     with open(ROOT / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["tool"]["setuptools"]
+        return tomllib.load(f)
+
+
+def _setuptools_table() -> dict:
+    return _pyproject()["tool"]["setuptools"]
 
 
 def _source_files(folders: list[str]) -> list[Path]:
@@ -75,3 +80,11 @@ def test_every_file_matches_a_package_data_pattern():
             if not name.endswith(".py") and not any(fnmatch.fnmatch(name, p) for p in patterns):
                 unmatched.append(f"{package}: {name}")
     assert not unmatched, f"add a [tool.setuptools.package-data] pattern for: {unmatched}"
+
+
+def test_console_script_names_a_function_that_exists():
+    """A stale entry point (a module moved, a function renamed) installs fine and fails only when run."""
+    scripts = _pyproject()["project"]["scripts"]
+    assert set(scripts) == {"lightning-islands"}
+    module, _, function = scripts["lightning-islands"].partition(":")
+    assert callable(getattr(importlib.import_module(module), function))

@@ -19,7 +19,7 @@ commands:
 
 
 def _run(argv: list[str]) -> int:
-    from lightning_islands.launch import parse_islands, report_failures, run_islands
+    from lightning_islands.app.launch import parse_islands, report_failures, run_islands
 
     if "--" in argv:
         split = argv.index("--")
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from lightning_islands import train
+        from lightning_islands.app import train
 
         sys.argv = [f"{sys.argv[0]} train", *rest]
         train.main()
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "coordinator":
         return _coordinator(rest)
     if command == "report":
-        from lightning_islands.report import main as report_main
+        from lightning_islands.app.report import main as report_main
 
         return report_main(rest)
     print(f"lightning-islands: unknown command {command!r}\n{USAGE}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""One training process of one island: ``python -m lightning_islands.worker JOB.yaml``.
+"""One training process of one island: ``python -m lightning_islands.app.worker JOB.yaml``.
 
 The Hydra app composes and resolves the job, writes it to ``JOB.yaml`` and launches this module
 with torch.distributed.run once per island; the launcher sets ``LI_ISLAND`` and friends. Here the
@@ -22,8 +22,8 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
-from lightning_islands.launch import ENV_PROGRESS
 from lightning_islands.strategy import IslandStrategy
 from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS
 
@@ -218,10 +218,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: ``python -m lightning_islands.worker JOB.yaml``."""
+    """Entry point: ``python -m lightning_islands.app.worker JOB.yaml``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m lightning_islands.worker JOB.yaml")
+        raise SystemExit("usage: python -m lightning_islands.app.worker JOB.yaml")
     torch.set_float32_matmul_precision("high")
     # Lightning 2.6 on torch 2.13 warns about its own use of a deprecated pytree API on every step.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")

@@ -1,4 +1,4 @@
-"""The Hydra app: ``lightning-islands train`` / ``python -m lightning_islands.train``.
+"""The Hydra app: ``lightning-islands train`` / ``python -m lightning_islands.app.train``.
 
 A driver, not a trainer: it composes the config, writes the resolved job to the run folder,
 launches the islands (or the one world of ``single``/``ddp``/``fsdp``) with torch.distributed.run,
@@ -17,13 +17,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_islands.launch import report_failures, run_islands
-from lightning_islands.summary import format_summary, summarize
+from lightning_islands.app.launch import report_failures, run_islands
+from lightning_islands.app.summary import format_summary, summarize
 
 
 def config_dir() -> str:
     """The ``conf/`` folder: beside the package in a checkout, else the installed package data."""
-    checkout = Path(__file__).resolve().parent.parent / "conf"
+    checkout = Path(__file__).resolve().parents[2] / "conf"
     if (checkout / "config.yaml").exists():
         return str(checkout)
     return "pkg://lightning_islands.conf"
@@ -46,7 +46,7 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
     OmegaConf.save(OmegaConf.create(job), job_path)
     plan = island_plan(cfg)
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
-    results = run_islands(plan, [sys.executable, "-m", "lightning_islands.worker", str(job_path)],
+    results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],
                           log_dir=run_dir)
     code = report_failures(results)
     if code:
