@@ -74,8 +74,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         sent = summary["bytes_exchanged"]
         lines.append(f"outer rounds        {summary['rounds']}   cross-island bytes {sent / 1e6:.2f} MB")
         if "bytes_sync_dp" in summary:
-            lines.append(f"bytes vs fp32       {_times_fewer(summary['bytes_fp32'], sent)} than the same rounds in fp32 "
-                         f"({summary['bytes_fp32'] / 1e6:.2f} MB)")
+            lines.append(f"bytes vs fp32       {_times_fewer(summary['bytes_fp32'], sent)} than the same rounds "
+                         f"in fp32 ({summary['bytes_fp32'] / 1e6:.2f} MB)")
             lines.append(f"bytes vs sync DP    {_times_fewer(summary['bytes_sync_dp'], sent)} than synchronous data "
                          f"parallelism across the same cut ({summary['bytes_sync_dp'] / 1e6:,.1f} MB)")
     for plot in summary.get("plots", []):
