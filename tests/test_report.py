@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -316,3 +317,23 @@ def test_a_multiruns_jobs_are_found_in_job_order(tmp_path):
         (tmp_path / "multirun_2026-12-01_04-46-25" / job / "summary.json").write_text("{}")
     found = [p.parent.name for p in report.find_summaries(tmp_path)]
     assert found == ["1", "2", "10"]
+
+
+def test_the_summary_counts_bytes_against_fp32_and_synchronous_data_parallelism(tmp_path):
+    from lightning_islands.app.summary import format_summary, summarize
+
+    n = 1_000_000
+    for i, (world, steps) in enumerate([(2, 300), (1, 300)]):
+        result = {"island": i, "num_islands": 2, "strategy": "islands", "world_size": world, "batch_size": 8,
+                  "global_step": 316, "fit_steps": steps, "fit_seconds": 10.0, "val_loss": 1.6, "val_ppl": 5.0,
+                  "tokens": 1000, "parameters": {"total": n, "active": n // 3}, "rounds": 12,
+                  "islands": {"bytes_sent": 12 * 0.53 * n, "seconds_exchanging": 0.1, "seconds_waiting": 0.2}}
+        (tmp_path / f"island{i}").mkdir()
+        (tmp_path / f"island{i}" / "result.json").write_text(json.dumps(result))
+    summary = summarize(tmp_path)
+    assert summary["bytes_fp32"] == 12 * 2 * 4 * n  # 12 rounds, each island sends 4 bytes a parameter
+    assert summary["bytes_sync_dp"] == 300 * 8 * n  # the steps of this fit, not the resumed checkpoint's
+    text = format_summary({**summary, "plots": ["r/report/loss_vs_bytes.png"]})
+    assert "7.5x fewer than the same rounds in fp32" in text
+    assert "188.7x fewer than synchronous data parallelism" in text
+    assert "plot                r/report/loss_vs_bytes.png" in text
