@@ -92,6 +92,9 @@ def test_default_config_is_two_heterogeneous_islands_with_the_moe():
     members = cfg.islands.members
     assert len(members) == 2 and members[0].devices != members[1].devices
     assert members[0].batch_size != members[1].batch_size
+    # the default exchange is quantized, with error feedback
+    _, strategy = _one_island_strategy([])
+    assert cfg.islands.codec == "int4" and strategy.settings.use_error_feedback
 
 
 def _losses(metrics_csv: Path) -> list[float]:
@@ -152,6 +155,14 @@ def test_main_job_runs_and_prints_its_summary(fsdp_then_islands):
     # same global model on every island; only the split of the validation set over ranks differs
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert summary["bytes_exchanged"] > 0
+    # what the same run would send with fp32 pseudo-gradients, and with synchronous data parallelism
+    n = summary["parameters"]["total"]
+    assert summary["bytes_fp32"] == 2 * 2 * 4 * n, "2 rounds, each island sending 4 bytes a parameter to the other"
+    assert summary["bytes_sync_dp"] == 6 * 8 * n, "6 steps trained, 8 bytes a parameter cross the cut per step"
+    assert summary["bytes_exchanged"] < summary["bytes_fp32"] / 7, "the default exchange is quantized (int4)"
+    assert "bytes vs fp32" in out and "bytes vs sync DP" in out
+    assert summary["plots"] and all(Path(p).stat().st_size > 0 for p in summary["plots"])
+    assert str(run / "report" / "loss_vs_bytes.png") in out
     assert (run / "island0" / "checkpoints" / "last.ckpt").is_dir()
     assert (run / "logs" / "island1" / "metrics.csv").is_file()
 

@@ -11,10 +11,9 @@ Written to ``--out`` (default ``RUNS_DIR/report``):
   the centralized baseline when the set has one (a run of strategy ``fsdp``, ``single`` or ``ddp``;
   with several, the one that trains the most tokens per step, or the one named by ``--baseline``);
 - ``report.csv``: the same rows with every setting in its own column;
-- ``val_loss_vs_tokens.png`` and ``loss_vs_bytes.png`` when matplotlib is installed
-  (``pip install 'lightning-islands[plot]'``).
+- ``val_loss_vs_tokens.png`` and ``loss_vs_bytes.png`` (matplotlib, a dependency of the package).
 
-Only the standard library and OmegaConf are imported here (no torch), so the command is quick.
+``lightning-islands train`` writes the same for each run it finishes, into ``RUN_DIR/report``.
 """
 
 from __future__ import annotations
@@ -302,10 +301,8 @@ def val_curve(record: RunRecord) -> list[tuple[float, float]]:
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError:
-        return None
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -313,10 +310,11 @@ def _pyplot() -> Any:
 
 
 def plot_val_loss_vs_tokens(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
-    """Validation loss of island 0 against tokens trained, one line per run; False without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
+    """Validation loss of island 0 against tokens trained, one line per run; False when no run has a
+    validation curve."""
+    if not any(val_curve(r) for r in records):
         return False
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in records:
         points = val_curve(r)
@@ -336,10 +334,8 @@ def plot_val_loss_vs_tokens(records: Sequence[RunRecord], path: str | Path, titl
 
 def plot_loss_vs_bytes(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
     """Final validation loss against cross-island bytes (log x); runs that exchange nothing (centralized
-    or one island alone) are horizontal reference lines. False without matplotlib."""
+    or one island alone) are horizontal reference lines."""
     plt = _pyplot()
-    if plt is None:
-        return False
     fig, ax = plt.subplots(figsize=(8, 5))
     exchanged = [r for r in records if r.bytes_exchanged > 0]
     for r in exchanged:
@@ -419,7 +415,5 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if rep.baseline is not None:
         print(f"baseline: {rep.baseline.name} ({rep.baseline.label}), val loss {rep.baseline.val_loss:.4f}")
-    if not args.no_plots and not rep.plots:
-        print("plots skipped: matplotlib is not installed (pip install 'lightning-islands[plot]')")
     print(f"report written to {rep.out}" + (f" ({', '.join(p.name for p in rep.plots)})" if rep.plots else ""))
     return 0

@@ -29,7 +29,25 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         summary["rounds"] = first.get("rounds")
         summary["bytes_exchanged"] = sum(r["islands"].get("bytes_sent", 0.0) for r in results)
         summary["val_loss_per_island"] = [r["val_loss"] for r in results]
+        total = (first.get("parameters") or {}).get("total")
+        if total:
+            summary.update(reference_bytes(int(total), len(results), int(summary["rounds"] or 0),
+                                           max(int(r.get("fit_steps", r["global_step"])) for r in results)))
     return summary
+
+
+def reference_bytes(parameters: int, islands: int, rounds: int, steps: int) -> dict[str, float]:
+    """What the same run would have sent across the cut between islands (summed over islands):
+    ``bytes_fp32``, the same rounds with fp32 pseudo-gradients (each island sends 4 bytes per
+    parameter to each other island), and ``bytes_sync_dp``, synchronous data parallelism over the
+    same islands (a bandwidth-optimal all-reduce of fp32 gradients every step: ``2 (islands - 1)``
+    full copies cross between islands per step, 8 bytes per parameter for two islands)."""
+    return {"bytes_fp32": float(rounds * islands * (islands - 1) * 4 * parameters),
+            "bytes_sync_dp": float(steps * 2 * (islands - 1) * 4 * parameters)}
+
+
+def _times_fewer(reference: float, sent: float) -> str:
+    return f"{reference / sent:,.1f}x fewer" if sent > 0 else "none sent"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -53,7 +71,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"island {r['island']}: {r['world_size']} proc x batch {r['batch_size']}, "
                      f"{r['global_step']} steps, val loss {r['val_loss']:.4f}{extra}")
     if "rounds" in summary:
-        lines.append(f"outer rounds        {summary['rounds']}   "
-                     f"cross-island bytes {summary['bytes_exchanged'] / 1e6:.2f} MB")
+        sent = summary["bytes_exchanged"]
+        lines.append(f"outer rounds        {summary['rounds']}   cross-island bytes {sent / 1e6:.2f} MB")
+        if "bytes_sync_dp" in summary:
+            lines.append(f"bytes vs fp32       {_times_fewer(summary['bytes_fp32'], sent)} than the same rounds "
+                         f"in fp32 ({summary['bytes_fp32'] / 1e6:.2f} MB)")
+            lines.append(f"bytes vs sync DP    {_times_fewer(summary['bytes_sync_dp'], sent)} than synchronous data "
+                         f"parallelism across the same cut ({summary['bytes_sync_dp'] / 1e6:,.1f} MB)")
+    for plot in summary.get("plots", []):
+        lines.append(f"plot                {plot}")
     lines.append(f"logs                {summary['run_dir']}  (checkpoints in island*/checkpoints)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import report_failures, run_islands
+from lightning_islands.app.report import build_report
 from lightning_islands.app.summary import format_summary, summarize
 
 
@@ -52,9 +53,16 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
     if code:
         raise SystemExit(code)
     summary = summarize(run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    try:  # this run's table and plots (lightning-islands report RUN_DIR draws the same for many runs)
+        summary["plots"] = [str(p) for p in build_report(run_dir, run_dir / "report").plots]
+    except (OSError, ValueError) as err:
+        print(f"lightning-islands: no report for this run ({err})", flush=True)
     print(format_summary(summary), flush=True)
     if cfg.get("summary_json", True):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    else:
+        (run_dir / "summary.json").unlink()
     return summary
 
 

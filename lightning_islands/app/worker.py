@@ -196,6 +196,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         "island": island, "num_islands": num_islands, "strategy": cfg.strategy.name,
         "world_size": trainer.world_size, "batch_size": datamodule.batch_size,
         "global_step": trainer.global_step, "fit_seconds": fit_seconds,
+        # optimizer steps of this fit (global_step also counts those of a checkpoint resumed from)
+        "fit_steps": len(timer.times) // max(1, trainer.accumulate_grad_batches),
         "step_seconds_median": timer.median_step_seconds(),
         "val_loss": float(metrics["val/loss"]), "val_ppl": float(metrics["val/ppl"]),
         "tokens": int(trainer.global_step) * datamodule.batch_size * model.hparams.seq_len * trainer.world_size
