@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import references
 import torch
 from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
 
@@ -226,7 +227,7 @@ def test_expert_weighting_merges_each_expert_by_the_tokens_routed_to_it():
         for k in range(3):
             local.sub_(torch.mul(torch.sub(local, target(island, k)), INNER_LR))
         deltas.append(torch.sub(start, local)[offset : offset + n].view(shape))
-    merged = outer.merge_experts(deltas, outer.expert_coefficients(experts))
+    merged = references.merge_experts(deltas, outer.expert_coefficients(experts))
     assert torch.equal(got[offset : offset + n].view(shape), torch.sub(start[offset : offset + n].view(shape), merged))
     m = leaders(results)[0]["metrics"][0]
     assert m["islands/expert_share_gap_max"] > 0

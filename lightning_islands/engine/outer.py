@@ -92,18 +92,11 @@ def expert_share_gap(counts: Sequence[Sequence[float]], weights: Sequence[float]
     return float(per_expert.max()), mean
 
 
-def merge_experts(deltas: Sequence[Tensor], coefs: Sequence[Tensor]) -> Tensor:
-    """Merge one expert parameter ``[n_experts, ...]`` with per-expert coefficients, in island order."""
-    shape = deltas[0].shape
-    row_numel = max(1, deltas[0].numel() // max(1, shape[0]))
-    return merge_expert_rows([d.reshape(-1) for d in deltas], coefs, row_numel, 0).view(shape)
-
-
 def merge_expert_rows(deltas: Sequence[Tensor], coefs: Sequence[Tensor], row_numel: int, first: int) -> Tensor:
     """Merge a flat slice of one expert parameter ``[n_experts, ...]`` with per-expert coefficients,
     in island order: element ``first + j`` of the flattened parameter belongs to expert row
-    ``(first + j) // row_numel``: what :func:`merge_experts` does to the whole parameter, so a
-    chunk of the flat vector merges exactly as the parameter would."""
+    ``(first + j) // row_numel``, so a chunk of the flat vector merges exactly as the whole
+    parameter would."""
     if row_numel < 1:
         raise ValueError(f"row_numel must be >= 1, got {row_numel}")
     n = deltas[0].numel()
@@ -232,18 +225,3 @@ def _ramp(step: int, warmup: int) -> float:
     """Linear warm-up factor of step ``step`` (from 1) over ``warmup`` steps: 1 once it is done."""
     return 1.0 if warmup <= 0 or step >= warmup else step / warmup
 
-
-def cosine(a: Tensor, b: Tensor) -> float:
-    """Cosine similarity of two flat tensors (0 when either is zero)."""
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 or nb == 0.0:
-        return 0.0
-    return float(torch.dot(a.double(), b.double())) / (na * nb)
-
-
-def mean_pairwise_cosine(vectors: Sequence[Tensor]) -> float:
-    """Mean cosine similarity over all pairs of islands' pseudo-gradients (1.0 for one island)."""
-    pairs = [(i, j) for i in range(len(vectors)) for j in range(i + 1, len(vectors))]
-    if not pairs:
-        return 1.0
-    return sum(cosine(vectors[i], vectors[j]) for i, j in pairs) / len(pairs)
