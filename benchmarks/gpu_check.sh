@@ -10,7 +10,7 @@
 # first (no index), and the package with them (for a machine that cannot reach a registry).
 # PYTHON picks the interpreter (default python3). QUALITY_STEPS=N (default 0: skipped) adds the
 # quality benchmark's GPU setting (`benchmarks/quality.py --gpu`) at N steps, limited to QUALITY_LIMIT_S.
-# docs/BENCHMARKS.md "Session 9" has what it printed on an H200.
+# docs/BENCHMARKS.md, "GPU (H200)", has what it printed on an H200.
 OUT=${OUT:-results/gpu_check}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
