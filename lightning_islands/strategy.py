@@ -14,7 +14,6 @@ The round itself lives in :mod:`lightning_islands.engine` (no Lightning there). 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
@@ -35,26 +34,9 @@ from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettin
 from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
-from lightning_islands.transport import (
-    ENV_COORDINATOR,
-    ENV_ISLAND,
-    ENV_NUM_ISLANDS,
-    ENV_RUN_ID,
-    IslandAborted,
-    IslandLink,
-)
+from lightning_islands.transport import IslandAborted, IslandLink, island_identity
 
 _SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError as err:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
 
 
 def batch_weight(module: pl.LightningModule, batch: Any) -> int:
@@ -114,16 +96,8 @@ class IslandStrategy(FSDP2Strategy):
             process_group_backend=process_group_backend,
             # the leader may wait up to max_wait_s for other islands while the other ranks wait for it
             timeout=max(default_pg_timeout, timedelta(seconds=max_wait_s + timeout_s)))
-        self.island_index = island if island is not None else (_env_int(ENV_ISLAND) or 0)
-        self.num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
-        self.coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
-        self.run_id = run_id or os.environ.get(ENV_RUN_ID) or "islands"
-        if self.num_islands > 1 and not self.coordinator:
-            raise ValueError(
-                f"{self.num_islands} islands need a coordinator address: pass coordinator='HOST:PORT' or set "
-                f"{ENV_COORDINATOR} (`lightning-islands run` sets it for you)")
-        if not 0 <= self.island_index < self.num_islands:
-            raise ValueError(f"island index {self.island_index} is outside [0, {self.num_islands})")
+        self.island_index, self.num_islands, self.coordinator, self.run_id = island_identity(
+            island, num_islands, coordinator, run_id)
         self.engine: IslandEngine | None = None  # from setup on (it needs the sharded module)
         self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
         self._params: list[Tensor] = []

@@ -10,6 +10,7 @@ moved.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -35,6 +36,33 @@ def parse_address(address: str) -> tuple[str, int]:
             f"coordinator='127.0.0.1:29400' or set {ENV_COORDINATOR}"
         )
     return host, int(port)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
+
+
+def island_identity(island: int | None = None, num_islands: int | None = None, coordinator: str | None = None,
+                    run_id: str | None = None) -> tuple[int, int, str | None, str]:
+    """``(island, num_islands, coordinator, run_id)``: each argument, else from the environment
+    (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``), else island 0 of 1, no
+    coordinator, run id ``"islands"``. Raises a ValueError naming the fix for an index out of range
+    or several islands without a coordinator."""
+    island = island if island is not None else (_env_int(ENV_ISLAND) or 0)
+    num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+    if num_islands > 1 and not coordinator:
+        raise ValueError(f"{num_islands} islands need a coordinator address: pass coordinator='HOST:PORT' or set "
+                         f"{ENV_COORDINATOR} (`lightning-islands run` sets it for you)")
+    if not 0 <= island < num_islands:
+        raise ValueError(f"island index {island} is outside [0, {num_islands})")
+    return island, num_islands, coordinator, run_id or os.environ.get(ENV_RUN_ID) or "islands"
 
 
 def _status_key(run_id: str, island: int) -> str:

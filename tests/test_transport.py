@@ -142,3 +142,30 @@ def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes():
     stats = links[0].take_stats()
     assert stats.bytes_sent == 10 * 2 and stats.bytes_received == 7
     assert links[0].take_stats().bytes_sent == 0
+
+
+@pytest.mark.parametrize("kwargs, env, needle", [
+    ({"num_islands": 2}, {}, r"2 islands need a coordinator address: pass coordinator='HOST:PORT' or set LI_COORDINATOR"),
+    ({"island": 3, "num_islands": 2, "coordinator": "h:1"}, {}, r"island index 3 is outside \[0, 2\)"),
+    ({}, {"LI_ISLAND": "one"}, r"environment variable LI_ISLAND='one' must be an integer"),
+])
+def test_a_bad_island_identity_names_the_fix(kwargs, env, needle, monkeypatch):
+    from lightning_islands.transport import island_identity
+
+    for key in ("LI_ISLAND", "LI_NUM_ISLANDS", "LI_COORDINATOR", "LI_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=needle):
+        island_identity(**kwargs)
+
+
+def test_the_island_identity_comes_from_the_environment(monkeypatch):
+    from lightning_islands.transport import island_identity
+
+    monkeypatch.setenv("LI_ISLAND", "1")
+    monkeypatch.setenv("LI_NUM_ISLANDS", "3")
+    monkeypatch.setenv("LI_COORDINATOR", "coord:29400")
+    monkeypatch.delenv("LI_RUN_ID", raising=False)
+    assert island_identity() == (1, 3, "coord:29400", "islands")
+    assert island_identity(island=2, run_id="exp1") == (2, 3, "coord:29400", "exp1")
