@@ -133,6 +133,7 @@ class IslandStrategy(FSDP2Strategy):
     def _ready(self) -> bool:
         return self.engine is not None and self.engine.state.ready
 
+    @torch.no_grad()
     def _locals(self) -> list[Tensor]:
         reshard_all(self.lightning_module)  # type: ignore[arg-type]
         return [local_view(p) for p in self._params]
@@ -166,8 +167,10 @@ class IslandStrategy(FSDP2Strategy):
         named = list(module.named_parameters())
         self._params = [p for _, p in named]
         layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device))
-        self.engine = IslandEngine(self.settings, layout, self.island_index, self.num_islands, self.root_device,
-                                   self._exchange_device())
+        previous, self.engine = self.engine, IslandEngine(self.settings, layout, self.island_index, self.num_islands,
+                                                          self.root_device, self._exchange_device())
+        if previous is not None:  # a second fit with this strategy continues its rounds and outer state
+            self.engine.continue_from(previous)
         if self.num_islands > 1:
             fingerprint = self.settings.fingerprint(layout, self.num_islands, self._resuming, self.root_device)
             self.engine.meet(self._open_link, fingerprint)
@@ -221,7 +224,8 @@ class IslandStrategy(FSDP2Strategy):
         others learn it through the round header and stop after this round too.
         """
         assert self.engine is not None
-        metrics, stop = self.engine.run_round(self._locals(), self._expert_counts(), self._wants_stop(final))
+        started = time.perf_counter()  # the round's clock includes gathering its inputs, as the step time excludes it
+        metrics, stop = self.engine.run_round(self._locals(), self._expert_counts(), self._wants_stop(final), started)
         if stop:
             self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
         if not metrics:
@@ -239,6 +243,8 @@ class IslandStrategy(FSDP2Strategy):
             return None
         counts = module.island_token_counts()  # type: ignore[operator]
         names = [e.name for e in engine.layout.entries if e.name in counts]
+        if not names:
+            return {}
         rows = [counts[n].to(torch.float64).cpu().tolist() for n in names]
         summed = engine.group.sum([v for row in rows for v in row])
         module.reset_island_token_counts()  # type: ignore[operator]
@@ -256,9 +262,10 @@ class IslandStrategy(FSDP2Strategy):
 
     def _publish_status(self) -> None:
         link = self.engine.link if self.engine else None
-        if link is None or not self.global_rank == 0 or time.monotonic() - self._last_status < 0.5:
+        now = time.monotonic()
+        if link is None or self.global_rank != 0 or now - self._last_status < 0.5:
             return
-        self._last_status = time.monotonic()
+        self._last_status = now
         self._beats += 1
         with suppress(Exception):  # "beat" changes every time: islands waiting for this one keep waiting
             link.heartbeat({**self._status(), "beat": self._beats})  # type: ignore[attr-defined]
@@ -446,11 +453,11 @@ class IslandStrategy(FSDP2Strategy):
 
     @override
     def teardown(self) -> None:
-        link = self.engine.link if self.engine else None
-        if link is not None:
-            self._join_start_if_skipped()
-            link.close()  # type: ignore[attr-defined]
-            self.engine.link = None  # type: ignore[union-attr]
+        if self.engine is not None:
+            self._join_start_if_skipped()  # a collective of the island: every rank takes part
+            if self.engine.link is not None:
+                self.engine.link.close()  # type: ignore[attr-defined]
+                self.engine.link = None
         super().teardown()
 
     @classmethod

@@ -365,3 +365,24 @@ def test_the_outer_state_round_trips_through_a_checkpoint_and_a_damaged_one_name
         f.write_bytes(f.read_bytes()[:10])  # a write cut short
     with pytest.raises(RuntimeError, match=r"(?s)islands_outer .*incomplete or damaged: resume from an earlier one"):
         load_outer_state(tmp_path, ["anchor"], params, layout, params)
+
+
+def test_a_second_fit_continues_the_rounds_and_the_outer_state():
+    cpu = torch.device("cpu")
+    settings = IslandSettings(sync_every=2, codec="int4", error_feedback=True)
+    layout = CanonicalLayout(SPECS)
+    locals_ = [layout.shard_of(initial_flat(0), i).clone() for i in range(len(SPECS))]
+    first = IslandEngine(settings, layout, 0, 1, cpu, cpu)
+    first.adopt_initial_state(locals_, {})
+    for step in range(2):
+        for i, loc in enumerate(locals_):
+            loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(target(0, step), i)), INNER_LR))
+        first.count_tokens(8)
+        first.schedule.close_step()
+    first.run_round(locals_)
+    second = IslandEngine(settings, layout, 0, 1, cpu, cpu)
+    second.continue_from(first)
+    second.adopt_initial_state(locals_, {})
+    assert (second.schedule.round, second.schedule.inner_steps, second.state.optimizer.steps) == (1, 2, 1)
+    assert second.state.momentum is not None and second.state.residual is first.state.residual
+    assert second.totals is first.totals and all(torch.equal(a, b) for a, b in zip(second.state.anchors, locals_))

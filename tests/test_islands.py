@@ -246,6 +246,20 @@ def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     assert not list((tmp_path / "uneven").glob("island*_round*.pt"))
 
 
+def test_a_multi_process_island_without_steps_left_tells_the_others_at_once(tmp_path):
+    # island 0 (2 processes) resumes at its max_steps: Lightning skips on_train_start, and the start
+    # agreement runs from teardown, a collective of the island: both of its ranks must take part
+    part = tmp_path / "part"
+    common = ["--H", 2, "--batch-sizes", "4,8"]
+    launch([2, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common], tmp_path / "l1")
+    t0 = time.monotonic()
+    _, text = launch([2, 1], ["islands_regression.py", "--out", tmp_path / "uneven", "--steps", "4,8", *common,
+                              "--timeout-s", 120, "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l2")
+    assert time.monotonic() - t0 < 90, "island 1 waited for island 0, which had no steps left"
+    assert "not every island has steps left" in text
+    assert not list((tmp_path / "uneven").glob("island*_round*.pt"))
+
+
 def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
     """A checkpoint write longer than timeout_s is progress, not silence: the leader keeps beating
     while it writes, so the island that waits for it at the next round does not give it up."""

@@ -220,6 +220,14 @@ class IslandEngine:
 
         return self.agree(compare)
 
+    def continue_from(self, previous: IslandEngine) -> None:
+        """Take over the rounds, outer state and link totals of an earlier engine of this island (a
+        second fit with the same strategy); the anchors are taken anew from the parameters."""
+        self.schedule = previous.schedule
+        self.state.optimizer, self.state.residual = previous.state.optimizer, previous.state.residual
+        self.totals, self.last_round_metrics = previous.totals, previous.last_round_metrics
+        self._state_exchanges = previous._state_exchanges
+
     def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
         """Act on the start agreement (``done``: the islands without steps left). Returns whether
         to stop at once, and a message for the user (``None``: nothing to say) with whether it is
@@ -266,22 +274,23 @@ class IslandEngine:
         self.round_tokens += int(tokens)
 
     def run_round(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None = None,
-                  stop: bool = False) -> tuple[dict[str, float], bool]:
+                  stop: bool = False, started: float | None = None) -> tuple[dict[str, float], bool]:
         """Both halves back to back: returns the round's metrics (empty when no island stepped) and
         whether the islands agreed to stop after this round."""
-        pending = self.start(locals_, experts, stop)
+        pending = self.start(locals_, experts, stop, started)
         return self.finish(pending, locals_), pending.stop
 
     @torch.no_grad()
     def start(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None = None,
-              stop: bool = False) -> PendingRound:
+              stop: bool = False, started: float | None = None) -> PendingRound:
         """The first half (every rank of every island): pseudo-gradient, headers, exchange, merge.
 
         ``locals_``: this rank's local shards; ``experts``: this island's tokens per expert of each
         expert parameter (expert weighting; summed over the island already); ``stop``: this island
-        ends training with this round (the others learn it through the headers).
+        ends training with this round (the others learn it through the headers); ``started``: when the
+        round began (``time.perf_counter()``; default now), if gathering its inputs took time.
         """
-        t_start = time.perf_counter()
+        t_start = time.perf_counter() if started is None else started
         s, state, layout = self.settings, self.state, self.layout
         deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(state.anchors, locals_)]
         # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)

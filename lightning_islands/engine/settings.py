@@ -124,7 +124,8 @@ class IslandSettings:
         self.exchange_chunk = outer.exchange_chunk_numel(self.exchange_chunk_mib, codec.alignment)
         self.use_error_feedback = (default_error_feedback(self.codec) if self.error_feedback is None
                                    else bool(self.error_feedback))
-        check_decay(self.error_feedback_decay, "error_feedback_decay (islands.error_feedback_decay)")
+        self.error_feedback_decay = check_decay(self.error_feedback_decay,
+                                                "error_feedback_decay (islands.error_feedback_decay)")
         if self.error_feedback_decay != 1.0 and not self.use_error_feedback:
             why = "error_feedback=False" if self.error_feedback is False else f"the default for codec {self.codec!r}"
             raise ValueError(f"error_feedback_decay={self.error_feedback_decay} decays the error-feedback residual, "

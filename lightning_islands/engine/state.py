@@ -27,7 +27,7 @@ class OuterState:
 
     def __init__(self, optimizer: OuterSGD, device: torch.device | str | None = None) -> None:
         self.optimizer = optimizer
-        self.device = torch.device(device) if device is not None else None
+        self.device = torch.device(device) if device else None  # None or "": where each shard is
         self.anchors: list[Tensor] = []
         self.residual: list[Tensor] | None = None
 
