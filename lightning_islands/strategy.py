@@ -31,7 +31,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
-from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
+from lightning_islands.engine.checkpoint import load_global_parameters
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
 from lightning_islands.transport import IslandAborted, IslandLink, island_identity
@@ -172,8 +172,7 @@ class IslandStrategy(FSDP2Strategy):
         if previous is not None:  # a second fit with this strategy continues its rounds and outer state
             self.engine.continue_from(previous)
         if self.num_islands > 1:
-            fingerprint = self.settings.fingerprint(layout, self.num_islands, self._resuming, self.root_device)
-            self.engine.meet(self._open_link, fingerprint)
+            self.engine.meet(self._open_link, self.engine.fingerprint(self._resuming))
         self.engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
 
     def _open_link(self) -> IslandLink:
@@ -241,17 +240,10 @@ class IslandStrategy(FSDP2Strategy):
         module, engine = self.lightning_module, self.engine
         if not self.settings.expert_weighting or module is None or engine is None:
             return None
-        counts = module.island_token_counts()  # type: ignore[operator]
-        names = [e.name for e in engine.layout.entries if e.name in counts]
-        if not names:
-            return {}
-        rows = [counts[n].to(torch.float64).cpu().tolist() for n in names]
-        summed = engine.group.sum([v for row in rows for v in row])
-        module.reset_island_token_counts()  # type: ignore[operator]
-        out, at = {}, 0
-        for name, row in zip(names, rows):
-            out[name], at = summed[at : at + len(row)], at + len(row)
-        return out
+        summed = engine.island_expert_counts(module.island_token_counts())  # type: ignore[operator]
+        if summed:
+            module.reset_island_token_counts()  # type: ignore[operator]
+        return summed
 
     def _log(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -348,11 +340,7 @@ class IslandStrategy(FSDP2Strategy):
         """The full global parameters (fp32, on CPU) by name on the island's leader (empty on the
         other ranks); a collective of the island."""
         assert self.engine is not None
-        flat = self.engine.global_flat()
-        if flat is None:
-            return {}
-        flat = flat.cpu()
-        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape).clone() for e in self.engine.layout.entries}
+        return self.engine.global_parameters()
 
     def global_state_digest(self) -> str | None:
         """SHA-256 of the global parameters and outer momentum on the leader; a collective of the island."""
@@ -405,16 +393,11 @@ class IslandStrategy(FSDP2Strategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if not self._ready():
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        engine = self.engine
-        assert engine is not None
-        fingerprint = self.settings.fingerprint(engine.layout, self.num_islands, self._resuming, self.root_device)
-        checkpoint["islands"] = {**engine.checkpoint_meta(), "stepped_batch": self._stepped_batch,
-                                 "island": self.island_index, "num_islands": self.num_islands,
-                                 "fingerprint": fingerprint}
+        assert self.engine is not None
+        checkpoint["islands"] = {**self.engine.checkpoint_meta(self._resuming), "stepped_batch": self._stepped_batch}
         with self._beating("saving checkpoint"):
             super().save_checkpoint(checkpoint, filepath, storage_options)
-            path = Path(self.broadcast(str(filepath)))
-            save_outer_state(path, engine.state.state_dict(), self._params, engine.layout)
+            self.engine.save_checkpoint(Path(self.broadcast(str(filepath))), self._params)
             self.barrier()
 
     @override
@@ -429,25 +412,14 @@ class IslandStrategy(FSDP2Strategy):
                 named = list(module.named_parameters())
                 self._params = [p for _, p in named]
                 layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device))
-                locals_ = self._locals()
-                with torch.no_grad():
-                    for loc, a in zip(locals_, load_outer_state(path, ["anchor"], self._params, layout,
-                                                                locals_)["anchor"]):
-                        loc.copy_(a)
+                load_global_parameters(path, self._params, self._locals(), layout)
                 self._params = []
             return checkpoint
         assert engine is not None
         if meta is None:  # a plain (e.g. FSDP) checkpoint: every island starts again from island 0's state
             engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
             return checkpoint
-        if meta["island"] != self.island_index or meta.get("num_islands", self.num_islands) != self.num_islands:
-            raise ValueError(
-                f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
-                f"{self.island_index} of {self.num_islands}; give each island its own checkpoint (resume=[...])")
-        use_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
-        keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * use_residual
-        engine.load_checkpoint_meta(meta, load_outer_state(path, keys, self._params, engine.layout,
-                                                           engine.state.anchors))
+        engine.load_checkpoint(path, meta, self._params)
         self._stepped_batch = meta["stepped_batch"]
         return checkpoint
 

@@ -37,6 +37,18 @@ def target(island: int, step: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=g) + island
 
 
+def inner_steps(engine: IslandEngine, locals_: list[torch.Tensor], island: int, tokens: int) -> None:
+    """Inner steps of island ``island`` up to the end of the engine's round: each rank moves its own
+    shards towards the island's target of the step (an elementwise optimizer, so every sharding
+    trains alike) and counts its tokens."""
+    for _ in range(engine.schedule.steps_per_round - engine.schedule.round_steps):
+        goal = target(island, engine.schedule.inner_steps)
+        for i, loc in enumerate(locals_):
+            loc.sub_(torch.mul(torch.sub(loc, engine.layout.shard_of(goal, i)), INNER_LR))
+        engine.count_tokens(tokens)
+        engine.schedule.close_step()
+
+
 @dataclass
 class Plan:
     """A run of islands: one entry per island in ``sizes`` (ranks) and ``tokens`` (per rank per step)."""
@@ -68,13 +80,7 @@ def _rank_main(plan: Plan, island: int, rank: int, group: ThreadGroup, hub: Hub,
         engine.schedule.load_state_dict(saved["schedule"])
     rounds, metrics = [], []
     while engine.schedule.round < plan.rounds and not engine.schedule.stopping:
-        for _ in range(engine.schedule.steps_per_round):
-            goal = target(island, engine.schedule.inner_steps)
-            for i, loc in enumerate(locals_):
-                loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, i)), INNER_LR))
-            engine.count_tokens(plan.tokens[island])
-            if engine.schedule.close_step():
-                break
+        inner_steps(engine, locals_, island, plan.tokens[island])
         stop = plan.stop_island_round == (island, engine.schedule.round)
         experts = None
         if plan.experts is not None:
@@ -296,12 +302,7 @@ def test_the_real_link_over_loopback_gives_the_same_bits():
         engine.adopt_initial_state(locals_, {})
         out = []
         for _ in range(plan.rounds):
-            for _ in range(3):
-                goal = target(i, engine.schedule.inner_steps)
-                for k, loc in enumerate(locals_):
-                    loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, k)), INNER_LR))
-                engine.count_tokens(plan.tokens[i])
-                engine.schedule.close_step()
+            inner_steps(engine, locals_, i, plan.tokens[i])
             engine.run_round(locals_)
             out.append(engine.global_flat().clone())
         engine.link.close()  # type: ignore[union-attr]
@@ -374,11 +375,7 @@ def test_a_second_fit_continues_the_rounds_and_the_outer_state():
     locals_ = [layout.shard_of(initial_flat(0), i).clone() for i in range(len(SPECS))]
     first = IslandEngine(settings, layout, 0, 1, cpu, cpu)
     first.adopt_initial_state(locals_, {})
-    for step in range(2):
-        for i, loc in enumerate(locals_):
-            loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(target(0, step), i)), INNER_LR))
-        first.count_tokens(8)
-        first.schedule.close_step()
+    inner_steps(first, locals_, 0, 8)
     first.run_round(locals_)
     second = IslandEngine(settings, layout, 0, 1, cpu, cpu)
     second.continue_from(first)

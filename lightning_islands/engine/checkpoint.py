@@ -56,3 +56,12 @@ def load_outer_state(checkpoint: Path, keys: Sequence[str], params: Sequence[Ten
                            "checkpoint is incomplete or damaged: resume from an earlier one") from err
     return {k: [t.to_local() if isinstance(t, DTensor) else t for t in (state[k][e.name] for e in layout.entries)]
             for k in keys}
+
+
+def load_global_parameters(checkpoint: Path, params: Sequence[Tensor], locals_: Sequence[Tensor],
+                           layout: CanonicalLayout) -> None:
+    """Copy the global parameters (the anchors) of an island's checkpoint into ``locals_``, this
+    rank's shards of ``params``: to validate, test or predict with the global model."""
+    with torch.no_grad():
+        for loc, anchor in zip(locals_, load_outer_state(checkpoint, ["anchor"], params, layout, locals_)["anchor"]):
+            loc.copy_(anchor)

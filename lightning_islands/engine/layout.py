@@ -93,17 +93,21 @@ class CanonicalLayout:
         e = self.entries[index]
         if not e.sharded or not e.shape:
             return e.shape
-        rank = self.group.rank if rank is None else rank
-        rows = e.shape[0]
-        chunk = -(-rows // self.group.size) if rows else 0
-        start, stop = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        start, stop = self._rows(e, self.group.rank if rank is None else rank)
         return (stop - start, *e.shape[1:])
+
+    def _rows(self, e: Entry, rank: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of sharded parameter ``e`` that ``rank`` holds: FSDP2's split
+        along dim 0 (``torch.chunk``: chunks of ``ceil(rows / world)`` rows, the last ones shorter
+        or empty)."""
+        rows = e.shape[0] if e.shape else 1
+        chunk = -(-rows // self.group.size) if rows else 0
+        return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
     def _pieces(self, replicated_to_all: bool) -> list[list[tuple[int, int]]]:
         """Per rank of the island, the ``(flat offset, numel)`` of what it holds of each parameter, in
-        parameter order. A sharded parameter is split along dim 0 as FSDP2 splits it (``torch.chunk``:
-        equal chunks of ``ceil(rows / world)`` rows, the last ones shorter or empty); a plain one is
-        whole on every rank (``replicated_to_all``) or counted once, on rank 0."""
+        parameter order. A sharded parameter is split along dim 0 as FSDP2 splits it (:meth:`_rows`);
+        a plain one is whole on every rank (``replicated_to_all``) or counted once, on rank 0."""
         if replicated_to_all in self._pieces_cache:
             return self._pieces_cache[replicated_to_all]
         world = self.group.size
@@ -115,9 +119,8 @@ class CanonicalLayout:
                 continue
             rows = e.shape[0] if e.shape else 1
             per_row = e.numel // rows if rows else 0
-            chunk = -(-rows // world) if rows else 0
             for r in range(world):
-                start, stop = min(r * chunk, rows), min((r + 1) * chunk, rows)
+                start, stop = self._rows(e, r)
                 pieces[r].append((e.offset + start * per_row, (stop - start) * per_row))
         self._pieces_cache[replicated_to_all] = pieces
         return pieces
@@ -260,7 +263,5 @@ class CanonicalLayout:
         full = flat[e.offset : e.offset + e.numel].view(e.shape)
         if not e.sharded or not e.shape:
             return full
-        rows = e.shape[0]
-        chunk = -(-rows // self.group.size) if rows else 0
-        a = min(self.group.rank * chunk, rows)
-        return full[a : min(a + chunk, rows)]
+        start, stop = self._rows(e, self.group.rank)
+        return full[start:stop]

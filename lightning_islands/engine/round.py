@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from lightning_islands.codecs import with_residual
 from lightning_islands.engine import outer
+from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
 from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout
@@ -187,6 +189,15 @@ class IslandEngine:
         ranks); a collective of the island."""
         return self.layout.gather_to_leader(self.state.anchors, self.device)
 
+    def global_parameters(self) -> dict[str, Tensor]:
+        """The global parameters (fp32, on the host) by name on the leader, empty on the other ranks;
+        a collective of the island."""
+        flat = self.global_flat()
+        if flat is None:
+            return {}
+        flat = flat.cpu()
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape).clone() for e in self.layout.entries}
+
     @torch.no_grad()
     def global_state_digest(self) -> str | None:
         """SHA-256 of the global parameters and outer momentum in canonical layout, on the leader
@@ -251,17 +262,36 @@ class IslandEngine:
                       f"complete; not every island has steps left, stopping at round {schedule.round}. Give every "
                       "island a max_steps above the step it resumes from."), True
 
-    def checkpoint_meta(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps beside the outer state (a collective of the island: the
-        round's tokens are summed over its ranks)."""
+    def fingerprint(self, resuming: bool) -> dict[str, Any]:
+        """What must be equal on every island (:meth:`IslandSettings.fingerprint`) for this one."""
+        return self.settings.fingerprint(self.layout, self.num_islands, resuming, self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_meta(self, resuming: bool) -> dict[str, Any]:
+        """The counters a checkpoint keeps beside the outer state, its ``islands`` entry (a collective
+        of the island: the round's tokens are summed over its ranks)."""
         state = self.state.state_dict()
         return {**self.schedule.state_dict(), "round_tokens": self.group.sum([self.round_tokens])[0],
                 "totals": dict(self.totals), "outer_steps": state["outer_steps"],
-                "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None}
+                "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None,
+                "island": self.island, "num_islands": self.num_islands, "fingerprint": self.fingerprint(resuming)}
 
-    def load_checkpoint_meta(self, meta: dict[str, Any], loaded: dict[str, list[Tensor]]) -> None:
-        """Restore the counters of :meth:`checkpoint_meta` and the outer state ``loaded`` from the
-        checkpoint (``anchor``, and ``momentum`` and ``residual`` where it holds them)."""
+    def save_checkpoint(self, path: Path, params: Sequence[Tensor]) -> None:
+        """Save this rank's outer state into the checkpoint folder ``path``, placed like ``params``
+        (a collective of the island)."""
+        save_outer_state(path, self.state.state_dict(), params, self.layout)
+
+    def load_checkpoint(self, path: Path, meta: dict[str, Any], params: Sequence[Tensor]) -> None:
+        """Restore the outer state from the checkpoint folder ``path`` and the counters ``meta`` of
+        :meth:`checkpoint_meta` (a collective of the island). A checkpoint of another
+        island is refused with the fix."""
+        if meta["island"] != self.island or meta.get("num_islands", self.num_islands) != self.num_islands:
+            raise ValueError(
+                f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
+                f"{self.island} of {self.num_islands}; give each island its own checkpoint (resume=[...])")
+        use_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
+        keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * use_residual
+        loaded = load_outer_state(path, keys, params, self.layout, self.state.anchors)
         self.state.load_state_dict({"anchor": loaded["anchor"], "momentum": loaded.get("momentum"),
                                     "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
         self.schedule.load_state_dict(meta)
@@ -269,6 +299,20 @@ class IslandEngine:
         self.totals = dict(meta["totals"])
 
     # ------------------------------------------------------------------ the round
+    def island_expert_counts(self, counts: dict[str, Tensor]) -> dict[str, list[float]]:
+        """The island's tokens per expert this round, for each expert parameter of the layout that
+        ``counts`` (this rank's counts by parameter name) names, summed over the island's ranks;
+        empty, and no collective, when it names none (every rank alike)."""
+        names = [e.name for e in self.layout.entries if e.name in counts]
+        if not names:
+            return {}
+        rows = [counts[n].to(torch.float64).cpu().tolist() for n in names]
+        summed = self.group.sum([v for row in rows for v in row])
+        out, at = {}, 0
+        for name, row in zip(names, rows):
+            out[name], at = summed[at : at + len(row)], at + len(row)
+        return out
+
     def count_tokens(self, tokens: int) -> None:
         """Add a batch's tokens to this rank's count for the round (the merge weight)."""
         self.round_tokens += int(tokens)
