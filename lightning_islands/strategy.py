@@ -68,7 +68,7 @@ class IslandStrategy(FSDP2Strategy):
     takes an outer SGD step on the anchor, which then becomes the island's parameters. Global state
     is bit-identical on all islands after every outer step.
 
-    The islands' settings (``sync_every`` to ``exchange_chunk_mib``) are those of
+    The islands' settings (``sync_every`` to ``overlap_alpha``) are those of
     :class:`~lightning_islands.engine.IslandSettings`, which documents each. The others:
 
     Args:
@@ -87,7 +87,8 @@ class IslandStrategy(FSDP2Strategy):
                  steps_per_round: int | None = None, lanes: int = 2, outer_device: str | None = None,
                  weighting: str = "tokens", expert_weighting: bool = False, balance: str = "none",
                  max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
-                 exchange_chunk_mib: float | None = 1024.0, unit_classes: Sequence[str] | None = None,
+                 exchange_chunk_mib: float | None = 1024.0, fragments: int = 1, fragment_layout: str = "strided",
+                 overlap_steps: int = 0, overlap_alpha: float = 0.0, unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
         # every argument that is a setting of the islands (the same names) goes to IslandSettings
         self.settings = IslandSettings(**{k: v for k, v in locals().items() if k in _SETTINGS})
@@ -204,7 +205,10 @@ class IslandStrategy(FSDP2Strategy):
         if not self._stepped_batch or not self._ready():
             return
         self._stepped_batch = False
-        if self.engine.schedule.close_step():  # type: ignore[union-attr]
+        due = self.engine.schedule.close_step()  # type: ignore[union-attr]
+        if self.engine.landing_due():  # type: ignore[union-attr]
+            self._land()
+        if due:
             self.outer_step()
 
     def _wants_stop(self, final: bool) -> bool:
@@ -223,16 +227,34 @@ class IslandStrategy(FSDP2Strategy):
         others learn it through the round header and stop after this round too.
         """
         assert self.engine is not None
+        self._land()  # the round in flight lands before the next one starts
         started = time.perf_counter()  # the round's clock includes gathering its inputs, as the step time excludes it
-        metrics, stop = self.engine.run_round(self._locals(), self._expert_counts(), self._wants_stop(final), started)
+        last = self._wants_stop(final)
+        if self.settings.overlap_steps and not last:  # it flies while the next inner steps run; the last never does
+            self.engine.start(self._locals(), self._expert_counts(), False, started, background=True)
+            self.engine.schedule.restart_clock()
+            return {}
+        metrics = self._after_round(*self.engine.run_round(self._locals(), self._expert_counts(), last, started))
+        if metrics:
+            self.engine.schedule.restart_clock()
+        return metrics
+
+    def _land(self) -> None:
+        """Land the round in flight (every rank): its outer step, blended into the local parameters."""
+        assert self.engine is not None
+        if self.engine.in_flight is None:
+            return
+        started = time.perf_counter()
+        self._after_round(*self.engine.land(self._locals()))
+        self.engine.schedule.exclude(time.perf_counter() - started)  # waiting is not step time
+
+    def _after_round(self, metrics: dict[str, float], stop: bool) -> dict[str, float]:
         if stop:
             self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
-        if not metrics:
-            return metrics
-        self._log(metrics)
-        for callback in self.round_callbacks:
-            callback(self)
-        self.engine.schedule.restart_clock()
+        if metrics:
+            self._log(metrics)
+            for callback in self.round_callbacks:
+                callback(self)
         return metrics
 
     def _expert_counts(self) -> dict[str, list[float]] | None:
@@ -326,6 +348,7 @@ class IslandStrategy(FSDP2Strategy):
     def on_train_end(self) -> None:
         if self._ready():
             self._close_batch()
+            self._land()
             if not self.engine.schedule.stopping:  # type: ignore[union-attr]
                 # The islands have not agreed to stop yet: this island's last (possibly partial or
                 # empty) round tells the others to stop after it, so nobody waits for a missing round.
@@ -379,6 +402,13 @@ class IslandStrategy(FSDP2Strategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A checkpoint holds no round in flight: it lands first (every rank dumps the checkpoint).
+        if self._ready() and self.engine.in_flight is not None:  # type: ignore[union-attr]
+            validating = self._stash is not None
+            self._swap_out_global()
+            self._land()
+            if validating:
+                self._swap_in_global()
         # A checkpoint taken while validation has the global model swapped in must still hold the
         # island's local parameters (exact resume); the global ones travel in islands_outer/.
         if self._stash is None:

@@ -32,17 +32,19 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         total = (first.get("parameters") or {}).get("total")
         if total:
             summary.update(reference_bytes(int(total), len(results), int(summary["rounds"] or 0),
-                                           max(int(r.get("fit_steps", r["global_step"])) for r in results)))
+                                           max(int(r.get("fit_steps", r["global_step"])) for r in results),
+                                           int(first.get("fragments", 1))))
     return summary
 
 
-def reference_bytes(parameters: int, islands: int, rounds: int, steps: int) -> dict[str, float]:
+def reference_bytes(parameters: int, islands: int, rounds: int, steps: int, fragments: int = 1) -> dict[str, float]:
     """What the same run would have sent across the cut between islands (summed over islands):
     ``bytes_fp32``, the same rounds with fp32 pseudo-gradients (each island sends 4 bytes per
-    parameter to each other island), and ``bytes_sync_dp``, synchronous data parallelism over the
+    parameter of the round's fragment, about ``1 / fragments`` of them, to each other island), and
+    ``bytes_sync_dp``, synchronous data parallelism over the
     same islands (a bandwidth-optimal all-reduce of fp32 gradients every step: ``2 (islands - 1)``
     full copies cross between islands per step, 8 bytes per parameter for two islands)."""
-    return {"bytes_fp32": float(rounds * islands * (islands - 1) * 4 * parameters),
+    return {"bytes_fp32": float(rounds * islands * (islands - 1) * 4 * parameters / fragments),
             "bytes_sync_dp": float(steps * 2 * (islands - 1) * 4 * parameters)}
 
 

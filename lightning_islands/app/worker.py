@@ -68,7 +68,9 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             outer_device=isl.outer_device, timeout_s=isl.timeout_s,
             max_wait_s=isl.get("max_wait_s", 3600.0), exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),
             expert_weighting=bool(isl.get("expert_weighting", False)), balance=isl.get("balance", "none"),
-            max_rounds=isl.get("max_rounds"),
+            max_rounds=isl.get("max_rounds"), fragments=int(isl.get("fragments", 1)),
+            fragment_layout=isl.get("fragment_layout", "strided"), overlap_steps=int(isl.get("overlap_steps", 0)),
+            overlap_alpha=float(isl.get("overlap_alpha", 0.0)),
             steps_per_round=member.get("steps_per_round"),
             unit_classes=cfg.strategy.get("unit_classes"),
             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True),
@@ -209,6 +211,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if isinstance(strategy, IslandStrategy):
         result["tokens"] = strategy.total_tokens  # tokens merged into the global model
         result["rounds"] = strategy.round
+        result["fragments"] = strategy.settings.fragments  # a round syncs one fragment of the model
         result["idle_fraction"] = strategy.totals["seconds_waiting"] / max(fit_seconds, 1e-9)
         last = {f"last_{k.split('/', 1)[1]}": v for k, v in strategy.last_round_metrics.items()}
         result["islands"] = {**last, **strategy.totals}

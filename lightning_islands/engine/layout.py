@@ -73,6 +73,11 @@ class CanonicalLayout:
                                    for _, p in named])
         return layout
 
+    def subset(self, indices: Sequence[int]) -> CanonicalLayout:
+        """The layout of the parameters ``indices`` alone (a fragment), over the same ranks."""
+        return CanonicalLayout([(self.entries[i].name, self.entries[i].shape, self.entries[i].sharded)
+                                for i in indices], self.group)
+
     def check_local_shapes(self, held: Sequence[Sequence[int]]) -> None:
         """Raise on every rank of the island unless every rank holds, of each parameter, the shape
         the layout cuts for it (``held``: this rank's shapes, in parameter order); a collective."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -32,6 +33,7 @@ from lightning_islands.codecs import with_residual
 from lightning_islands.engine import outer
 from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
+from lightning_islands.engine.fragments import split_fragments
 from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.schedule import Schedule
@@ -51,13 +53,42 @@ class PendingRound:
     tokens: float
     step_seconds: float
     started: float
+    fragment: int = 0
     grads: list[Tensor] | None = None  # the merged pseudo-gradient of this rank's shards; None: no step
     metrics: dict[str, float] = field(default_factory=dict)
+    flight: InFlight | None = None  # an overlapped round's background exchange, until it lands
+    inner_steps: int = 0  # the island's inner steps when the round started
 
     @property
     def stop(self) -> bool:
         """Whether some island ends training with this round (so every island does)."""
         return any(h["stop"] for h in self.headers)
+
+
+class InFlight:
+    """An overlapped round's exchange in a background thread on the leader: the round headers, then
+    every chunk of the fragment's gathered vector encoded, exchanged, decoded and merged. It reads
+    only the snapshot it was given (the gathered pseudo-gradient) and writes only its own results,
+    so the inner steps that run meanwhile cannot race with it."""
+
+    def __init__(self, work: Callable[[], dict[str, Any]], name: str) -> None:
+        self.result: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], dict[str, Any]]) -> None:
+        try:
+            self.result = work()
+        except BaseException as err:  # noqa: BLE001 - raised again where the round lands
+            self.error = err
+
+    def join(self) -> dict[str, Any]:
+        """Wait for the exchange; its result, or its error raised here."""
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class IslandEngine:
@@ -79,10 +110,17 @@ class IslandEngine:
         self.island, self.num_islands = island, num_islands
         self.device, self.exchange_device = device, exchange_device
         self.codec = settings.make_codec()
-        self.state = OuterState(settings.outer_optimizer(), settings.outer_device)
+        fragments = split_fragments([e.name for e in layout.entries], [e.numel for e in layout.entries],
+                                    settings.fragments, settings.fragment_layout)
+        self.fragment_layouts = [layout] if len(fragments) == 1 else [layout.subset(f) for f in fragments]
+        self.state = OuterState([settings.outer_optimizer() for _ in fragments], settings.outer_device,
+                                fragments if len(fragments) > 1 else None)
         self.schedule = Schedule(settings, island)
         self.link: Link | None = None  # the leader's, once the islands have met
         self.round_tokens = 0  # this rank's tokens in the current round
+        # the island's tokens of the last F - 1 rounds: a fragment's merge weight is its tokens since its last sync
+        self.recent_tokens: list[float] = []
+        self.in_flight: PendingRound | None = None  # an overlapped round not landed yet
         self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)
         self.last_round_metrics: dict[str, float] = {}
         self.initial_state_broadcast: bool | None = None  # whether island 0's state had to be sent
@@ -235,7 +273,8 @@ class IslandEngine:
         """Take over the rounds, outer state and link totals of an earlier engine of this island (a
         second fit with the same strategy); the anchors are taken anew from the parameters."""
         self.schedule = previous.schedule
-        self.state.optimizer, self.state.residual = previous.state.optimizer, previous.state.residual
+        self.state.optimizers, self.state.residual = previous.state.optimizers, previous.state.residual
+        self.recent_tokens = previous.recent_tokens
         self.totals, self.last_round_metrics = previous.totals, previous.last_round_metrics
         self._state_exchanges = previous._state_exchanges
 
@@ -273,6 +312,7 @@ class IslandEngine:
         state = self.state.state_dict()
         return {**self.schedule.state_dict(), "round_tokens": self.group.sum([self.round_tokens])[0],
                 "totals": dict(self.totals), "outer_steps": state["outer_steps"],
+                "recent_tokens": list(self.recent_tokens),
                 "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None,
                 "island": self.island, "num_islands": self.num_islands, "fingerprint": self.fingerprint(resuming)}
 
@@ -296,6 +336,7 @@ class IslandEngine:
                                     "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
         self.schedule.load_state_dict(meta)
         self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
+        self.recent_tokens = [float(t) for t in meta.get("recent_tokens", [])]
         self.totals = dict(meta["totals"])
 
     # ------------------------------------------------------------------ the round
@@ -326,59 +367,157 @@ class IslandEngine:
 
     @torch.no_grad()
     def start(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None = None,
-              stop: bool = False, started: float | None = None) -> PendingRound:
+              stop: bool = False, started: float | None = None, background: bool = False) -> PendingRound:
         """The first half (every rank of every island): pseudo-gradient, headers, exchange, merge.
 
-        ``locals_``: this rank's local shards; ``experts``: this island's tokens per expert of each
-        expert parameter (expert weighting; summed over the island already); ``stop``: this island
-        ends training with this round (the others learn it through the headers); ``started``: when the
-        round began (``time.perf_counter()``; default now), if gathering its inputs took time.
+        ``locals_``: this rank's local shards (of every parameter; the round takes its fragment's);
+        ``experts``: this island's tokens per expert of each expert parameter (expert weighting;
+        summed over the island already); ``stop``: this island ends training with this round (the
+        others learn it through the headers); ``started``: when the round began
+        (``time.perf_counter()``; default now), if gathering its inputs took time.
+
+        ``background``: overlap the round with the next inner steps. Only the fragment's snapshot is
+        gathered to the leader here; the headers and the exchange run in a background thread of the
+        leader, and :meth:`finish` (or :meth:`land`) waits for them. At most one round is in flight.
         """
+        if self.in_flight is not None:
+            raise RuntimeError("a round is still in flight: land it (IslandEngine.land) before starting the next")
         t_start = time.perf_counter() if started is None else started
-        s, state, layout = self.settings, self.state, self.layout
-        deltas = [outer.pseudo_gradient(a.to(loc.device), loc) for a, loc in zip(state.anchors, locals_)]
+        s, state = self.settings, self.state
+        fragment = self.schedule.fragment
+        idx, layout = state.indices(fragment), self.fragment_layouts[fragment]
+        deltas = [outer.pseudo_gradient(state.anchors[i].to(locals_[i].device), locals_[i]) for i in idx]
         # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
-        own_sq = sum_sq([d for i, d in enumerate(deltas) if layout.is_sharded(i) or self.is_leader])
+        own_sq = sum_sq([d for j, d in enumerate(deltas) if layout.is_sharded(j) or self.is_leader])
         sent = deltas
         if s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
             if state.residual is None:
                 state.residual = [torch.zeros_like(a) for a in state.anchors]
             else:
-                sent = [with_residual(d, r.to(d.device), s.error_feedback_decay)
-                        for d, r in zip(deltas, state.residual)]
+                sent = [with_residual(d, state.residual[i].to(d.device), s.error_feedback_decay)
+                        for d, i in zip(deltas, idx)]
         delta_sq, tokens = self.group.sum([own_sq, float(self.round_tokens)])
         step_seconds = self.schedule.step_seconds(t_start)
-        header = {"round": self.schedule.round, "tokens": tokens, "steps": self.schedule.round_steps,
-                  "step_seconds": step_seconds, "experts": experts, "stop": stop}
+        # the merge weight: the island's tokens since this fragment last synced (the last F rounds)
+        header = {"round": self.schedule.round, "tokens": tokens + sum(self.recent_tokens),
+                  "steps": self.schedule.round_steps, "step_seconds": step_seconds, "experts": experts, "stop": stop}
+        pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps)
+        if background:
+            return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
-        headers = self.agree(lambda: self._meet_round(header, coefs))
-        pending = PendingRound(headers, tokens, step_seconds, t_start)
+        pending.headers = self.agree(lambda: self._meet_round(header, coefs))
         if pending.stop:
             self.schedule.stopping = True
-        if not any(h["steps"] > 0 for h in headers):
+        if not any(h["steps"] > 0 for h in pending.headers):
             # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
             return pending
-        pending.grads, pending.metrics = self._exchange(sent, delta_sq, headers, coefs)
-        pending.metrics.update(self._expert_gap_metrics(headers))
+        pending.grads, pending.metrics = self._exchange(sent, delta_sq, pending.headers, coefs, fragment)
+        pending.metrics.update(self._expert_gap_metrics(pending.headers))
         return pending
+
+    def _start_background(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float,
+                          header: dict[str, Any]) -> PendingRound:
+        """Gather the fragment's vector to the leader (an island collective, now) and start its
+        exchange in the leader's background thread; the round is in flight until it lands."""
+        layout = self.fragment_layouts[pending.fragment]
+        flat = layout.gather_to_leader(sent, self.device, self.exchange_device)
+        if self.is_leader:
+            assert flat is not None
+            keep_residual = self.state.residual is not None
+            pending.flight = InFlight(lambda: self._exchange_in_background(flat, delta_sq, header, pending.fragment,
+                                                                           keep_residual),
+                                      name=f"island{self.island}-round{self.schedule.round}")
+        self.in_flight = pending
+        self.round_tokens = 0  # the steps taken while it flies count for the next round
+        self.schedule.round_steps = 0
+        return pending
+
+    def landing_due(self) -> bool:
+        """Whether the round in flight has flown its ``overlap_steps`` inner steps."""
+        flying = self.in_flight
+        return flying is not None and self.schedule.inner_steps - flying.inner_steps >= self.settings.overlap_steps
+
+    def _exchange_in_background(self, flat: Tensor, delta_sq: float, header: dict[str, Any], fragment: int,
+                                keep_residual: bool) -> dict[str, Any]:
+        """The leader's background work of an overlapped round: headers, then every chunk."""
+        coefs: dict[str, list[Tensor]] = {}
+        headers = self._meet_round(header, coefs)
+        if not any(h["steps"] > 0 for h in headers):
+            return {"headers": headers}
+        layout = self.fragment_layouts[fragment]
+        stats = RoundStats(len(headers), delta_sq)
+        exchange = ChunkExchange(self.codec, self.link, self.island, self._weights(headers), coefs, layout, stats,
+                                 keep_residual=keep_residual)
+        merged = torch.empty_like(flat)
+        residual = torch.empty_like(flat) if keep_residual else None
+        chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
+        for start, stop in chunks:
+            got, dropped = exchange.run(flat[start:stop], start)
+            merged[start:stop].copy_(got)
+            if residual is not None:
+                residual[start:stop].copy_(dropped)
+        exchange.release()
+        metrics = self._exchange_metrics(stats, exchange, len(chunks))
+        metrics.update(self._expert_gap_metrics(headers))
+        return {"headers": headers, "merged": merged, "residual": residual, "metrics": metrics}
+
+    @torch.no_grad()
+    def land(self, locals_: Sequence[Tensor]) -> tuple[dict[str, float], bool]:
+        """Land the round in flight, if any (every rank): wait for its exchange, take its outer step
+        and blend it into ``locals_`` (``overlap_alpha``). Returns its metrics (empty when there was
+        none, or no island stepped) and whether the islands agreed to stop after it."""
+        pending = self.in_flight
+        if pending is None:
+            return {}, False
+        return self.finish(pending, locals_), pending.stop
+
+    def _complete(self, pending: PendingRound) -> None:
+        """Wait for an overlapped round's exchange (leader) and hand its results to every rank."""
+        t0 = time.perf_counter()
+        flight, box = pending.flight, {}
+        self.in_flight, pending.flight = None, None
+        pending.headers = self.agree(lambda: (box.update(flight.join()), box["headers"])[1])  # type: ignore[union-attr]
+        if pending.stop:
+            self.schedule.stopping = True
+        waited = time.perf_counter() - t0
+        if not any(h["steps"] > 0 for h in pending.headers):
+            return
+        layout, idx = self.fragment_layouts[pending.fragment], self.state.indices(pending.fragment)
+        pending.grads = [g.to(self.state.anchors[i].device)
+                         for g, i in zip(layout.scatter_from_leader(box.get("merged"), self.device), idx)]
+        if self.state.residual is not None:
+            layout.scatter_from_leader(box.get("residual"), self.device,
+                                       into=[self.state.residual[i] for i in idx])
+        pending.metrics = dict(box.get("metrics", {}))
+        pending.metrics["islands/seconds_landing"] = waited
 
     @torch.no_grad()
     def finish(self, pending: PendingRound, locals_: Sequence[Tensor]) -> dict[str, float]:
-        """The second half: the outer step on the anchors, written into ``locals_``; returns the
+        """The second half: the outer step on the fragment's anchors, written into ``locals_``
+        (an overlapped round blends them with the local parameters, ``overlap_alpha``); returns the
         round's metrics (empty when no island stepped, and then nothing changes)."""
+        overlapped = pending is self.in_flight
+        if overlapped:
+            self._complete(pending)
         if pending.grads is None:
             return {}
-        opt = self.state.optimizer
-        opt.step(self.state.anchors, pending.grads)
+        idx = self.state.indices(pending.fragment)
+        opt = self.state.step(pending.fragment, pending.grads)
+        pending.grads = None
         metrics = dict(pending.metrics)
         metrics.update({"islands/outer_lr": opt.lr_at(opt.steps), "islands/outer_momentum": opt.momentum_at(opt.steps)})
-        self.state.write_to(locals_)
-        self.schedule.advance(pending.tokens, pending.headers)
-        self.round_tokens = 0
+        self.state.write_to(locals_, idx, self.settings.overlap_alpha if overlapped else 0.0)
+        self.schedule.advance(pending.tokens, pending.headers,
+                              self.schedule.inner_steps - pending.inner_steps if overlapped else 0)
+        self.recent_tokens = ([*self.recent_tokens, pending.tokens][-(self.settings.fragments - 1):]
+                              if self.settings.fragments > 1 else [])
+        if not overlapped:
+            self.round_tokens = 0
         sched = self.schedule
-        metrics.update({"islands/round": float(sched.round), "islands/inner_steps": float(sched.inner_steps),
-                        "islands/round_tokens": pending.tokens, "islands/step_seconds": pending.step_seconds,
+        metrics.update({"islands/round": float(sched.round), "islands/fragment": float(pending.fragment),
+                        "islands/inner_steps": float(sched.inner_steps), "islands/round_tokens": pending.tokens,
+                        "islands/step_seconds": pending.step_seconds,
                         "islands/steps_per_round": float(sched.steps_per_round),
                         "islands/seconds_outer_step": time.perf_counter() - pending.started})
         metrics.update({f"islands/total_{k}": v for k, v in self.totals.items()})
@@ -417,18 +556,21 @@ class IslandEngine:
                 "islands/expert_share_gap_mean": sum(g[1] for g in gaps) / len(gaps)}
 
     def _exchange(self, sent: Sequence[Tensor], delta_sq: float, headers: Sequence[dict[str, Any]],
-                  coefs: dict[str, list[Tensor]]) -> tuple[list[Tensor], dict[str, float]]:
-        """Every rank: the merged pseudo-gradient's part for this rank's shards (the outer step's
-        gradients), one chunk of the flat vector at a time, from this rank's shards of what the
-        island sends (``sent``: the pseudo-gradient plus the decayed error-feedback residual); the new
-        residual goes back to the ranks the same way. The round's metrics on the leader."""
-        layout, state = self.layout, self.state
+                  coefs: dict[str, list[Tensor]], fragment: int) -> tuple[list[Tensor], dict[str, float]]:
+        """Every rank: the merged pseudo-gradient's part for this rank's shards of ``fragment`` (the
+        outer step's gradients), one chunk of the fragment's flat vector at a time, from this rank's
+        shards of what the island sends (``sent``: the pseudo-gradient plus the decayed
+        error-feedback residual); the new residual goes back to the ranks the same way. The round's
+        metrics on the leader."""
+        layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
+        anchors = [state.anchors[i] for i in idx]
+        residual = [state.residual[i] for i in idx] if state.residual is not None else None
         stats = RoundStats(len(headers), delta_sq)
         chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
         exchange = ChunkExchange(self.codec, self.link, self.island, self._weights(headers), coefs, layout, stats,
-                                 keep_residual=state.residual is not None) if self.is_leader else None
+                                 keep_residual=residual is not None) if self.is_leader else None
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
-        into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in state.anchors]
+        into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in anchors]
         got: list[Tensor] = []
         for start, stop in chunks:
             part_buf = exchange.take("part", stop - start, self.exchange_device) if exchange else None
@@ -446,19 +588,23 @@ class IslandEngine:
             if exchange is not None and stop == chunks[-1][1]:
                 exchange.release()  # nothing left to reuse: the scatters get their room (merged and residual stay)
             got = layout.scatter_from_leader(box.pop("merged", None), self.device, start, stop, into=into)
-            if state.residual is not None:
-                layout.scatter_from_leader(box.pop("residual", None), self.device, start, stop, into=state.residual)
-        grads = [g.to(a.device) for g, a in zip(got, state.anchors)]
+            if residual is not None:
+                layout.scatter_from_leader(box.pop("residual", None), self.device, start, stop, into=residual)
+        grads = [g.to(a.device) for g, a in zip(got, anchors)]
         if exchange is None:
             return grads, {}
+        return grads, self._exchange_metrics(stats, exchange, len(chunks))
+
+    def _exchange_metrics(self, stats: RoundStats, exchange: ChunkExchange, chunks: int) -> dict[str, float]:
+        """The leader's metrics of a round's exchange; adds its link totals to the run's."""
         metrics = stats.metrics(error_feedback=self.settings.use_error_feedback)
-        metrics["islands/exchange_chunks"] = float(len(chunks))
+        metrics["islands/exchange_chunks"] = float(chunks)
         if self.link is not None:
             for key, value in exchange.link_sums.items():
                 self.totals[key] += value
             metrics.update({f"islands/{key}": value for key, value in exchange.link_sums.items()})
             metrics["islands/cosine"] = stats.cosine()
-        return grads, metrics
+        return metrics
 
 
 def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:

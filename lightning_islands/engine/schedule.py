@@ -16,10 +16,11 @@ from lightning_islands.engine.settings import IslandSettings
 class Schedule:
     """This island's position in the rounds, and the rule for the next round's length.
 
-    ``balance="none"``: every round runs its H (``sync_warmup`` first, then ``sync_every``), or this
-    island's fixed ``steps_per_round`` scaled by ``H_round / sync_every``. ``"time"``: after each
-    round the budget is H steps of the slowest island, and each island runs the steps that fit it
-    (at most 8 H).
+    A round syncs one fragment (:attr:`fragment`); with F fragments it runs H / F inner steps.
+    ``balance="none"``: every round runs its H / F (``sync_warmup`` first, then ``sync_every``), or
+    this island's fixed ``steps_per_round`` scaled by ``H_round / (sync_every F)``. ``"time"``:
+    after each round the budget is H / F steps of the slowest island, and each island runs the steps
+    that fit it (at most 8 H / F).
     """
 
     def __init__(self, settings: IslandSettings, island: int) -> None:
@@ -43,17 +44,23 @@ class Schedule:
         warmup = self.settings.sync_warmup or []
         return warmup[round_index] if round_index < len(warmup) else self.settings.sync_every
 
+    @property
+    def fragment(self) -> int:
+        """The fragment the current round syncs: fragments take turns, round by round."""
+        return self.round % self.settings.fragments
+
     def planned_steps(self, round_index: int) -> int:
-        """This island's inner steps in round ``round_index`` without time balancing."""
-        h = self.round_sync_every(round_index)
+        """This island's inner steps in round ``round_index`` without time balancing: H / F (a
+        fragment syncs every H steps), or the fixed ``steps_per_round`` scaled alike."""
+        h, f = self.round_sync_every(round_index), self.settings.fragments
         fixed = self.settings.steps_per_round
-        return h if fixed is None else max(1, round(fixed * h / self.settings.sync_every))
+        return h // f if fixed is None else max(1, round(fixed * h / (self.settings.sync_every * f)))
 
     def next_round_steps(self, headers: Sequence[dict[str, Any]]) -> int:
         """The next round's inner steps for this island, from every island's round header."""
         if self.settings.balance != "time":
             return self.planned_steps(self.round + 1)
-        h = self.round_sync_every(self.round + 1)
+        h = self.round_sync_every(self.round + 1) // self.settings.fragments
         times = [max(float(hdr["step_seconds"]), 1e-9) for hdr in headers]
         budget = h * max(times)
         return max(1, min(8 * h, round(budget / times[self.island])))
@@ -80,11 +87,12 @@ class Schedule:
                 self.restart_clock()
         return self.round_steps >= self.steps_per_round and not self.stopping
 
-    def advance(self, tokens: float, headers: Sequence[dict[str, Any]]) -> None:
-        """The round ended with an outer step: count it and plan the next one."""
+    def advance(self, tokens: float, headers: Sequence[dict[str, Any]], steps_since: int = 0) -> None:
+        """The round ended with an outer step: count it and plan the next one. ``steps_since``: inner
+        steps taken since the round's sync point (an overlapped round); they count for the next."""
         next_steps = self.next_round_steps(headers)
         self.round += 1
-        self.round_steps = 0
+        self.round_steps = steps_since
         self.total_tokens += int(tokens)
         self.steps_per_round = next_steps
 

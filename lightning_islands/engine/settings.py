@@ -12,6 +12,7 @@ import torch
 
 from lightning_islands.codecs import Codec, check_decay, default_error_feedback, make_codec
 from lightning_islands.engine import floatenv, outer
+from lightning_islands.engine.fragments import LAYOUTS
 from lightning_islands.engine.layout import CanonicalLayout
 
 
@@ -70,6 +71,20 @@ class IslandSettings:
         max_wait_s: the longest a round may wait for islands that are still stepping. The island's
             own process group (its ranks other than the leader wait in it meanwhile) gets a
             timeout of at least ``max_wait_s + timeout_s``.
+        fragments: split the parameters into this many fragments (whole blocks each, see
+            :mod:`~lightning_islands.engine.fragments`); a round syncs one of them, every ``H / F``
+            inner steps, in turn, so each fragment still syncs every H steps while the bytes of
+            one sync, and the peak bandwidth, drop about F times (Streaming DiLoCo). H must be a
+            multiple of F. Outer momentum and its step count, error feedback and payloads are
+            per fragment.
+        fragment_layout: ``"strided"`` (fragment f holds blocks f, f + F, ...) or ``"sequential"``.
+        overlap_steps: tau; a round's exchange runs in the background while the island takes this
+            many more inner steps, then the outer step lands (0: the island waits for it). At most
+            one fragment is in flight: tau < H / F (a round that comes sooner, under time
+            balancing, lands the one in flight first). The last round never overlaps.
+        overlap_alpha: with overlap, the fragment's local parameters become
+            ``global + alpha * (local - global)`` when its outer step lands: 0 takes the new global
+            parameters (the steps taken meanwhile are dropped for the fragment), 1 keeps local.
         exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
             of fp32 (rounded down to whole codec blocks and packing groups), one after another:
             gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
@@ -100,6 +115,10 @@ class IslandSettings:
     timeout_s: float = 600.0
     max_wait_s: float = 3600.0
     exchange_chunk_mib: float | None = 1024.0
+    fragments: int = 1
+    fragment_layout: str = "strided"
+    overlap_steps: int = 0
+    overlap_alpha: float = 0.0
     # derived, set by __post_init__
     use_error_feedback: bool = field(init=False)
     exchange_chunk: int | None = field(init=False)
@@ -116,6 +135,7 @@ class IslandSettings:
             raise ValueError(f"balance must be 'none' or 'time', got {self.balance!r}")
         if self.max_rounds is not None and self.max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
+        self._check_streaming()
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         self.outer_optimizer()  # validates the outer step's settings
@@ -131,6 +151,32 @@ class IslandSettings:
             raise ValueError(f"error_feedback_decay={self.error_feedback_decay} decays the error-feedback residual, "
                              f"but error feedback is off ({why}): set error_feedback=True "
                              "(islands.error_feedback=true) or leave the decay at 1")
+
+    def _check_streaming(self) -> None:
+        """Fragments and overlap: whole steps per fragment, one fragment in flight."""
+        f, tau = self.fragments, self.overlap_steps
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"fragments must be an int >= 1 (islands.fragments), got {f!r}")
+        if self.fragment_layout not in LAYOUTS:
+            raise ValueError(f"fragment_layout must be one of {LAYOUTS} (islands.fragment_layout), "
+                             f"got {self.fragment_layout!r}")
+        uneven = [h for h in [*self.sync_warmup, self.sync_every] if h % f]
+        if uneven:
+            raise ValueError(f"with {f} fragments every H must be a multiple of {f} (a fragment syncs every H / F "
+                             f"steps), but H={uneven[0]} is not; change islands.sync_every/sync_warmup or "
+                             "islands.fragments")
+        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.sync_every // f:
+            raise ValueError(f"overlap_steps must be an int in [0, H / F = {self.sync_every // f}) (one fragment in "
+                             f"flight at a time, landed before the next one's sync), got {tau!r}; lower "
+                             "islands.overlap_steps or raise sync_every")
+        if tau and min(self.sync_warmup, default=self.sync_every) // f <= tau:
+            raise ValueError(f"overlap_steps={tau} exceeds H / F of a warm-up round (sync_warmup={self.sync_warmup}); "
+                             "at most one fragment can be in flight")
+        if not 0.0 <= self.overlap_alpha <= 1.0:
+            raise ValueError(f"overlap_alpha must be in [0, 1], got {self.overlap_alpha}")
+        if self.expert_weighting and f > 1:
+            raise ValueError("expert_weighting with fragments > 1 is not supported yet (expert token counts are kept "
+                             "per round, not per fragment); set islands.fragments=1 or expert_weighting=false")
 
     def make_codec(self) -> Codec:
         """The wire format of pseudo-gradients."""
@@ -162,6 +208,8 @@ class IslandSettings:
             "expert_weighting": self.expert_weighting,
             "balance": self.balance,
             "max_rounds": self.max_rounds,
+            "fragments": [self.fragments, self.fragment_layout],
+            "overlap": [self.overlap_steps, self.overlap_alpha],
             "resuming": bool(resuming),
             # the merge and the outer step (on the host or the training device) give the same bits on
             # every island only where the float modes agree

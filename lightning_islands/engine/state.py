@@ -18,60 +18,108 @@ from lightning_islands.engine.outer import OuterSGD
 
 
 class OuterState:
-    """Anchors, the outer optimizer (its momentum) and the error-feedback residual of one rank.
+    """Anchors, the outer optimizers (their momentum) and the error-feedback residual of one rank.
 
     Args:
-        optimizer: the outer optimizer; its momentum buffers follow the anchors' order.
+        optimizer: the outer optimizer, or one per fragment (each steps its fragment's anchors and
+            keeps their momentum and its own step count).
         device: where the state lives (``None``: where each local shard is).
+        fragments: the parameter indices of each fragment (default: one fragment, all parameters).
     """
 
-    def __init__(self, optimizer: OuterSGD, device: torch.device | str | None = None) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: OuterSGD | Sequence[OuterSGD], device: torch.device | str | None = None,
+                 fragments: Sequence[Sequence[int]] | None = None) -> None:
+        self.optimizers = [optimizer] if isinstance(optimizer, OuterSGD) else list(optimizer)
+        self.fragments = [list(f) for f in fragments] if fragments is not None else None
+        if len(self.optimizers) != len(self.fragments or [0]):
+            raise ValueError(f"{len(self.optimizers)} outer optimizers for {len(self.fragments or [0])} fragments")
         self.device = torch.device(device) if device else None  # None or "": where each shard is
         self.anchors: list[Tensor] = []
         self.residual: list[Tensor] | None = None
+
+    @property
+    def optimizer(self) -> OuterSGD:
+        """The outer optimizer of a state of one fragment."""
+        if len(self.optimizers) != 1:
+            raise AttributeError("a state of several fragments has one outer optimizer per fragment (optimizers)")
+        return self.optimizers[0]
 
     @property
     def ready(self) -> bool:
         """Whether the anchors exist (the islands have met and agreed on the initial state)."""
         return bool(self.anchors)
 
+    def indices(self, fragment: int) -> list[int]:
+        """The parameter indices of ``fragment``."""
+        return self.fragments[fragment] if self.fragments is not None else list(range(len(self.anchors)))
+
     def set_anchors(self, tensors: Sequence[Tensor]) -> None:
         """Take fp32 copies of ``tensors`` (this rank's shards) as the anchors."""
         self.anchors = [t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True)
                         for t in tensors]
 
+    def step(self, fragment: int, grads: Sequence[Tensor]) -> OuterSGD:
+        """The outer step of ``fragment``'s anchors from their merged pseudo-gradients; returns its optimizer."""
+        opt = self.optimizers[fragment]
+        opt.step([self.anchors[i] for i in self.indices(fragment)], grads)
+        return opt
+
     @property
     def momentum(self) -> list[Tensor] | None:
-        """The outer momentum per shard, or ``None`` before the first step with momentum."""
-        buffers = self.optimizer.buffers
-        return list(buffers) if buffers and all(b is not None for b in buffers) else None  # type: ignore[arg-type]
+        """The outer momentum per shard, or ``None`` before any fragment's first step with momentum
+        (a fragment that has not stepped yet holds zeros meanwhile)."""
+        if not any(b is not None for opt in self.optimizers for b in opt.buffers):
+            return None
+        out: list[Tensor | None] = [None] * len(self.anchors)
+        for f, opt in enumerate(self.optimizers):
+            for i, buf in zip(self.indices(f), opt.buffers or [None] * len(self.indices(f))):
+                out[i] = buf
+        if any(b is None for b in out) and len(self.optimizers) == 1:
+            return None
+        return [b if b is not None else torch.zeros_like(a) for b, a in zip(out, self.anchors)]
 
-    def write_to(self, locals_: Sequence[Tensor]) -> None:
-        """Copy the anchors into the island's local shards (cast to their dtype and device)."""
+    def write_to(self, locals_: Sequence[Tensor], indices: Sequence[int] | None = None, alpha: float = 0.0) -> None:
+        """Copy the anchors (of parameters ``indices``, default all) into the island's local shards
+        (cast to their dtype and device); ``alpha > 0`` keeps that share of the local parameters'
+        distance from the anchors: ``anchor + alpha * (local - anchor)``."""
         with torch.no_grad():
-            for loc, a in zip(locals_, self.anchors):
+            for i in range(len(self.anchors)) if indices is None else indices:
+                loc, a = locals_[i], self.anchors[i]
+                if alpha:
+                    a = torch.lerp(a, loc.to(a.device, a.dtype), alpha)
                 loc.copy_(a.to(device=loc.device, dtype=loc.dtype))
+
+    def steps(self) -> int | list[int]:
+        """The outer step count: one int, or one per fragment."""
+        counts = [opt.steps for opt in self.optimizers]
+        return counts[0] if len(counts) == 1 else counts
 
     def state_dict(self) -> dict[str, Any]:
         """``anchor``, ``momentum`` (or None), ``residual`` (or None): tensor lists in parameter
-        order; ``outer_steps``: the outer optimizer's step count."""
+        order; ``outer_steps``: the outer step count (a list, one per fragment, with fragments)."""
         return {"anchor": list(self.anchors), "momentum": self.momentum,
                 "residual": None if self.residual is None else list(self.residual),
-                "outer_steps": self.optimizer.steps}
+                "outer_steps": self.steps()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (copied into the existing anchors' place)."""
         if len(state["anchor"]) != len(self.anchors):
             raise ValueError(f"the saved outer state has {len(state['anchor'])} tensors but the model has "
                              f"{len(self.anchors)}; resume with the model that saved it")
+        steps = state["outer_steps"]
+        steps = [int(steps)] if isinstance(steps, int) else [int(s) for s in steps]
+        if len(steps) != len(self.optimizers):
+            raise ValueError(f"the saved outer state has {len(steps)} fragments but this run has "
+                             f"{len(self.optimizers)}; resume with the islands.fragments it was saved with")
         with torch.no_grad():
             for a, saved in zip(self.anchors, state["anchor"]):
                 a.copy_(saved)
         momentum = state.get("momentum")
-        self.optimizer.buffers = ([m.to(a.device).clone() for m, a in zip(momentum, self.anchors)]
-                                  if momentum is not None else [])
-        self.optimizer.steps = int(state["outer_steps"])
+        for f, opt in enumerate(self.optimizers):
+            opt.steps = steps[f]
+            # a fragment that has not stepped has no momentum yet (saved as zeros beside the others)
+            opt.buffers = ([momentum[i].to(self.anchors[i].device).clone() for i in self.indices(f)]
+                           if momentum is not None and steps[f] > 0 else [])
         residual = state.get("residual")
         self.residual = (None if residual is None
                          else [r.to(a.device).clone() for r, a in zip(residual, self.anchors)])

@@ -148,6 +148,9 @@ def main() -> None:
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
     p.add_argument("--flush-subnormals", default="0", help="1: the island flushes subnormal floats (comma list)")
+    p.add_argument("--fragments", type=int, default=1, help="the strategy's fragments")
+    p.add_argument("--overlap", type=int, default=0, help="the strategy's overlap_steps")
+    p.add_argument("--alpha", type=float, default=0.0, help="the strategy's overlap_alpha")
     p.add_argument("--exchange-chunk-mib", type=float, default=1024.0, help="the strategy's exchange_chunk_mib")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
@@ -184,7 +187,8 @@ def main() -> None:
                               error_feedback_decay=args.ef_decay,
                               balance=args.balance, max_rounds=args.max_rounds or None,
                               steps_per_round=per_island(args.steps_per_round) or None,
-                              exchange_chunk_mib=args.exchange_chunk_mib)
+                              exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
+                              overlap_steps=args.overlap, overlap_alpha=args.alpha)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()

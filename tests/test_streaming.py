@@ -1,0 +1,262 @@
+"""Streaming DiLoCo in the engine: fragments that take turns, and rounds that fly while inner steps run.
+
+Islands and their ranks are threads (as in ``test_engine``); the link is the in-memory double. The
+streaming run is checked against a float64 reference of the algorithm, against the synchronous
+path bit for bit where they must agree, and across islands that shard differently.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine import INNER_LR, SPECS, initial_flat, target
+
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.engine.fragments import block_key, split_fragments
+from lightning_islands.models.moe import MoELanguageModel
+
+BASE = {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "fp32"}
+
+
+class GatedLink(MemoryLink):
+    """A link whose round headers wait until ``gate`` opens: the background exchange of an overlapped
+    round can only run after the inner steps taken meanwhile have written the parameters."""
+
+    def __init__(self, hub: Hub, island: int, gate: threading.Event) -> None:
+        super().__init__(hub, island)
+        self.gate = gate
+
+    def gather_objects(self, key: str, obj: object) -> list:
+        if key.startswith("round"):
+            assert self.gate.wait(60), "the test never opened the gate"
+        return super().gather_objects(key, obj)
+
+
+def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
+                 mode: str = "auto", gates: list[threading.Event] | None = None) -> dict[str, Any]:
+    """Train ``steps`` inner steps and run the rounds the schedule asks for. ``mode``: ``auto`` (the
+    settings decide: overlap when ``overlap_steps`` > 0), ``sync`` (run_round), ``land_at_once``
+    (the background path, landed right after it starts)."""
+    settings = IslandSettings(**{**BASE, **kw})
+    layout = CanonicalLayout(SPECS, group)
+    engine = IslandEngine(settings, layout, island, len(sizes), torch.device("cpu"), torch.device("cpu"))
+    start = initial_flat(island)
+    locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
+    gate = gates[island] if gates else None
+    engine.meet(lambda: GatedLink(hub, island, gate) if gate else MemoryLink(hub, island),
+                settings.fingerprint(layout, len(sizes), False, "cpu"))
+    engine.adopt_initial_state(locals_, {})
+    globals_, metrics = [], []
+
+    def landed(m: dict[str, float]) -> None:
+        flat = engine.global_flat()
+        if m:
+            metrics.append(m)
+            globals_.append(None if flat is None else flat.clone())
+
+    for step in range(steps):
+        goal = target(island, engine.schedule.inner_steps)
+        for i, loc in enumerate(locals_):
+            loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, i)), INNER_LR))
+        engine.count_tokens(7)
+        due = engine.schedule.close_step()
+        if engine.landing_due():
+            if gate is not None:
+                gate.set()
+            landed(engine.land(locals_)[0])
+        if not due:
+            continue
+        landed(engine.land(locals_)[0])
+        last = step == steps - 1
+        if mode == "sync" or last or (mode == "auto" and not settings.overlap_steps):
+            landed(engine.run_round(locals_)[0])
+        else:
+            engine.start(locals_, background=True)
+            if mode == "land_at_once":
+                landed(engine.land(locals_)[0])
+    return {"globals": globals_, "metrics": metrics, "digest": engine.global_state_digest(),
+            "locals": [t.clone() for t in locals_], "leader": group.rank == 0}
+
+
+def run(sizes: list[int], kw: dict[str, Any], steps: int, **extra: Any) -> list[dict[str, Any]]:
+    """Every rank of every island as a thread; the leaders' results in island order."""
+    hub = Hub(len(sizes))
+    jobs = []
+    for island, size in enumerate(sizes):
+        shared = ThreadIsland(size)
+        for rank in range(size):
+            group = ThreadGroup(shared, rank)
+            jobs.append(lambda i=island, g=group: _island_main(sizes, kw, steps, i, g, hub, **extra))
+    results = run_threads(jobs)
+    return [r for r in results if r["leader"]]
+
+
+def reference(sizes: list[int], kw: dict[str, Any], steps: int) -> list[torch.Tensor]:
+    """Streaming DiLoCo in float64 on full vectors: fragment f (of the engine's split) syncs every H
+    steps at offset (f + 1) H / F; its pseudo-gradients are snapshots at the sync point; tau steps
+    later the token-weighted merge takes an outer Nesterov step on the fragment (its own momentum),
+    and each island's fragment becomes ``global + alpha (local - global)``. Global state after each
+    round."""
+    s = {**BASE, "fragments": 1, "overlap_steps": 0, "overlap_alpha": 0.0, **kw}
+    frags = split_fragments([n for n, _, _ in SPECS], [torch.Size(sh).numel() for _, sh, _ in SPECS],
+                            s["fragments"], s.get("fragment_layout", "strided"))
+    offsets = [0]
+    for _, shape, _ in SPECS:
+        offsets.append(offsets[-1] + torch.Size(shape).numel())
+    masks = [torch.cat([torch.full((offsets[i + 1] - offsets[i],), i in f) for i in range(len(SPECS))])
+             for f in frags]
+    glob = initial_flat(0).double()  # island 0's state is everyone's start
+    local = [glob.clone() for _ in sizes]
+    buf: list[torch.Tensor | None] = [None] * len(frags)
+    weights = torch.tensor([float(n) for n in sizes], dtype=torch.float64)
+    weights /= weights.sum()
+    every, tau, out, flying = s["sync_every"] // s["fragments"], s["overlap_steps"], [], None
+    for step in range(1, steps + 1):
+        for i in range(len(sizes)):
+            local[i] = local[i] - INNER_LR * (local[i] - target(i, step - 1).double())
+
+        def land(fly: tuple) -> None:
+            f, deltas = fly
+            m = masks[f]
+            g = sum(w * d for w, d in zip(weights, deltas))
+            buf[f] = g.clone() if buf[f] is None else buf[f] * s["outer_momentum"] + g
+            glob[m] = glob[m] - s["outer_lr"] * (g + s["outer_momentum"] * buf[f])[m]
+            for i in range(len(sizes)):
+                local[i][m] = glob[m] + s["overlap_alpha"] * (local[i][m] - glob[m]) if tau else glob[m]
+            out.append(glob.clone())
+
+        if flying is not None and step - flying[2] >= tau:
+            land(flying[:2])
+            flying = None
+        if step % every == 0:
+            f = (step // every - 1) % s["fragments"]
+            fly = (f, [glob - loc for loc in local], step)
+            if tau and step != steps:
+                flying = fly
+            else:
+                land(fly[:2])
+    return out
+
+
+@pytest.mark.parametrize("layout", ["strided", "sequential"])
+def test_the_fragments_cover_every_parameter_once_per_period(layout):
+    model = MoELanguageModel(vocab_size=64, seq_len=16, d_model=16, n_layers=4, n_heads=2, n_experts=4, top_k=2,
+                             d_ff=32)
+    named = list(model.named_parameters())
+    names, numels = [n for n, _ in named], [p.numel() for _, p in named]
+    for count in (1, 2, 4):
+        frags = split_fragments(names, numels, count, layout)
+        assert sorted(i for f in frags for i in f) == list(range(len(names)))
+        for f in frags:  # a block never straddles two fragments
+            for i in f:
+                key = block_key(names[i])
+                assert key is None or all(j in f for j, n in enumerate(names) if block_key(n) == key)
+    strided = split_fragments(names, numels, 2, "strided")
+    blocks_of = [sorted({block_key(names[i]) for i in f} - {None}) for f in strided]
+    assert blocks_of == [["model.blocks.0", "model.blocks.2"], ["model.blocks.1", "model.blocks.3"]]
+    # the schedule: F consecutive rounds sync every fragment once, each every H steps
+    settings = IslandSettings(**{**BASE, "sync_every": 8, "fragments": 4, "fragment_layout": layout})
+    engine = IslandEngine(settings, CanonicalLayout([(n, tuple(p.shape), False) for n, p in named]), 0, 1,
+                          torch.device("cpu"), torch.device("cpu"))
+    assert engine.schedule.steps_per_round == 2
+    synced = []
+    for _ in range(8):
+        synced.append(engine.schedule.fragment)
+        engine.schedule.advance(0, [{"step_seconds": 1.0}])
+    assert synced == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=30), blocks=st.integers(0, 6),
+       count=st.integers(1, 6), layout=st.sampled_from(["strided", "sequential"]))
+def test_any_model_splits_into_disjoint_complete_fragments(sizes, blocks, count, layout):
+    names = [f"layers.{i % blocks}.w{i}" if blocks else f"p{i}" for i in range(len(sizes))]
+    try:
+        frags = split_fragments(names, sizes, count, layout)
+    except ValueError as err:
+        assert "islands.fragments" in str(err)
+        return
+    assert len(frags) == count and all(frags)
+    assert sorted(i for f in frags for i in f) == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize("kw", [
+    {"fragments": 2},
+    {"fragments": 2, "overlap_steps": 1},
+    {"fragments": 4, "sync_every": 8, "overlap_steps": 1, "overlap_alpha": 0.5, "fragment_layout": "sequential"},
+    {"overlap_steps": 3, "overlap_alpha": 0.25},
+], ids=["fragments", "fragments+overlap", "4 sequential, alpha", "overlap only"])
+def test_streaming_islands_of_different_shardings_agree_and_match_the_reference(kw):
+    sizes, steps = [2, 1], 16
+    islands = run(sizes, kw, steps)
+    expected = reference(sizes, kw, steps)
+    first, second = islands
+    assert len(first["globals"]) == len(expected) >= 4
+    for r, (a, b, ref) in enumerate(zip(first["globals"], second["globals"], expected)):
+        assert torch.equal(a, b), f"round {r + 1}: the islands' global states differ"
+        torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5, msg=f"round {r + 1} vs the reference")
+    assert first["digest"] == second["digest"]
+    assert {m["islands/fragment"] for m in first["metrics"]} == set(range(kw.get("fragments", 1)))
+
+
+def test_the_background_path_landed_at_once_is_the_synchronous_round_bit_for_bit():
+    sizes, steps, kw = [2, 1], 12, {"codec": "int4", "exchange_chunk_mib": 0.004}  # several chunks, error feedback
+    sync = run(sizes, kw, steps, mode="sync")
+    background = run(sizes, kw, steps, mode="land_at_once")
+    for a, b in zip(sync, background):
+        assert len(a["globals"]) == len(b["globals"]) == 3
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))
+        assert a["digest"] == b["digest"]
+
+
+def test_the_background_exchange_reads_the_snapshot_not_parameters_being_trained():
+    """The exchange is held back until the island has taken its tau inner steps (and so written
+    the parameters again); the round must still merge the values of the sync point."""
+    sizes, steps, kw = [1, 1], 12, {"fragments": 2, "overlap_steps": 1}
+    free = run(sizes, kw, steps)
+    held = run(sizes, kw, steps, gates=[threading.Event(), threading.Event()])
+    for a, b in zip(free, held):
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+    torch.testing.assert_close(free[0]["globals"][-1].double(), reference(sizes, kw, steps)[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_round_in_flight_at_a_time():
+    settings = IslandSettings(**{**BASE, "overlap_steps": 1})
+    layout = CanonicalLayout(SPECS)
+    engine = IslandEngine(settings, layout, 0, 1, torch.device("cpu"), torch.device("cpu"))
+    locals_ = [layout.shard_of(initial_flat(0), i).clone() for i in range(len(SPECS))]
+    engine.adopt_initial_state(locals_, {})
+    engine.count_tokens(1)
+    engine.schedule.close_step()
+    engine.start(locals_, background=True)
+    with pytest.raises(RuntimeError, match="still in flight"):
+        engine.start(locals_, background=True)
+    metrics, stop = engine.land(locals_)
+    assert metrics["islands/round"] == 1 and not stop
+    assert engine.land(locals_) == ({}, False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sync_every": 10, "fragments": 4}, "multiple of 4"),
+    ({"sync_every": 8, "fragments": 4, "overlap_steps": 2}, r"\[0, H / F = 2\)"),
+    ({"sync_every": 8, "fragments": 0}, "fragments must be"),
+    ({"fragment_layout": "random"}, "fragment_layout"),
+    ({"overlap_steps": 1, "overlap_alpha": 1.5}, "overlap_alpha"),
+    ({"sync_every": 8, "sync_warmup": [2, 4], "fragments": 2, "overlap_steps": 1}, "warm-up"),
+    ({"fragments": 2, "expert_weighting": True}, "expert_weighting"),
+])
+def test_streaming_settings_are_checked_with_the_fix(kw, match):
+    with pytest.raises(ValueError, match=match):
+        IslandSettings(**{**BASE, **kw})
+
+
+def test_too_many_fragments_for_the_model_names_the_limit():
+    with pytest.raises(ValueError, match="at most 4"):
+        split_fragments(["a", "b", "c", "d"], [1, 2, 3, 4], 5)
