@@ -38,8 +38,22 @@ class GatedLink(MemoryLink):
         return super().gather_objects(key, obj)
 
 
+class RecordingLink(MemoryLink):
+    """A link that keeps the round headers this island sent."""
+
+    def __init__(self, hub: Hub, island: int) -> None:
+        super().__init__(hub, island)
+        self.sent: list[dict] = []
+
+    def gather_objects(self, key: str, obj: object) -> list:
+        if key.startswith("round"):
+            self.sent.append(obj)  # type: ignore[arg-type]
+        return super().gather_objects(key, obj)
+
+
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
-                 mode: str = "auto", gates: list[threading.Event] | None = None) -> dict[str, Any]:
+                 mode: str = "auto", gates: list[threading.Event] | None = None,
+                 experts: bool = False) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for. ``mode``: ``auto`` (the
     settings decide: overlap when ``overlap_steps`` > 0), ``sync`` (run_round), ``land_at_once``
     (the background path, landed right after it starts)."""
@@ -49,10 +63,17 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
     start = initial_flat(island)
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     gate = gates[island] if gates else None
-    engine.meet(lambda: GatedLink(hub, island, gate) if gate else MemoryLink(hub, island),
+    engine.meet(lambda: GatedLink(hub, island, gate) if gate else RecordingLink(hub, island),
                 settings.fingerprint(layout, len(sizes), False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     globals_, metrics = [], []
+
+    def counts() -> dict[str, list[float]] | None:
+        """This island's tokens per expert of the round (summed over its ranks): a fixed skew per island."""
+        if not experts:
+            return None
+        mine = [float(1 + island * e + engine.schedule.round) if group.rank == 0 else 0.0 for e in range(4)]
+        return {"experts": group.sum(mine)}
 
     def landed(m: dict[str, float]) -> None:
         flat = engine.global_flat()
@@ -75,12 +96,13 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
         landed(engine.land(locals_)[0])
         last = step == steps - 1
         if mode == "sync" or last or (mode == "auto" and not settings.overlap_steps):
-            landed(engine.run_round(locals_)[0])
+            landed(engine.run_round(locals_, counts())[0])
         else:
-            engine.start(locals_, background=True)
+            engine.start(locals_, counts(), background=True)
             if mode == "land_at_once":
                 landed(engine.land(locals_)[0])
     return {"globals": globals_, "metrics": metrics, "digest": engine.global_state_digest(),
+            "headers": getattr(engine.link, "sent", []),
             "locals": [t.clone() for t in locals_], "leader": group.rank == 0}
 
 
@@ -205,6 +227,20 @@ def test_streaming_islands_of_different_shardings_agree_and_match_the_reference(
     assert {m["islands/fragment"] for m in first["metrics"]} == set(range(kw.get("fragments", 1)))
 
 
+def test_a_fragment_merges_by_what_each_island_trained_since_it_last_synced():
+    """Tokens and tokens per expert in a round header cover the fragment's last F rounds."""
+    kw = {"fragments": 2, "overlap_steps": 1, "expert_weighting": True}
+    first, second = run([2, 1], kw, 16, experts=True)
+    assert all(torch.equal(a, b) for a, b in zip(first["globals"], second["globals"]))
+    assert first["digest"] == second["digest"]
+    headers = second["headers"]  # island 1: 1 rank x 7 tokens per step, 2 steps per round
+    assert [h["tokens"] for h in headers] == [14.0] + [28.0] * 7
+    # the expert parameter lies in fragment 1 (no blocks: parameters dealt out in turn): it merges
+    # on odd rounds, by the counts of the round and the one before (1 + e + r each)
+    assert [h["experts"] for h in headers[:2]] == [{}, {"experts": [1.0 + 2.0, 2.0 + 3.0, 3.0 + 4.0, 4.0 + 5.0]}]
+    assert "islands/expert_share_gap_max" in first["metrics"][1]
+
+
 def test_the_background_path_landed_at_once_is_the_synchronous_round_bit_for_bit():
     sizes, steps, kw = [2, 1], 12, {"codec": "int4", "exchange_chunk_mib": 0.004}  # several chunks, error feedback
     sync = run(sizes, kw, steps, mode="sync")
@@ -250,7 +286,6 @@ def test_one_round_in_flight_at_a_time():
     ({"fragment_layout": "random"}, "fragment_layout"),
     ({"overlap_steps": 1, "overlap_alpha": 1.5}, "overlap_alpha"),
     ({"sync_every": 8, "sync_warmup": [2, 4], "fragments": 2, "overlap_steps": 1}, "warm-up"),
-    ({"fragments": 2, "expert_weighting": True}, "expert_weighting"),
 ])
 def test_streaming_settings_are_checked_with_the_fix(kw, match):
     with pytest.raises(ValueError, match=match):

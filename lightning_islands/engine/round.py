@@ -57,6 +57,7 @@ class PendingRound:
     grads: list[Tensor] | None = None  # the merged pseudo-gradient of this rank's shards; None: no step
     metrics: dict[str, float] = field(default_factory=dict)
     flight: InFlight | None = None  # an overlapped round's background exchange, until it lands
+    experts: dict[str, list[float]] | None = None  # the island's tokens per expert in this round
     inner_steps: int = 0  # the island's inner steps when the round started
 
     @property
@@ -118,8 +119,9 @@ class IslandEngine:
         self.schedule = Schedule(settings, island)
         self.link: Link | None = None  # the leader's, once the islands have met
         self.round_tokens = 0  # this rank's tokens in the current round
-        # the island's tokens of the last F - 1 rounds: a fragment's merge weight is its tokens since its last sync
-        self.recent_tokens: list[float] = []
+        # the island's tokens (and tokens per expert) of each of the last F - 1 rounds: a fragment's merge
+        # weights count what the island trained since that fragment last synced
+        self.recent_rounds: list[dict[str, Any]] = []
         self.in_flight: PendingRound | None = None  # an overlapped round not landed yet
         self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)
         self.last_round_metrics: dict[str, float] = {}
@@ -274,7 +276,7 @@ class IslandEngine:
         second fit with the same strategy); the anchors are taken anew from the parameters."""
         self.schedule = previous.schedule
         self.state.optimizers, self.state.residual = previous.state.optimizers, previous.state.residual
-        self.recent_tokens = previous.recent_tokens
+        self.recent_rounds = previous.recent_rounds
         self.totals, self.last_round_metrics = previous.totals, previous.last_round_metrics
         self._state_exchanges = previous._state_exchanges
 
@@ -312,7 +314,7 @@ class IslandEngine:
         state = self.state.state_dict()
         return {**self.schedule.state_dict(), "round_tokens": self.group.sum([self.round_tokens])[0],
                 "totals": dict(self.totals), "outer_steps": state["outer_steps"],
-                "recent_tokens": list(self.recent_tokens),
+                "recent_rounds": list(self.recent_rounds),
                 "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None,
                 "island": self.island, "num_islands": self.num_islands, "fingerprint": self.fingerprint(resuming)}
 
@@ -336,7 +338,7 @@ class IslandEngine:
                                     "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
         self.schedule.load_state_dict(meta)
         self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
-        self.recent_tokens = [float(t) for t in meta.get("recent_tokens", [])]
+        self.recent_rounds = list(meta.get("recent_rounds", []))
         self.totals = dict(meta["totals"])
 
     # ------------------------------------------------------------------ the round
@@ -398,10 +400,11 @@ class IslandEngine:
                         for d, i in zip(deltas, idx)]
         delta_sq, tokens = self.group.sum([own_sq, float(self.round_tokens)])
         step_seconds = self.schedule.step_seconds(t_start)
-        # the merge weight: the island's tokens since this fragment last synced (the last F rounds)
-        header = {"round": self.schedule.round, "tokens": tokens + sum(self.recent_tokens),
-                  "steps": self.schedule.round_steps, "step_seconds": step_seconds, "experts": experts, "stop": stop}
-        pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps)
+        pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps,
+                               experts=experts)
+        window_tokens, window_experts = self._since_last_sync(pending, layout)
+        header = {"round": self.schedule.round, "tokens": window_tokens, "steps": self.schedule.round_steps,
+                  "step_seconds": step_seconds, "experts": window_experts, "stop": stop}
         if background:
             return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
@@ -415,6 +418,22 @@ class IslandEngine:
         pending.grads, pending.metrics = self._exchange(sent, delta_sq, pending.headers, coefs, fragment)
         pending.metrics.update(self._expert_gap_metrics(pending.headers))
         return pending
+
+    def _since_last_sync(self, pending: PendingRound, layout: CanonicalLayout
+                         ) -> tuple[float, dict[str, list[float]] | None]:
+        """The island's tokens, and tokens per expert of the fragment's expert parameters, since the
+        fragment last synced: this round and the F - 1 before it (the merge weights)."""
+        rounds = [*self.recent_rounds, {"tokens": pending.tokens, "experts": pending.experts}]
+        tokens = sum(float(r["tokens"]) for r in rounds)
+        if pending.experts is None:
+            return tokens, None
+        names = {e.name for e in layout.entries}
+        experts = {}
+        for name, counts in pending.experts.items():
+            if name in names:
+                earlier = [r["experts"][name] for r in rounds[:-1] if r.get("experts") and name in r["experts"]]
+                experts[name] = [sum(c) for c in zip(counts, *earlier)]
+        return tokens, experts
 
     def _start_background(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float,
                           header: dict[str, Any]) -> PendingRound:
@@ -510,8 +529,9 @@ class IslandEngine:
         self.state.write_to(locals_, idx, self.settings.overlap_alpha if overlapped else 0.0)
         self.schedule.advance(pending.tokens, pending.headers,
                               self.schedule.inner_steps - pending.inner_steps if overlapped else 0)
-        self.recent_tokens = ([*self.recent_tokens, pending.tokens][-(self.settings.fragments - 1):]
-                              if self.settings.fragments > 1 else [])
+        keep = self.settings.fragments - 1
+        self.recent_rounds = [*self.recent_rounds, {"tokens": pending.tokens, "experts": pending.experts}][-keep:] \
+            if keep else []
         if not overlapped:
             self.round_tokens = 0
         sched = self.schedule

@@ -174,9 +174,6 @@ class IslandSettings:
                              "at most one fragment can be in flight")
         if not 0.0 <= self.overlap_alpha <= 1.0:
             raise ValueError(f"overlap_alpha must be in [0, 1], got {self.overlap_alpha}")
-        if self.expert_weighting and f > 1:
-            raise ValueError("expert_weighting with fragments > 1 is not supported yet (expert token counts are kept "
-                             "per round, not per fragment); set islands.fragments=1 or expert_weighting=false")
 
     def make_codec(self) -> Codec:
         """The wire format of pseudo-gradients."""
