@@ -295,3 +295,11 @@ def test_streaming_settings_are_checked_with_the_fix(kw, match):
 def test_too_many_fragments_for_the_model_names_the_limit():
     with pytest.raises(ValueError, match="at most 4"):
         split_fragments(["a", "b", "c", "d"], [1, 2, 3, 4], 5)
+
+
+def test_time_balance_budgets_a_fragment_round_of_h_over_f_slowest_steps():
+    settings = IslandSettings(**{**BASE, "sync_every": 8, "fragments": 2, "balance": "time", "max_rounds": 10})
+    engine = IslandEngine(settings, CanonicalLayout(SPECS), 0, 2, torch.device("cpu"), torch.device("cpu"))
+    assert engine.schedule.steps_per_round == 4
+    engine.schedule.advance(0, [{"step_seconds": 1.0}, {"step_seconds": 2.0}])
+    assert engine.schedule.steps_per_round == 8  # 4 steps of the slower island fit 8 of this one

@@ -1,0 +1,191 @@
+"""Utilization over a shaped link: synchronous rounds, fragments, fragments + overlap.
+
+Runs the same training (the provided MoE, two islands of one process each, ``islands=two_equal``)
+over the same shaped link between two network namespaces (``islands.link=RATE``, see README "A
+shaped link on one machine"; needs root and ``ip``/``tc``) three ways:
+
+- ``sync``: one round every H steps, the islands wait for it;
+- ``fragments``: ``islands.fragments=F``, one fragment every H / F steps (the same bytes per H steps);
+- ``fragments+overlap``: the same with ``islands.overlap_steps=tau``: each round flies while tau
+  more inner steps run;
+
+and once with no cross-island exchange at all (``none``: each island trains as a lone island, both
+at once, so they share the cores as the others do). ``utilization`` = wall time of ``none`` / wall
+time of the config for the same steps (the slower island's fit, both ways).
+
+The link rate: ``--rate auto`` (default) sizes it from the ``none`` run's step time so that one
+synchronous exchange of the whole model takes about a third of a round's compute (the ratio of a
+1T-parameter model in int4 at 25 Gbit/s and H=100), which puts ``sync`` at or below ~0.8.
+
+    python benchmarks/utilization.py [--quick] --out DIR
+
+writes ``DIR/utilization.json`` (rows: ``config``, ``utilization``, ``link_rate_bps``, ``rtt_ms``,
+``bytes``, ``peak_bps``, ``mean_bps``, ``val_loss``, ...) and ``DIR/utilization.md``. ``peak_bps`` is
+the highest rate any round moved its bytes at (bytes / seconds exchanging; on a shaped link about
+the link rate while a round's bytes are on it), ``mean_bps`` the bytes over the wall time: the
+bandwidth the run needs on average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lightning_islands.codecs import make_codec
+
+CONFIGS = ("none", "sync", "fragments", "fragments+overlap")
+
+
+def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[str]:
+    common = ["model=moe_cpu", "islands=two_equal", "logger=csv", "trainer.checkpoint_every_n_steps=0",
+              f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
+              "data.val_windows=16", "data.val_batch_size=16", f"islands.sync_every={args.H}",
+              f"islands.codec={args.codec}", f"islands.lanes={args.lanes}", f"seed={args.seed}",
+              "experiment.name=utilization", "summary_json=true"]
+    if config == "none":
+        return [*common, "islands.members=[{devices:1,batch_size:16}]"]
+    link = [f"islands.link='{rate}'"] if rate else []
+    if config == "sync":
+        return [*common, *link]
+    streaming = [f"islands.fragments={args.fragments}"]
+    if config == "fragments+overlap":
+        streaming += [f"islands.overlap_steps={args.tau}", f"islands.overlap_alpha={args.alpha}"]
+    return [*common, *link, *streaming]
+
+
+def _train(overrides: list[str], workdir: Path, log: Path) -> Path:
+    """One run of the Hydra app; its run folder."""
+    cmd = [sys.executable, "-m", "lightning_islands.app.train", *overrides]
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=workdir, stdout=f, stderr=subprocess.STDOUT, text=True)
+    text = log.read_text()
+    if proc.returncode != 0 or "run folder " not in text:
+        raise RuntimeError(f"run failed (exit {proc.returncode}); see {log}:\n{text[-3000:]}")
+    return Path(text.split("run folder ", 1)[1].split()[0])
+
+
+def _rounds(run_dir: Path, island: int) -> list[dict[str, float]]:
+    path = run_dir / "logs" / f"island{island}" / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("islands/round")]
+
+
+def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Path) -> dict:
+    """One row: the config's wall time, bytes, rates and loss."""
+    work = out / config.replace("+", "_")
+    work.mkdir(parents=True, exist_ok=True)
+    overrides = _overrides(args, config, rate)
+    if config == "none":  # two lone islands at once: the same cores shared, nothing crosses
+        runs: list[Path] = []
+        errors: list[BaseException] = []
+
+        def one(k: int) -> None:
+            try:
+                runs.append(_train(overrides, work / f"lone{k}", work / f"lone{k}.log"))
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        for k in range(2):
+            (work / f"lone{k}").mkdir(exist_ok=True)
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        results = [json.loads((r / "island0" / "result.json").read_text()) for r in runs]
+        return {"config": config, "wall_seconds": max(r["fit_seconds"] for r in results),
+                "step_seconds": max(r["step_seconds_median"] for r in results),
+                "val_loss": sum(r["val_loss"] for r in results) / len(results), "bytes": 0.0, "rounds": 0,
+                "peak_bps": 0.0, "mean_bps": 0.0, "seconds_waiting": 0.0,
+                "parameters": int(results[0]["parameters"]["total"])}
+    run_dir = _train(overrides, work, work / "run.log")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    islands = summary["islands"]
+    wall = max(r["fit_seconds"] for r in islands)
+    rates = [(m.get("islands/bytes_sent", 0.0) + m.get("islands/bytes_received", 0.0))
+             / m["islands/seconds_exchanging"] * 8
+             for i in range(len(islands)) for m in _rounds(run_dir, i) if m.get("islands/seconds_exchanging")]
+    total = summary["bytes_exchanged"]
+    return {"config": config, "wall_seconds": wall, "step_seconds": max(r["step_seconds_median"] for r in islands),
+            "val_loss": summary["val_loss"], "bytes": total, "rounds": summary["rounds"],
+            "peak_bps": max(rates, default=0.0) / 2,  # per direction: each round's bytes went both ways
+            "mean_bps": total * 8 / wall / len(islands),  # per island's uplink
+            "seconds_waiting": max(r["islands"].get("seconds_waiting", 0.0) for r in islands)}
+
+
+def auto_rate(args: argparse.Namespace, none: dict) -> str:
+    """The rate at which one synchronous exchange of the model takes a third of a round's compute."""
+    payload = make_codec(args.codec).nbytes(none["parameters"])
+    seconds = args.H * none["step_seconds"] / 3
+    return f"{max(1, int(payload * 8 / seconds / 1e6))}mbit"
+
+
+def parse_rate_bps(rate: str) -> float:
+    """``"40mbit"`` -> 4e7."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    head = rate.split(",")[0].strip().lower()
+    for unit, scale in units.items():
+        if head.endswith(unit):
+            return float(head[: -len(unit)]) * scale
+    raise ValueError(f"link rate {rate!r}: use e.g. 40mbit or 1gbit")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="results/utilization")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (under 10 minutes on 2 cores)")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps per run (default 192; quick 96)")
+    parser.add_argument("--H", type=int, default=24)
+    parser.add_argument("--fragments", type=int, default=4)
+    parser.add_argument("--tau", type=int, default=2, help="overlap_steps of fragments+overlap")
+    parser.add_argument("--alpha", type=float, default=0.0, help="overlap_alpha of fragments+overlap")
+    parser.add_argument("--codec", default="fp32")
+    parser.add_argument("--lanes", type=int, default=2)
+    parser.add_argument("--rate", default="auto",
+                        help="link rate (tc units, e.g. 40mbit) or auto; ',RTT' appends a delay (e.g. 40mbit,100ms)")
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+    args.steps = args.steps or (96 if args.quick else 192)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    none = run_config(args, "none", None, out)
+    rate = auto_rate(args, none) if args.rate == "auto" else args.rate
+    rtt_ms = float(rate.split(",")[1].strip().removesuffix("ms")) if "," in rate else 0.0
+    print(f"none: {none['wall_seconds']:.1f} s, {none['step_seconds'] * 1e3:.0f} ms/step; link {rate}", flush=True)
+    rows = [none]
+    for config in CONFIGS[1:]:
+        row = run_config(args, config, rate, out)
+        rows.append(row)
+        print(f"{config}: {row['wall_seconds']:.1f} s", flush=True)
+    for row in rows:
+        row.update({"utilization": none["wall_seconds"] / row["wall_seconds"], "link_rate_bps": parse_rate_bps(rate),
+                    "rtt_ms": rtt_ms, "steps": args.steps, "H": args.H, "codec": args.codec,
+                    "fragments": args.fragments if "fragments" in row["config"] else 1,
+                    "overlap_steps": args.tau if "overlap" in row["config"] else 0})
+    table = ["| config | utilization | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) | waiting (s) "
+             "| val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['config']} | {r['utilization']:.3f} | {r['wall_seconds']:.1f} | {r['rounds']} | "
+              f"{r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | {r['mean_bps'] / 1e6:.2f} | "
+              f"{r['seconds_waiting']:.1f} | {r['val_loss']:.4f} |" for r in rows]
+    head = (f"link {rate} (shaped with tc between network namespaces), H={args.H}, codec {args.codec}, "
+            f"F={args.fragments}, tau={args.tau}, {args.steps} steps, two islands of 1 process x batch 16; "
+            f"{time.time() - started:.0f} s in all")
+    print(head)
+    print("\n".join(table))
+    (out / "utilization.json").write_text(json.dumps(rows, indent=1))
+    (out / "utilization.md").write_text(head + "\n\n" + "\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
