@@ -87,7 +87,8 @@ class IslandStrategy(FSDP2Strategy):
                  steps_per_round: int | None = None, lanes: int = 2, outer_device: str | None = None,
                  weighting: str = "tokens", expert_weighting: bool = False, balance: str = "none",
                  max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
-                 exchange_chunk_mib: float | None = 1024.0, fragments: int = 1, fragment_layout: str = "strided",
+                 exchange_chunk_mib: float | None = 1024.0, exclude_norm_ratio: float | None = 16.0,
+                 fragments: int = 1, fragment_layout: str = "strided",
                  overlap_steps: int = 0, overlap_alpha: float = 0.0, unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
         # every argument that is a setting of the islands (the same names) goes to IslandSettings

@@ -240,6 +240,16 @@ def test_streaming_islands_stay_bit_identical_and_resume_exactly(tmp_path):
         assert a[r]["digest"] == b[r]["digest"]
 
 
+def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(tmp_path):
+    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4, "--nan-island", 1,
+                    "--nan-step", 6], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 3)
+    assert [per_island[0][r]["metrics"]["islands/islands_left_out"] for r in (1, 2, 3)] == [0.0, 1.0, 0.0]
+    for params in per_island[1][3]["params"].values():
+        assert torch.isfinite(params).all()
+    assert "merges without island(s) [1]" in (tmp_path / "logs" / "island0.log").read_text()
+
+
 def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
     common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]

@@ -7,6 +7,7 @@ path bit for bit where they must agree, and across islands that shard differentl
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -53,7 +54,7 @@ class RecordingLink(MemoryLink):
 
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
                  mode: str = "auto", gates: list[threading.Event] | None = None,
-                 experts: bool = False) -> dict[str, Any]:
+                 experts: bool = False, poison: tuple[int, int, float] | None = None) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for. ``mode``: ``auto`` (the
     settings decide: overlap when ``overlap_steps`` > 0), ``sync`` (run_round), ``land_at_once``
     (the background path, landed right after it starts)."""
@@ -85,6 +86,10 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
         goal = target(island, engine.schedule.inner_steps)
         for i, loc in enumerate(locals_):
             loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, i)), INNER_LR))
+        if poison is not None and poison[:2] == (island, step):  # (island, step, value): a broken inner step
+            for i, loc in enumerate(locals_):
+                anchor, value = engine.state.anchors[i], poison[2]
+                loc.copy_(torch.full_like(loc, value) if math.isnan(value) else anchor + (loc - anchor) * value)
         engine.count_tokens(7)
         due = engine.schedule.close_step()
         if engine.landing_due():
@@ -102,7 +107,7 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
             if mode == "land_at_once":
                 landed(engine.land(locals_)[0])
     return {"globals": globals_, "metrics": metrics, "digest": engine.global_state_digest(),
-            "headers": getattr(engine.link, "sent", []),
+            "headers": getattr(engine.link, "sent", []), "residual": engine.state.residual,
             "locals": [t.clone() for t in locals_], "leader": group.rank == 0}
 
 

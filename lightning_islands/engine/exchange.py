@@ -36,12 +36,16 @@ class ChunkExchange:
         layout: the canonical layout (where each expert parameter lies in the flat vector).
         stats: the round's metrics, a chunk at a time.
         keep_residual: whether to return what the codec dropped (error feedback).
+        members: the islands whose payloads are merged, in island order (default: all); an
+            island left out (a non-finite or outlying pseudo-gradient) still sends, is not decoded,
+            and when it is this one, keeps no residual from the round.
     """
 
     def __init__(self, codec: Codec, link: Link | None, island: int, weights: Sequence[float],
                  coefs: dict[str, list[Tensor]], layout: CanonicalLayout, stats: RoundStats,
-                 keep_residual: bool) -> None:
+                 keep_residual: bool, members: Sequence[int] | None = None) -> None:
         self.codec, self.link, self.island = codec, link, island
+        self.members = list(range(len(weights))) if members is None else list(members)
         self.weights, self.coefs, self.layout, self.stats = weights, coefs, layout, stats
         self.keep_residual = keep_residual
         self.link_sums = dict.fromkeys(LINK_TOTALS, 0.0)
@@ -54,20 +58,29 @@ class ChunkExchange:
         valid until the next chunk."""
         scratch, codec = self.scratch, self.codec
         m, dev = part.numel(), part.device
-        payload = codec.encode(part, out=scratch.take("payload", codec.nbytes(m), torch.uint8, dev), scratch=scratch)
-        own = codec.decode(payload, out=scratch.take("own", m, device=dev), scratch=scratch)
-        residual = torch.sub(part, own, out=scratch.take("residual", m, device=dev)) if self.keep_residual else None
+        residual = scratch.take("residual", m, device=dev) if self.keep_residual else None
+        if self.island in self.members:
+            payload = codec.encode(part, out=scratch.take("payload", codec.nbytes(m), torch.uint8, dev),
+                                   scratch=scratch)
+            own = codec.decode(payload, out=scratch.take("own", m, device=dev), scratch=scratch)
+            if residual is not None:
+                torch.sub(part, own, out=residual)
+        else:  # left out: nothing to send (nobody decodes it), and nothing carried into the next round
+            payload, own = torch.empty(0, dtype=torch.uint8, device=dev), part
+            if residual is not None:
+                residual.zero_()
         decoded = [own]
         if self.link is not None:
             payloads = self.link.all_gather_bytes(payload)
             decoded = [own if i == self.island else
-                       codec.decode(p.to(dev), out=scratch.take(f"decoded{i}", m, device=dev), scratch=scratch)
-                       for i, p in enumerate(payloads)]
+                       codec.decode(payloads[i].to(dev), out=scratch.take(f"decoded{i}", m, device=dev),
+                                    scratch=scratch)
+                       for i in self.members]
             moved = self.link.take_stats()
             for key in LINK_TOTALS:
                 self.link_sums[key] += getattr(moved, key)
-        merged = outer.merge(decoded, self.weights, out=scratch.take("merged", m, device=dev),
-                             scratch=scratch.take("term", m, device=dev))
+        merged = outer.merge(decoded, [self.weights[i] for i in self.members],
+                             out=scratch.take("merged", m, device=dev), scratch=scratch.take("term", m, device=dev))
         self._merge_experts(merged, decoded, start)
         self.stats.add(part, own, payload.numel(), decoded, merged)
         return merged, residual

@@ -32,6 +32,19 @@ def merge_weights(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
+def merge_members(norms: Sequence[float | None], ratio: float | None) -> list[int]:
+    """The islands whose pseudo-gradients enter the merge, from each island's pseudo-gradient norm
+    (``None``: not finite, NaN or inf somewhere): every finite one, except, with ``ratio``, those
+    more than ``ratio`` times the (lower) median of the positive finite norms. Every island
+    computes the same list from the same round headers."""
+    finite = [i for i, n in enumerate(norms) if n is not None and math.isfinite(n)]
+    positive = sorted(float(norms[i]) for i in finite if norms[i])  # type: ignore[arg-type]
+    if not ratio or not positive:
+        return finite
+    limit = ratio * positive[(len(positive) - 1) // 2]
+    return [i for i in finite if float(norms[i]) <= limit]  # type: ignore[arg-type]
+
+
 def merge(deltas: Sequence[Tensor], weights: Sequence[float], out: Tensor | None = None,
           scratch: Tensor | None = None) -> Tensor:
     """Weighted average of the islands' pseudo-gradients (one weight per island), in island order.

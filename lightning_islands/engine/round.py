@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +45,7 @@ from lightning_islands.engine.stats import RoundStats, sum_sq
 from lightning_islands.transport import IslandAborted
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -404,7 +407,8 @@ class IslandEngine:
                                experts=experts)
         window_tokens, window_experts = self._since_last_sync(pending, layout)
         header = {"round": self.schedule.round, "tokens": window_tokens, "steps": self.schedule.round_steps,
-                  "step_seconds": step_seconds, "experts": window_experts, "stop": stop}
+                  "step_seconds": step_seconds, "experts": window_experts, "stop": stop,
+                  "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None}
         if background:
             return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
@@ -465,9 +469,10 @@ class IslandEngine:
         if not any(h["steps"] > 0 for h in headers):
             return {"headers": headers}
         layout = self.fragment_layouts[fragment]
-        stats = RoundStats(len(headers), delta_sq)
+        members = self._members(headers)
+        stats = RoundStats(len(members), delta_sq)
         exchange = ChunkExchange(self.codec, self.link, self.island, self._weights(headers), coefs, layout, stats,
-                                 keep_residual=keep_residual)
+                                 keep_residual=keep_residual, members=members)
         merged = torch.empty_like(flat)
         residual = torch.empty_like(flat) if keep_residual else None
         chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
@@ -544,6 +549,10 @@ class IslandEngine:
         self.last_round_metrics = metrics
         return metrics
 
+    def _members(self, headers: Sequence[dict[str, Any]]) -> list[int]:
+        """The islands merged this round (:func:`outer.merge_members` of the headers' norms)."""
+        return outer.merge_members([h.get("norm") for h in headers], self.settings.exclude_norm_ratio)
+
     def _weights(self, headers: Sequence[dict[str, Any]]) -> list[float]:
         """Each island's merge weight from the round headers: its tokens, or 1 with ``weighting="equal"``."""
         return [1.0 if self.settings.weighting == "equal" else float(h["tokens"]) for h in headers]
@@ -556,9 +565,19 @@ class IslandEngine:
             t0 = time.perf_counter()
             headers = self.link.gather_objects(f"round{self.schedule.round}", header)
             self.link.add_wait(time.perf_counter() - t0)
+        members = self._members(headers)
+        left_out = [i for i in range(len(headers)) if i not in members]
+        if not members:
+            raise RuntimeError(f"round {self.schedule.round}: every island's pseudo-gradient is non-finite (NaN or "
+                               "inf): training diverged; resume from an earlier checkpoint with a lower learning rate")
+        if left_out:
+            norms = [h.get("norm") for h in headers]
+            log.warning("islands: round %d merges without island(s) %s: pseudo-gradient norms %s (non-finite, or more "
+                        "than exclude_norm_ratio=%s times the median); they adopt the merged result",
+                        self.schedule.round, left_out, norms, self.settings.exclude_norm_ratio)
         by_name = {e.name: e for e in self.layout.entries}
         for name in headers[0]["experts"] or {}:  # None without expert weighting
-            coefs[name] = outer.expert_coefficients([h["experts"][name] for h in headers])
+            coefs[name] = outer.expert_coefficients([headers[i]["experts"][name] for i in members])
             if by_name[name].shape[0] != coefs[name][0].numel():
                 raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")
         return headers
@@ -570,8 +589,9 @@ class IslandEngine:
         names = list(headers[0]["experts"] or {})
         if not names:
             return {}
-        weights = self._weights(headers)
-        gaps = [outer.expert_share_gap([h["experts"][n] for h in headers], weights) for n in names]
+        members = self._members(headers)
+        weights = [self._weights(headers)[i] for i in members]
+        gaps = [outer.expert_share_gap([headers[i]["experts"][n] for i in members], weights) for n in names]
         return {"islands/expert_share_gap_max": max(g[0] for g in gaps),
                 "islands/expert_share_gap_mean": sum(g[1] for g in gaps) / len(gaps)}
 
@@ -585,10 +605,11 @@ class IslandEngine:
         layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
         anchors = [state.anchors[i] for i in idx]
         residual = [state.residual[i] for i in idx] if state.residual is not None else None
-        stats = RoundStats(len(headers), delta_sq)
+        members = self._members(headers)
+        stats = RoundStats(len(members), delta_sq)
         chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
         exchange = ChunkExchange(self.codec, self.link, self.island, self._weights(headers), coefs, layout, stats,
-                                 keep_residual=residual is not None) if self.is_leader else None
+                                 keep_residual=residual is not None, members=members) if self.is_leader else None
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
         into = None if len(chunks) == 1 else [torch.zeros_like(a) for a in anchors]
         got: list[Tensor] = []
@@ -619,6 +640,7 @@ class IslandEngine:
         """The leader's metrics of a round's exchange; adds its link totals to the run's."""
         metrics = stats.metrics(error_feedback=self.settings.use_error_feedback)
         metrics["islands/exchange_chunks"] = float(chunks)
+        metrics["islands/islands_left_out"] = float(self.num_islands - len(exchange.members))
         if self.link is not None:
             for key, value in exchange.link_sums.items():
                 self.totals[key] += value

@@ -85,6 +85,9 @@ class IslandSettings:
         overlap_alpha: with overlap, the fragment's local parameters become
             ``global + alpha * (local - global)`` when its outer step lands: 0 takes the new global
             parameters (the steps taken meanwhile are dropped for the fragment), 1 keeps local.
+        exclude_norm_ratio: a round merges without an island whose pseudo-gradient is not finite, or
+            whose norm is more than this many times the (lower) median of the islands' norms (0 or
+            ``None``: only non-finite ones); that island adopts the merged result.
         exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
             of fp32 (rounded down to whole codec blocks and packing groups), one after another:
             gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
@@ -115,6 +118,7 @@ class IslandSettings:
     timeout_s: float = 600.0
     max_wait_s: float = 3600.0
     exchange_chunk_mib: float | None = 1024.0
+    exclude_norm_ratio: float | None = 16.0
     fragments: int = 1
     fragment_layout: str = "strided"
     overlap_steps: int = 0
@@ -172,6 +176,8 @@ class IslandSettings:
         if tau and min(self.sync_warmup, default=self.sync_every) // f <= tau:
             raise ValueError(f"overlap_steps={tau} exceeds H / F of a warm-up round (sync_warmup={self.sync_warmup}); "
                              "at most one fragment can be in flight")
+        if self.exclude_norm_ratio is not None and not self.exclude_norm_ratio >= 0:
+            raise ValueError(f"exclude_norm_ratio must be >= 0 (0 or null: off), got {self.exclude_norm_ratio}")
         if not 0.0 <= self.overlap_alpha <= 1.0:
             raise ValueError(f"overlap_alpha must be in [0, 1], got {self.overlap_alpha}")
 
@@ -206,6 +212,7 @@ class IslandSettings:
             "balance": self.balance,
             "max_rounds": self.max_rounds,
             "fragments": [self.fragments, self.fragment_layout],
+            "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
             "resuming": bool(resuming),
             # the merge and the outer step (on the host or the training device) give the same bits on

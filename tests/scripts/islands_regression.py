@@ -148,6 +148,8 @@ def main() -> None:
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
     p.add_argument("--flush-subnormals", default="0", help="1: the island flushes subnormal floats (comma list)")
+    p.add_argument("--nan-island", type=int, default=-1, help="this island's parameters turn NaN at --nan-step")
+    p.add_argument("--nan-step", type=int, default=0)
     p.add_argument("--fragments", type=int, default=1, help="the strategy's fragments")
     p.add_argument("--overlap", type=int, default=0, help="the strategy's overlap_steps")
     p.add_argument("--alpha", type=float, default=0.0, help="the strategy's overlap_alpha")
@@ -203,6 +205,16 @@ def main() -> None:
 
     strategy.round_callbacks.append(save_round)
     callbacks = []
+    if args.nan_island == island:
+
+        class Diverge(pl.Callback):  # the inner step of --nan-step leaves NaN in every parameter
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+                if trainer.global_step == args.nan_step:
+                    with torch.no_grad():
+                        for p in module.parameters():
+                            p.to_local().fill_(float("nan")) if hasattr(p, "to_local") else p.fill_(float("nan"))
+
+        callbacks.append(Diverge())
     delay = per_island(args.delays, float)
     first_delay = per_island(args.first_step_delay, float)
     if delay or first_delay:

@@ -1,0 +1,58 @@
+"""Islands that misbehave: a pseudo-gradient that is not finite, or far larger than the others'.
+
+The round leaves such an island out of the merge (every island decides alike from the round
+headers), the island adopts the merged result, and training goes on. Islands are threads (see
+``test_streaming``); the link is the in-memory double.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_streaming import run
+
+from lightning_islands.engine import outer
+
+
+def test_merge_members_leaves_out_non_finite_and_outlying_norms():
+    assert outer.merge_members([1.0, None, 2.0], 16.0) == [0, 2]
+    assert outer.merge_members([1.0, math.inf, 1.5], None) == [0, 2]
+    assert outer.merge_members([1.0, 1.2, 40.0], 16.0) == [0, 1]
+    assert outer.merge_members([1.0, 1.2, 40.0], 0) == [0, 1, 2]
+    assert outer.merge_members([0.0, 0.0], 16.0) == [0, 1]  # nobody stepped: nothing to judge by
+    assert outer.merge_members([None, None], 16.0) == []
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_nan_pseudo_gradient_is_left_out_and_its_island_adopts_the_merge(codec, caplog):
+    kw = {"codec": codec}
+    steps = 12  # rounds end at steps 3, 7, 11 (H=4); island 1 breaks in the second round
+    clean = run([2, 1], kw, steps)
+    broken = run([2, 1], kw, steps, poison=(1, 5, float("nan")))
+    first, second = broken
+    assert all(torch.equal(a, b) for a, b in zip(first["globals"], second["globals"]))
+    assert all(torch.isfinite(g).all() for g in first["globals"])
+    assert [m["islands/islands_left_out"] for m in first["metrics"]] == [0.0, 1.0, 0.0]
+    assert "merges without island(s) [1]" in caplog.text
+    assert second["headers"][1]["norm"] is None
+    # round 1 is the clean run's; round 2 merged island 0 alone, so it differs
+    assert torch.equal(first["globals"][0], clean[0]["globals"][0])
+    assert not torch.equal(first["globals"][1], clean[0]["globals"][1])
+    # the island took the merged model and trained on: its parameters and residual are finite again
+    assert all(torch.isfinite(t).all() for t in second["locals"])
+    if codec == "int4":
+        assert all(torch.isfinite(r).all() for r in second["residual"])
+
+
+def test_an_outlying_pseudo_gradient_is_left_out_among_three_islands():
+    first, _, third = run([1, 1, 1], {}, 8, poison=(2, 1, 100.0))  # island 2's first round moved 100x as far
+    assert [m["islands/islands_left_out"] for m in first["metrics"]] == [1.0, 0.0]
+    assert third["headers"][0]["norm"] > 16 * first["headers"][0]["norm"]
+    assert all(torch.equal(a, b) for a, b in zip(first["globals"], third["globals"]))
+
+
+def test_every_island_non_finite_stops_the_run_with_the_cause():
+    with pytest.raises(Exception, match="training diverged"):
+        run([1], {}, 4, poison=(0, 1, float("nan")))
