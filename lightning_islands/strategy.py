@@ -28,10 +28,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
-from lightning_islands.engine.checkpoint import load_global_parameters
+from lightning_islands.engine.checkpoint import (
+    PREVIOUS,
+    STAGED,
+    explain_unreadable,
+    load_global_parameters,
+    publish,
+    staging_path,
+)
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
 from lightning_islands.transport import IslandAborted, IslandLink, island_identity
@@ -426,16 +434,27 @@ class IslandStrategy(FSDP2Strategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         assert self.engine is not None
         checkpoint["islands"] = {**self.engine.checkpoint_meta(self._resuming), "stepped_batch": self._stepped_batch}
-        with self._beating("saving checkpoint"):
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            self.engine.save_checkpoint(Path(self.broadcast(str(filepath))), self._params)
+        final = Path(self.broadcast(str(filepath)))
+        staged = staging_path(final) if self.global_rank == 0 else final.with_name(final.name + STAGED)
+        self.barrier()
+        with self._beating("saving checkpoint"):  # written aside, then moved into place: a crash keeps the last one
+            super().save_checkpoint(checkpoint, staged, storage_options)
+            self.engine.save_checkpoint(staged, self._params)
+            self.barrier()
+            if self.global_rank == 0:
+                publish(staged, final)
             self.barrier()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        meta = checkpoint.get("islands")
         path = Path(self.broadcast(str(checkpoint_path)))
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except (Exception, CheckpointException) as err:  # a BaseException in torch: named with the fix
+            if isinstance(err, FileNotFoundError) and not path.with_name(path.name + PREVIOUS).exists():
+                raise
+            raise RuntimeError(explain_unreadable(path, err)) from err
+        meta = checkpoint.get("islands")
         module, engine = self.lightning_module, self.engine
         assert module is not None
         if not self._ready():

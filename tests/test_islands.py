@@ -250,6 +250,21 @@ def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(tmp_path):
     assert "merges without island(s) [1]" in (tmp_path / "logs" / "island0.log").read_text()
 
 
+def test_a_damaged_checkpoint_is_named_with_the_fix(tmp_path):
+    part = tmp_path / "part"
+    launch([1, 1], ["islands_regression.py", "--out", part, "--steps", 8, "--ckpt-every", 4], tmp_path / "l1")
+    folder = part / "ckpt_island0"
+    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt", "step=8.ckpt"]  # nothing staged is left
+    ckpt = folder / "step=8.ckpt"
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:64])  # a write cut short
+    results, text = launch([1, 1], ["islands_regression.py", "--out", tmp_path / "resumed", "--steps", 12,
+                                    "--resume", str(part / "ckpt_island{island}" / "step=8.ckpt")], tmp_path / "l2",
+                           expect_ok=False)
+    assert results[0].returncode != 0
+    assert f"could not read the checkpoint {ckpt}" in text and "resume from an earlier checkpoint" in text
+
+
 def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
     common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
