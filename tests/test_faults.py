@@ -78,3 +78,45 @@ def test_a_checkpoint_is_published_whole_or_not_at_all(tmp_path):
     message = explain_unreadable(final, ValueError("bad shard"))
     assert str(final) in message and "last.ckpt.previous holds the checkpoint it replaced" in message
     assert "resume from an earlier checkpoint" in message
+
+
+@pytest.mark.parametrize("sizes, bad, kw", [
+    ([2, 1], 1, {}),
+    ([1, 2, 1], 0, {"codec": "int4"}),
+    ([2, 1], 1, {"fragments": 2, "overlap_steps": 1}),
+], ids=["two islands", "three, the first one bad", "fragments+overlap"])
+def test_an_island_whose_global_state_drifted_is_repaired_from_the_others(sizes, bad, kw, caplog):
+    islands = run(sizes, kw, 16, corrupt=(bad, 1))  # one bit of island `bad`'s anchors flips after round 1
+    first = islands[0]
+    repaired = [m["islands/islands_repaired"] for m in first["metrics"]]
+    assert repaired[:3] == [0.0, 1.0, 0.0] and not any(repaired[3:])
+    assert [m["islands/islands_left_out"] for m in first["metrics"]][1] == 1.0  # its round-2 delta was off
+    for other in islands[1:]:
+        assert other["digest"] == first["digest"]
+        assert all(torch.equal(a, b) for a, b in zip(first["globals"][1:], other["globals"][1:]))
+    assert f"island {bad}'s global state differs" in caplog.text
+
+
+def test_the_state_checksum_ignores_the_sharding_and_sees_one_bit():
+    from doubles import ThreadGroup, ThreadIsland, run_threads
+    from test_engine import SPECS, initial_flat
+
+    from lightning_islands.engine import CanonicalLayout
+
+    flat = initial_flat(3)
+
+    def checksum(size: int, flip: bool = False) -> list[int]:
+        shared = ThreadIsland(size)
+
+        def rank(r: int) -> int:
+            layout = CanonicalLayout(SPECS, ThreadGroup(shared, r))
+            shards = [layout.shard_of(flat, i).clone() for i in range(len(SPECS))]
+            if flip and r == 1:
+                shards[-1].view(-1)[-1:].view(torch.int32).bitwise_xor_(1 << 30)
+            return layout.island_checksum(shards)
+
+        return run_threads([lambda r=r: rank(r) for r in range(size)])
+
+    one, two, three = checksum(1), checksum(2), checksum(3)
+    assert len(set(one + two + three)) == 1
+    assert checksum(3, flip=True)[0] != one[0]

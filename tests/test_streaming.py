@@ -54,7 +54,8 @@ class RecordingLink(MemoryLink):
 
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
                  mode: str = "auto", gates: list[threading.Event] | None = None,
-                 experts: bool = False, poison: tuple[int, int, float] | None = None) -> dict[str, Any]:
+                 experts: bool = False, poison: tuple[int, int, float] | None = None,
+                 corrupt: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for. ``mode``: ``auto`` (the
     settings decide: overlap when ``overlap_steps`` > 0), ``sync`` (run_round), ``land_at_once``
     (the background path, landed right after it starts)."""
@@ -81,6 +82,9 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
         if m:
             metrics.append(m)
             globals_.append(None if flat is None else flat.clone())
+            if corrupt == (island, len(metrics)) and group.rank == 0:  # (island, round): one bit of its anchors flips
+                first = engine.state.anchors[0].view(-1)[:1]
+                first.view(torch.int32).bitwise_xor_(1)
 
     for step in range(steps):
         goal = target(island, engine.schedule.inner_steps)

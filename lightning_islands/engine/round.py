@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import math
 import threading
@@ -61,6 +62,7 @@ class PendingRound:
     metrics: dict[str, float] = field(default_factory=dict)
     flight: InFlight | None = None  # an overlapped round's background exchange, until it lands
     experts: dict[str, list[float]] | None = None  # the island's tokens per expert in this round
+    repaired: int = 0  # islands whose global state differed and was replaced at this round
     inner_steps: int = 0  # the island's inner steps when the round started
 
     @property
@@ -408,13 +410,14 @@ class IslandEngine:
         window_tokens, window_experts = self._since_last_sync(pending, layout)
         header = {"round": self.schedule.round, "tokens": window_tokens, "steps": self.schedule.round_steps,
                   "step_seconds": step_seconds, "experts": window_experts, "stop": stop,
-                  "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None}
+                  "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None, "state": self.state_summary() if self.num_islands > 1 else None}
         if background:
             return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
         pending.headers = self.agree(lambda: self._meet_round(header, coefs))
         if pending.stop:
             self.schedule.stopping = True
+        pending.repaired = self._repair(pending.headers, locals_)
         if not any(h["steps"] > 0 for h in pending.headers):
             # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
             # outer step on zero pseudo-gradients would still move the anchor by the momentum.
@@ -524,6 +527,7 @@ class IslandEngine:
         overlapped = pending is self.in_flight
         if overlapped:
             self._complete(pending)
+            pending.repaired = self._repair(pending.headers, locals_)
         if pending.grads is None:
             return {}
         idx = self.state.indices(pending.fragment)
@@ -541,6 +545,7 @@ class IslandEngine:
             self.round_tokens = 0
         sched = self.schedule
         metrics.update({"islands/round": float(sched.round), "islands/fragment": float(pending.fragment),
+                        "islands/islands_repaired": float(pending.repaired),
                         "islands/inner_steps": float(sched.inner_steps), "islands/round_tokens": pending.tokens,
                         "islands/step_seconds": pending.step_seconds,
                         "islands/steps_per_round": float(sched.steps_per_round),
@@ -550,8 +555,57 @@ class IslandEngine:
         return metrics
 
     def _members(self, headers: Sequence[dict[str, Any]]) -> list[int]:
-        """The islands merged this round (:func:`outer.merge_members` of the headers' norms)."""
-        return outer.merge_members([h.get("norm") for h in headers], self.settings.exclude_norm_ratio)
+        """The islands merged this round: those that hold the majority's global state (see
+        :meth:`_repair`) with a sound pseudo-gradient (:func:`outer.merge_members` of the norms)."""
+        agree = set(_majority([h.get("state") for h in headers]))
+        sound = outer.merge_members([h.get("norm") for h in headers], self.settings.exclude_norm_ratio)
+        return [i for i in sound if i in agree]
+
+    # ------------------------------------------------------------------ the state check
+    def state_summary(self) -> dict[str, Any]:
+        """What every island's global state must agree on before a round (a collective of the
+        island, cheap: a checksum of each rank's shards at their canonical places, no gather)."""
+        momentum = self.state.momentum
+        return {"anchors": self.layout.island_checksum(self.state.anchors),
+                "momentum": None if momentum is None else self.layout.island_checksum(momentum),
+                "outer_steps": self.state.steps()}
+
+    def _repair(self, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
+        """Every rank, once the round's headers are known: if some island's global state differs from
+        the majority's (the largest group of equal state summaries; a tie goes to the group with the
+        lowest island), the first island of the majority sends its anchors and momentum to all and the
+        others take them (into ``locals_`` too). Such an island is left out of this round's merge
+        (its pseudo-gradient was taken from the wrong anchors). Returns how many islands were repaired."""
+        states = [h.get("state") for h in headers]
+        good = _majority(states)
+        bad = [i for i in range(len(headers)) if i not in good]
+        if not bad:
+            return 0
+        src, has_momentum = good[0], states[good[0]]["momentum"] is not None
+        n = self.layout.numel
+        if self.island == src:
+            flat = self.layout.gather_to_leader(self.state.anchors, self.device)
+            if has_momentum:
+                flat_m = self.layout.gather_to_leader(self.state.momentum, self.device)  # type: ignore[arg-type]
+                flat = None if flat is None else torch.cat([flat, flat_m])  # type: ignore[list-item]
+            self.agree(lambda: self.link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
+            return len(bad)
+        box: dict[str, Tensor] = {}
+        self.agree(lambda: box.update(flat=self.link.broadcast_bytes(None, src=src)))  # type: ignore[union-attr]
+        if self.island not in bad:
+            return len(bad)
+        if self.is_leader:
+            log.warning("islands: island %d's global state differs from island(s) %s's before round %d (%s vs %s); "
+                        "taking island %d's", self.island, good, self.schedule.round, states[self.island],
+                        states[src], src)
+        flat = box["flat"].view(torch.float32) if self.is_leader else None
+        anchors = self.layout.scatter_from_leader(None if flat is None else flat[:n], self.device)
+        momentum = (self.layout.scatter_from_leader(None if flat is None else flat[n:], self.device)
+                    if has_momentum else None)
+        self.state.load_state_dict({"anchor": anchors, "momentum": momentum, "residual": self.state.residual,
+                                    "outer_steps": states[src]["outer_steps"]})
+        self.state.write_to(locals_)
+        return len(bad)
 
     def _weights(self, headers: Sequence[dict[str, Any]]) -> list[float]:
         """Each island's merge weight from the round headers: its tokens, or 1 with ``weighting="equal"``."""
@@ -647,6 +701,14 @@ class IslandEngine:
             metrics.update({f"islands/{key}": value for key, value in exchange.link_sums.items()})
             metrics["islands/cosine"] = stats.cosine()
         return metrics
+
+
+def _majority(states: Sequence[Any]) -> list[int]:
+    """The islands in the largest group of equal ``states`` (a tie: the group of the lowest island)."""
+    groups: dict[str, list[int]] = {}
+    for i, state in enumerate(states):
+        groups.setdefault(json.dumps(state, sort_keys=True), []).append(i)
+    return max(groups.values(), key=lambda g: (len(g), -g[0]))
 
 
 def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
