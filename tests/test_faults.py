@@ -8,6 +8,7 @@ headers), the island adopts the merged result, and training goes on. Islands are
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -120,3 +121,79 @@ def test_the_state_checksum_ignores_the_sharding_and_sees_one_bit():
     one, two, three = checksum(1), checksum(2), checksum(3)
     assert len(set(one + two + three)) == 1
     assert checksum(3, flip=True)[0] != one[0]
+
+
+def _unreachable(tmp_path):
+    from lightning_islands.app.launch import free_port
+    from lightning_islands.transport import IslandLink
+
+    IslandLink(f"127.0.0.1:{free_port()}", 0, 2, timeout=timedelta(seconds=1))
+
+
+def _duplicate(tmp_path):
+    from lightning_islands.transport import Coordinator, IslandLink
+
+    coord = Coordinator()
+    IslandLink(coord.address, 1, 2, run_id="exp")
+    IslandLink(coord.address, 1, 2, run_id="exp")
+
+
+def _out_of_range(tmp_path):
+    from lightning_islands.transport import Coordinator, IslandLink
+
+    IslandLink(Coordinator().address, 2, 2)
+
+
+def _silent_peer(tmp_path):
+    from lightning_islands.transport import Coordinator, IslandLink
+
+    coord = Coordinator()
+    link = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1))
+    IslandLink(coord.address, 1, 2, run_id="r")  # joins, then never sends anything
+    link.gather_objects("round3", {})
+
+
+def _mismatch(tmp_path):
+    from lightning_islands.engine import CanonicalLayout, IslandSettings
+    from lightning_islands.engine.settings import compare_fingerprints
+
+    layout = CanonicalLayout([("w", (4, 4), False)])
+    prints = [IslandSettings(sync_every=h).fingerprint(layout, 2, False, "cpu") for h in (25, 50)]
+    raise RuntimeError(compare_fingerprints(prints))
+
+
+def _damaged_checkpoint(tmp_path):
+    from lightning_islands.engine import CanonicalLayout
+    from lightning_islands.engine.checkpoint import OUTER_DIR, load_outer_state, save_outer_state
+
+    layout = CanonicalLayout([("w", (4, 4), False)])
+    params = [torch.randn(4, 4)]
+    save_outer_state(tmp_path, {"anchor": params}, params, layout)
+    shard = next((tmp_path / OUTER_DIR).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:16])
+    load_outer_state(tmp_path, ["anchor"], params, layout, params)
+
+
+@pytest.mark.parametrize("make, error, needles", [
+    (_unreachable, ConnectionError, ["could not reach the coordinator", "lightning-islands coordinator"]),
+    (_duplicate, RuntimeError, ["island 1 already joined run 'exp'", "give every launch a fresh LI_RUN_ID"]),
+    (_out_of_range, ValueError, ["island index 2 is outside [0, 2)", "LI_ISLAND"]),
+    (_silent_peer, Exception, ["islands [1] did not reach 'round3'", "raise timeout_s"]),
+    (_mismatch, RuntimeError, ["island 1 has sync_every=50 but island 0 has sync_every=25",
+                               "make their model and island settings equal"]),
+    (_damaged_checkpoint, RuntimeError, ["islands_outer", "resume from an earlier one"]),
+], ids=["unreachable coordinator", "duplicate index", "index out of range", "silent peer", "mismatched settings",
+        "damaged checkpoint"])
+def test_every_bad_input_ends_with_its_cause_and_fix_and_loses_nothing(tmp_path, make, error, needles):
+    (tmp_path / "keep.txt").write_text("a log line")
+    before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*") if p.is_file())
+    with pytest.raises(error) as caught:
+        make(tmp_path)
+    for needle in needles:
+        assert needle in str(caught.value)
+    after = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*") if p.is_file())
+    if make is not _damaged_checkpoint:  # it made its own (damaged) files before the error
+        assert after == before
+    else:  # the failed load leaves the checkpoint's files as they were, to mend or set aside
+        assert (tmp_path / "keep.txt").read_text() == "a log line"
+        assert {p.name for p, _ in after} >= {"keep.txt", ".metadata"} and any(p.suffix == ".distcp" for p, _ in after)
