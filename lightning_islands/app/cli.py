@@ -1,5 +1,5 @@
 """``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``,
-``report`` (a table and plots from finished runs)."""
+``report`` (a table and plots from finished runs), ``plan`` (predicted utilization for a link)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ commands:
   run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
   coordinator --port P           serve a coordinator for islands started elsewhere
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
+  plan [overrides...] --link-bps 25G --rtt-ms 100 --step-seconds 0.5,0.8
+                                 predict utilization and the link a target needs (docs/PLANNING.md)
 """
 
 
@@ -79,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_islands.app.report import main as report_main
 
         return report_main(rest)
+    if command == "plan":
+        from lightning_islands.app.plan import main as plan_main
+
+        return plan_main(rest)
     print(f"lightning-islands: unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 
