@@ -410,7 +410,8 @@ class IslandEngine:
         window_tokens, window_experts = self._since_last_sync(pending, layout)
         header = {"round": self.schedule.round, "tokens": window_tokens, "steps": self.schedule.round_steps,
                   "step_seconds": step_seconds, "experts": window_experts, "stop": stop,
-                  "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None, "state": self.state_summary() if self.num_islands > 1 else None}
+                  "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None,
+                  "state": self.state_summary() if self.num_islands > 1 else None}
         if background:
             return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
