@@ -23,7 +23,10 @@ writes ``DIR/utilization.json`` (rows: ``config``, ``utilization``, ``link_rate_
 ``bytes``, ``peak_bps``, ``mean_bps``, ``val_loss``, ...) and ``DIR/utilization.md``. ``peak_bps`` is
 the highest rate any round moved its bytes at (bytes / seconds exchanging; on a shaped link about
 the link rate while a round's bytes are on it), ``mean_bps`` the bytes over the wall time: the
-bandwidth the run needs on average.
+bandwidth the run needs on average. ``predicted`` is the planner's (``lightning-islands plan``)
+prediction for the same settings and the ``none`` run's step time, put on the same footing: the
+``none`` run's wall time plus the overhead the planner predicts (``planned_utilization`` in the JSON
+is the planner's own compute / wall).
 """
 
 from __future__ import annotations
@@ -123,6 +126,23 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
             "seconds_waiting": max(r["islands"].get("seconds_waiting", 0.0) for r in islands)}
 
 
+def predict(args: argparse.Namespace, row: dict, none: dict, rate_bps: float, rtt_ms: float) -> dict:
+    """The planner's prediction for a row (``lightning_islands.plan.prediction_for``) with the
+    ``none`` run's step time: its utilization per island (compute / wall) and, to set beside the
+    measured ratio, the same overhead added to the ``none`` run's wall time."""
+    from lightning_islands.plan.config import prediction_for
+
+    islands = {"members": [{"devices": 1}, {"devices": 1}], "sync_every": args.H, "codec": args.codec,
+               "lanes": args.lanes, "fragments": row["fragments"], "overlap_steps": row["overlap_steps"]}
+    pred = prediction_for(islands, numel=none["parameters"], step_seconds=none["step_seconds"], link_bps=rate_bps,
+                          rtt_s=rtt_ms / 1e3, rounds=row["rounds"])
+    planned = min(pred.utilization)
+    compute = args.steps * none["step_seconds"]
+    overhead = compute * (1 / planned - 1)
+    return {"planned_utilization": planned, "predicted_utilization": none["wall_seconds"] / (none["wall_seconds"]
+                                                                                             + overhead)}
+
+
 def auto_rate(args: argparse.Namespace, none: dict) -> str:
     """The rate at which one synchronous exchange of the model takes a third of a round's compute."""
     payload = make_codec(args.codec).nbytes(none["parameters"])
@@ -147,7 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="inner steps per run (default 192; quick 96)")
     parser.add_argument("--H", type=int, default=24)
     parser.add_argument("--fragments", type=int, default=4)
-    parser.add_argument("--tau", type=int, default=2, help="overlap_steps of fragments+overlap")
+    parser.add_argument("--tau", type=int, default=3, help="overlap_steps of fragments+overlap")
     parser.add_argument("--alpha", type=float, default=0.0, help="overlap_alpha of fragments+overlap")
     parser.add_argument("--codec", default="fp32")
     parser.add_argument("--lanes", type=int, default=2)
@@ -173,11 +193,13 @@ def main() -> None:
                     "rtt_ms": rtt_ms, "steps": args.steps, "H": args.H, "codec": args.codec,
                     "fragments": args.fragments if "fragments" in row["config"] else 1,
                     "overlap_steps": args.tau if "overlap" in row["config"] else 0})
-    table = ["| config | utilization | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) | waiting (s) "
-             "| val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    table += [f"| {r['config']} | {r['utilization']:.3f} | {r['wall_seconds']:.1f} | {r['rounds']} | "
-              f"{r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | {r['mean_bps'] / 1e6:.2f} | "
-              f"{r['seconds_waiting']:.1f} | {r['val_loss']:.4f} |" for r in rows]
+    for row in rows[1:]:
+        row.update(predict(args, row, none, parse_rate_bps(rate), rtt_ms))
+    table = ["| config | utilization | predicted | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) "
+             "| waiting (s) | val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['config']} | {r['utilization']:.3f} | {r.get('predicted_utilization', 1.0):.3f} | "
+              f"{r['wall_seconds']:.1f} | {r['rounds']} | {r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | "
+              f"{r['mean_bps'] / 1e6:.2f} | {r['seconds_waiting']:.1f} | {r['val_loss']:.4f} |" for r in rows]
     head = (f"link {rate} (shaped with tc between network namespaces), H={args.H}, codec {args.codec}, "
             f"F={args.fragments}, tau={args.tau}, {args.steps} steps, two islands of 1 process x batch 16; "
             f"{time.time() - started:.0f} s in all")
