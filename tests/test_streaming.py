@@ -234,6 +234,9 @@ def test_streaming_islands_of_different_shardings_agree_and_match_the_reference(
         torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5, msg=f"round {r + 1} vs the reference")
     assert first["digest"] == second["digest"]
     assert {m["islands/fragment"] for m in first["metrics"]} == set(range(kw.get("fragments", 1)))
+    if kw.get("overlap_steps"):  # the background thread's waits are not idle time; landing's are
+        flown = first["metrics"][0]
+        assert flown["islands/seconds_waiting"] >= 0 and "islands/seconds_waiting_in_flight" in flown
 
 
 def test_a_fragment_merges_by_what_each_island_trained_since_it_last_synced():

@@ -488,6 +488,11 @@ class IslandEngine:
         exchange.release()
         metrics = self._exchange_metrics(stats, exchange, len(chunks))
         metrics.update(self._expert_gap_metrics(headers))
+        # this thread's waits for the other islands were not idle time (training went on): the round's
+        # waiting is what landing it blocks for (counted there)
+        in_flight = exchange.link_sums["seconds_waiting"]
+        self.totals["seconds_waiting"] -= in_flight
+        metrics["islands/seconds_waiting_in_flight"] = metrics.pop("islands/seconds_waiting", in_flight)
         return {"headers": headers, "merged": merged, "residual": residual, "metrics": metrics}
 
     @torch.no_grad()
@@ -518,7 +523,9 @@ class IslandEngine:
             layout.scatter_from_leader(box.get("residual"), self.device,
                                        into=[self.state.residual[i] for i in idx])
         pending.metrics = dict(box.get("metrics", {}))
-        pending.metrics["islands/seconds_landing"] = waited
+        if self.is_leader:
+            pending.metrics["islands/seconds_waiting"] = waited
+            self.totals["seconds_waiting"] += waited
 
     @torch.no_grad()
     def finish(self, pending: PendingRound, locals_: Sequence[Tensor]) -> dict[str, float]:
