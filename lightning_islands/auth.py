@@ -243,36 +243,39 @@ class AuthenticatedLink:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"island{self.island}-auth")
         return payload_tags(self._key, items, self._pool if big else None)
 
-    def _reject(self, message: str) -> AuthenticationError:
-        log.error("lightning_islands: %s", message)
-        return AuthenticationError(message)
-
     # ------------------------------------------------------------------ objects
     def gather_objects(self, key: str, obj: object) -> list:
         """Every island's JSON-able ``obj`` under ``key``, in island order, each checked against its MAC."""
         text = json.dumps(obj)
         sent = {"auth": SCHEME, "json": text, "mac": object_mac(self._key, key, self.island, text)}
         got = self.link.gather_objects(key, sent)
-        return [self._open(key, i, entry) for i, entry in enumerate(got)]
+        problems = [p for p in (self._object_problem(key, i, entry) for i, entry in enumerate(got)) if p]
+        if problems:
+            raise self._reject(problems)
+        return [json.loads(entry["json"]) for entry in got]
 
-    def _open(self, key: str, island: int, entry: object) -> object:
+    def _object_problem(self, key: str, island: int, entry: object) -> str | None:
+        """What is wrong with island ``island``'s entry under ``key``, or ``None``."""
         what = f"round header {key!r}" if key.startswith("round") else f"object {key!r}"
         if not (isinstance(entry, dict) and "mac" in entry and "json" in entry):
-            raise self._reject(
-                f"island {island} sent {what} without authentication: it runs without a secret (no "
-                f"{ENV_SECRET}) while island {self.island} has one, or another process wrote it; {_FIX}")
-        if entry["auth"] != SCHEME:
-            raise self._reject(
-                f"island {island} authenticates {what} with {entry['auth']!r}, island {self.island} with "
-                f"{SCHEME!r}: run the same lightning_islands version on every island")
-        text, mac = entry.get("json"), entry.get("mac")
-        ok = isinstance(text, str) and isinstance(mac, str) and hmac.compare_digest(
-            object_mac(self._key, key, island, text).encode(), mac.encode("utf-8", "replace"))
-        if not ok:
-            raise self._reject(
-                f"island {island}'s {what} does not match its MAC: it was altered on the way, or island "
-                f"{island} has a different secret than island {self.island} (or another process wrote it); {_FIX}")
-        return json.loads(text)  # type: ignore[arg-type]
+            return (f"island {island} sent {what} without authentication: it runs without a secret (no "
+                    f"{ENV_SECRET}) while island {self.island} has one, or another process wrote it; {_FIX}")
+        if entry.get("auth") != SCHEME:
+            return (f"island {island} authenticates {what} with {entry.get('auth')!r}, island {self.island} with "
+                    f"{SCHEME!r}: run the same lightning_islands version on every island")
+        text, mac = entry["json"], entry["mac"]
+        if not (isinstance(text, str) and isinstance(mac, str) and hmac.compare_digest(
+                object_mac(self._key, key, island, text).encode(), mac.encode("utf-8", "replace"))):
+            return (f"island {island}'s {what} does not match its MAC: it was altered on the way, or island "
+                    f"{island} has a different secret than island {self.island} (or another process wrote it); "
+                    f"{_FIX}")
+        return None
+
+    def _reject(self, problems: Sequence[str]) -> AuthenticationError:
+        """The error naming every island whose entry failed (one per line), also logged."""
+        message = "\n  ".join(problems)
+        log.error("lightning_islands: island %d rejected: %s", self.island, message)
+        return AuthenticationError(message)
 
     # ------------------------------------------------------------------ payloads
     def _signed(self, payload: Tensor, header: bytes) -> Tensor:
@@ -289,20 +292,25 @@ class AuthenticatedLink:
 
     def _check(self, what: str, islands: Sequence[int], received: Sequence[Tensor],
                headers: Sequence[bytes]) -> None:
-        for i, t in zip(islands, received):
-            if t.numel() < TAG_BYTES:
-                raise self._reject(
-                    f"island {i}'s payload of {what} has {t.numel()} bytes, fewer than its {TAG_BYTES}-byte tag: "
-                    f"island {i} runs without a secret (no {ENV_SECRET}) while island {self.island} has one, or "
-                    f"it was cut on the way; {_FIX}")
-        views = [_bytes_view(t.detach().cpu().contiguous()) for t in received]
-        expected = self._tags([(h, v[:-TAG_BYTES]) for h, v in zip(headers, views)])
-        for i, v, tag in zip(islands, views, expected):
-            if not hmac.compare_digest(tag, bytes(v[-TAG_BYTES:])):
-                raise self._reject(
-                    f"island {i}'s payload of {what} ({len(v) - TAG_BYTES} bytes) does not match its tag: it was "
-                    f"altered on the way, or island {i} has a different secret than island {self.island}, or "
-                    f"none; {_FIX}")
+        """Raise naming every island in ``islands`` whose payload (``received``) fails its tag."""
+        problems: list[tuple[int, str]] = []
+        todo = []
+        for i, t, h in zip(islands, received, headers):
+            if t.numel() >= TAG_BYTES:
+                todo.append((i, _bytes_view(t.detach().cpu().contiguous()), h))
+                continue
+            problems.append((i, f"island {i}'s payload of {what} has {t.numel()} bytes, fewer than its {TAG_BYTES}-"
+                                f"byte tag: island {i} runs without a secret (no {ENV_SECRET}) while island "
+                                f"{self.island} has one, or it was cut on the way; {_FIX}"))
+        expected = self._tags([(h, v[:-TAG_BYTES]) for _, v, h in todo])
+        for (i, v, _), tag in zip(todo, expected):
+            if hmac.compare_digest(tag, bytes(v[-TAG_BYTES:])):
+                continue
+            problems.append((i, f"island {i}'s payload of {what} ({len(v) - TAG_BYTES} bytes) does not match its "
+                                f"tag: it was altered on the way, or island {i} has a different secret than island "
+                                f"{self.island}, or none; {_FIX}"))
+        if problems:
+            raise self._reject([p for _, p in sorted(problems)])
 
     def all_gather_bytes(self, payload: Tensor) -> list[Tensor]:
         """Every island's 1-D uint8 payload, in island order, each checked against its tag."""

@@ -206,7 +206,8 @@ def test_an_island_with_the_wrong_secret_fails_on_every_side():
     for i in (0, 1):
         assert isinstance(got[i], AuthenticationError)
         assert "island 2's object 'fingerprint' does not match its MAC" in str(got[i]) and FIX in str(got[i])
-    assert isinstance(got[2], AuthenticationError) and "island 0's object 'fingerprint'" in str(got[2])
+    assert isinstance(got[2], AuthenticationError)
+    assert "island 0's object 'fingerprint'" in str(got[2]) and "island 1's object 'fingerprint'" in str(got[2])
     assert SECRET.decode() not in str(got[0]) and OTHER.decode() not in str(got[2])
 
 
