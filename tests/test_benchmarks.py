@@ -46,3 +46,21 @@ def test_exchange_memory_benchmark_reports_every_rank_of_both_rounds(tmp_path):
     modes = ["to leader", "round int8", "round int8, chunks of 1 MiB"]
     assert [(r["mode"], r["rank"]) for r in rows] == [(m, rank) for m in modes for rank in (0, 1)]
     assert all(r["rise_mib"] >= 0 and r["model_mib"] > 7 and r["seconds"] > 0 for r in rows)
+
+
+def test_auth_benchmark_writes_both_tables(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auth.py"), "--sizes-mb", "0.1,5", "--repeats", "1",
+         "--threads", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| payload | MB/s sign | MB/s verify |" in proc.stdout and "| tree hmac-sha256 | 2 |" in proc.stdout
+    data = json.loads((tmp_path / "auth.json").read_text())
+    assert [r["bytes"] for r in data["sizes"]] == [100_000, 5_000_000]
+    for r in data["sizes"]:
+        assert r["sign_mbps"] > 0 and r["verify_mbps"] > 0 and r["x_25gbit"] == r["gbit_s"] / 25
+    assert {r["construction"] for r in data["constructions"]} >= {"hmac-sha256", "blake2b keyed",
+                                                                  "tree blake2b keyed", "memcpy (appending the tag)"}
+    assert data["meta"]["threads"] == 2 and data["meta"]["scheme"].startswith("hmac-sha256")
