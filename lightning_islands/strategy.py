@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
+from lightning_islands.auth import SCHEME, AuthenticatedLink, load_secret
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
 from lightning_islands.engine.checkpoint import (
     PREVIOUS,
@@ -82,6 +83,9 @@ class IslandStrategy(FSDP2Strategy):
     Args:
         island, num_islands, coordinator, run_id: this island's identity; default from the
             environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
+        secret_file: a file holding the islands' shared secret (mode 600); default ``LI_SECRET_FILE``,
+            else ``LI_SECRET``, else none. With a secret, every payload and round header carries an
+            HMAC (:class:`~lightning_islands.auth.AuthenticatedLink`, see SECURITY.md).
         unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
     """
 
@@ -97,7 +101,8 @@ class IslandStrategy(FSDP2Strategy):
                  max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
                  exchange_chunk_mib: float | None = 1024.0, exclude_norm_ratio: float | None = 16.0,
                  fragments: int = 1, fragment_layout: str = "strided",
-                 overlap_steps: int = 0, overlap_alpha: float = 0.0, unit_classes: Sequence[str] | None = None,
+                 overlap_steps: int = 0, overlap_alpha: float = 0.0, secret_file: str | None = None,
+                 unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
         # every argument that is a setting of the islands (the same names) goes to IslandSettings
         self.settings = IslandSettings(**{k: v for k, v in locals().items() if k in _SETTINGS})
@@ -108,6 +113,7 @@ class IslandStrategy(FSDP2Strategy):
             timeout=max(default_pg_timeout, timedelta(seconds=max_wait_s + timeout_s)))
         self.island_index, self.num_islands, self.coordinator, self.run_id = island_identity(
             island, num_islands, coordinator, run_id)
+        self.secret_file = secret_file
         self.engine: IslandEngine | None = None  # from setup on (it needs the sharded module)
         self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
         self._params: list[Tensor] = []
@@ -118,6 +124,7 @@ class IslandStrategy(FSDP2Strategy):
         self._beats = 0
         self._start_agreed = False  # this fit took part in the islands' start agreement
         self._resuming = False
+        self._secret: bytes | None = None
 
     # ------------------------------------------------------------------ what the app reads
     @property
@@ -182,14 +189,18 @@ class IslandStrategy(FSDP2Strategy):
         if previous is not None:  # a second fit with this strategy continues its rounds and outer state
             self.engine.continue_from(previous)
         if self.num_islands > 1:
-            self.engine.meet(self._open_link, self.engine.fingerprint(self._resuming))
+            self._secret = load_secret(self.secret_file)
+            # whether payloads are signed must agree (never the secret itself, nor where it is kept)
+            fingerprint = {**self.engine.fingerprint(self._resuming), "auth": SCHEME if self._secret else False}
+            self.engine.meet(self._open_link, fingerprint)
         self.engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
 
-    def _open_link(self) -> IslandLink:
+    def _open_link(self) -> IslandLink | AuthenticatedLink:
         assert self.coordinator is not None
         s = self.settings
-        return IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
+        link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           timeout=timedelta(seconds=s.timeout_s), max_wait=timedelta(seconds=s.max_wait_s))
+        return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     # ------------------------------------------------------------------ inner steps and rounds
     @override

@@ -265,6 +265,29 @@ def test_a_damaged_checkpoint_is_named_with_the_fix(tmp_path):
     assert f"could not read the checkpoint {ckpt}" in text and "resume from an earlier checkpoint" in text
 
 
+@pytest.mark.parametrize("island1", ["same", "other", "none"])
+def test_islands_sign_their_payloads_with_a_shared_secret(tmp_path, island1):
+    secret = "a secret of 32 bytes, not more.."
+    env1 = {"same": {"LI_SECRET": secret}, "other": {"LI_SECRET": "another secret, 32 bytes long..."},
+            "none": {}}[island1]
+    buf = io.StringIO()
+    results = run_islands([1, 1], [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
+                                   "--steps", "8", "--timeout-s", "20"],
+                          log_dir=tmp_path / "logs", live=False, out=buf, env={"OMP_NUM_THREADS": "1"},
+                          island_env=[{"LI_SECRET": secret}, env1])
+    text = buf.getvalue()
+    if island1 == "same":
+        assert all(r.returncode == 0 for r in results), text[-4000:]
+        assert_islands_equal(tmp_path, 2)
+        return
+    assert all(r.returncode != 0 for r in results)
+    assert not list(tmp_path.glob("island*_round*.pt")), "no round may run"
+    if island1 == "none":
+        assert "island 1 has auth=False but island 0 has auth='hmac-sha256-tree-v1'" in text
+    else:
+        assert "island 1's" in text and "give every island the same secret" in text
+
+
 def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
     common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
