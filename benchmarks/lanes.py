@@ -63,9 +63,9 @@ RTT_OPS = ("set", "check", "get", "add")
 
 # ------------------------------------------------------------------------------------------ island side
 def _sample_sockets(skip: set[str], stop: threading.Event, found: dict) -> None:
-    """Every 0.1 s, the largest send buffer, receive buffer, cwnd and RTT of the TCP sockets whose
+    """Every 0.25 s, the largest send buffer, receive buffer, cwnd and RTT of the TCP sockets whose
     peer is not in ``skip`` (the coordinator) nor on loopback: the lanes."""
-    while not stop.wait(0.1):
+    while not stop.wait(0.25):
         try:
             out = subprocess.run(["ss", "-tmin", "state", "established"], capture_output=True, text=True,
                                  timeout=5).stdout
@@ -92,6 +92,24 @@ def _sysctl(name: str) -> str | None:
         return Path("/proc/sys", *name.split(".")).read_text().strip()
     except OSError:
         return None
+
+
+def _send_recv(link: object, payload: object) -> float:
+    """The same bytes as the all-gather, each lane's share sent to the other island and received
+    into buffers touched beforehand (no copies, no page faults): what the link and gloo's transport
+    deliver, without the all-gather's own copies. Two islands; seconds on the slower."""
+    import torch
+
+    lanes, peer = link.lanes, 1 - link.island
+    size = (payload.numel() + len(lanes) - 1) // len(lanes)
+    parts = [payload[k * size : (k + 1) * size] for k in range(len(lanes))]
+    bufs = [torch.zeros(part.numel(), dtype=torch.uint8) for part in parts]
+    link.gather_objects("go-sendrecv", True)
+    t0 = time.perf_counter()
+    works = [w for k, lane in enumerate(lanes) for w in (lane.send([parts[k]], peer, 0), lane.recv([bufs[k]], peer, 0))]
+    for w in works:
+        w.wait()
+    return max(link.gather_objects("seconds-sendrecv", time.perf_counter() - t0))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -123,10 +141,13 @@ def worker(args: argparse.Namespace) -> None:
         stop.set()
         sampler.join(timeout=5)
         ok = all(zlib.crc32(g.numpy()) == c for g, c in zip(got, crcs))
-        times = link.gather_objects("seconds", seconds)
-        rows.append({"lanes": lanes, "payload_bytes": n, "seconds": max(times), "intact": ok, **sampled})
-        link.close()
         del got
+        times = link.gather_objects("seconds", seconds)
+        row = {"lanes": lanes, "payload_bytes": n, "seconds": max(times), "intact": ok, **sampled}
+        if num_islands == 2:
+            row["sendrecv_seconds"] = _send_recv(link, payload)
+        rows.append(row)
+        link.close()
     info = {name: _sysctl(name) for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
                                              "net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle")}
     record = {"island": island, "rows": rows, "sysctl": info}
@@ -329,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                      "achieved_bps": round(achieved), "shaped_bps": spec.rate_bps,
                      "ratio": round(achieved / spec.rate_bps, 3), "rtt_ms": rtt_ms,
                      "intact": r0["intact"] and r1["intact"],
+                     "sendrecv_ratio": (round(r0["payload_bytes"] * 8 / r0["sendrecv_seconds"] / spec.rate_bps, 3)
+                                        if "sendrecv_seconds" in r0 else None),
                      "lane_sndbuf_max": max(r0.get("tb_max", 0), r1.get("tb_max", 0)),
                      "lane_cwnd_max": max(r0.get("cwnd_max", 0), r1.get("cwnd_max", 0)),
                      "lane_rtt_ms_max": max(r0.get("rtt_ms_max", 0.0), r1.get("rtt_ms_max", 0.0))})
@@ -338,11 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     windows = window_table(spec.rate_bps, spec.rtt_s or 0.1, args.lanes, wmem_max)
     print(f"link: {link['describe']}")
     print(f"island TCP: {sysctl}")
-    print("\n| lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | RTT ms | intact |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | RTT ms | intact "
+          "| send/recv ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         print(f"| {r['lanes']} | {r['payload_bytes'] / 1e6:g} | {r['seconds']:.2f} | {r['achieved_bps'] / 1e6:.0f} | "
-              f"{r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} |")
+              f"{r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | "
+              f"{r['sendrecv_ratio'] if r['sendrecv_ratio'] is not None else '-'} |")
+    print("(ratio: IslandLink.all_gather_bytes; send/recv ratio: the same bytes per lane with gloo send/recv "
+          "into touched buffers, the link's own ceiling without the all-gather's copies)")
     rtt_target = spec.rtt_s or 0.1
     print(f"\nper-round cost of latency (measured through a proxy with the coordinator {latency['rtt_s'] * 1e3:g} ms "
           f"away): round trips per store op {latency['round_trips_per_op']}; one header gather between 2 islands "
