@@ -94,22 +94,32 @@ def _sysctl(name: str) -> str | None:
         return None
 
 
-def _send_recv(link: object, payload: object) -> float:
+def _send_recv(link: object, payload: object, split: bool) -> float:
     """The same bytes as the all-gather, each lane's share sent to the other island and received
-    into buffers touched beforehand (no copies, no page faults): what the link and gloo's transport
-    deliver, without the all-gather's own copies. Two islands; seconds on the slower."""
+    into buffers touched beforehand (no copies, no page faults). ``split=False``: on the lanes
+    themselves, so each lane's TCP connection carries both directions at once, as the all-gather
+    does; ``split=True``: on two extra gloo groups per lane, one per direction, so each connection
+    carries one. Two islands; seconds on the slower."""
     import torch
+    import torch.distributed as dist
 
-    lanes, peer = link.lanes, 1 - link.island
-    size = (payload.numel() + len(lanes) - 1) // len(lanes)
-    parts = [payload[k * size : (k + 1) * size] for k in range(len(lanes))]
+    n_lanes, peer, tag = len(link.lanes), 1 - link.island, "split" if split else "duplex"
+    size = (payload.numel() + n_lanes - 1) // n_lanes
+    parts = [payload[k * size : (k + 1) * size] for k in range(n_lanes)]
     bufs = [torch.zeros(part.numel(), dtype=torch.uint8) for part in parts]
-    link.gather_objects("go-sendrecv", True)
+    if split:  # group 2k carries island 0 -> 1, group 2k + 1 island 1 -> 0
+        groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"{link.run_id}/split{g}/", link.store), link.island, 2,
+                                        link._lane_options()) for g in range(2 * n_lanes)]
+        send = [groups[2 * k + link.island] for k in range(n_lanes)]
+        recv = [groups[2 * k + peer] for k in range(n_lanes)]
+    else:
+        send = recv = link.lanes
+    link.gather_objects(f"go-{tag}", True)
     t0 = time.perf_counter()
-    works = [w for k, lane in enumerate(lanes) for w in (lane.send([parts[k]], peer, 0), lane.recv([bufs[k]], peer, 0))]
+    works = [w for k in range(n_lanes) for w in (send[k].send([parts[k]], peer, 0), recv[k].recv([bufs[k]], peer, 0))]
     for w in works:
         w.wait()
-    return max(link.gather_objects("seconds-sendrecv", time.perf_counter() - t0))
+    return max(link.gather_objects(f"seconds-{tag}", time.perf_counter() - t0))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -145,7 +155,8 @@ def worker(args: argparse.Namespace) -> None:
         times = link.gather_objects("seconds", seconds)
         row = {"lanes": lanes, "payload_bytes": n, "seconds": max(times), "intact": ok, **sampled}
         if num_islands == 2:
-            row["sendrecv_seconds"] = _send_recv(link, payload)
+            row["duplex_seconds"] = _send_recv(link, payload, split=False)
+            row["split_seconds"] = _send_recv(link, payload, split=True)
         rows.append(row)
         link.close()
     info = {name: _sysctl(name) for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
@@ -350,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                      "achieved_bps": round(achieved), "shaped_bps": spec.rate_bps,
                      "ratio": round(achieved / spec.rate_bps, 3), "rtt_ms": rtt_ms,
                      "intact": r0["intact"] and r1["intact"],
-                     "sendrecv_ratio": (round(r0["payload_bytes"] * 8 / r0["sendrecv_seconds"] / spec.rate_bps, 3)
-                                        if "sendrecv_seconds" in r0 else None),
+                     **{f"{kind}_ratio": (round(r0["payload_bytes"] * 8 / r0[f"{kind}_seconds"] / spec.rate_bps, 3)
+                                         if f"{kind}_seconds" in r0 else None) for kind in ("duplex", "split")},
                      "lane_sndbuf_max": max(r0.get("tb_max", 0), r1.get("tb_max", 0)),
                      "lane_cwnd_max": max(r0.get("cwnd_max", 0), r1.get("cwnd_max", 0)),
                      "lane_rtt_ms_max": max(r0.get("rtt_ms_max", 0.0), r1.get("rtt_ms_max", 0.0))})
@@ -362,14 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link: {link['describe']}")
     print(f"island TCP: {sysctl}")
     print("\n| lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | RTT ms | intact "
-          "| send/recv ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "| duplex send/recv | split send/recv |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
+        refs = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("duplex_ratio", "split_ratio"))
         print(f"| {r['lanes']} | {r['payload_bytes'] / 1e6:g} | {r['seconds']:.2f} | {r['achieved_bps'] / 1e6:.0f} | "
-              f"{r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | "
-              f"{r['sendrecv_ratio'] if r['sendrecv_ratio'] is not None else '-'} |")
-    print("(ratio: IslandLink.all_gather_bytes; send/recv ratio: the same bytes per lane with gloo send/recv "
-          "into touched buffers, the link's own ceiling without the all-gather's copies)")
+              f"{r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | {refs} |")
+    print("(ratio: IslandLink.all_gather_bytes, achieved / shaped rate. The same bytes with gloo send/recv into "
+          "touched buffers: duplex, on the lanes (each TCP connection carries both directions, as in the "
+          "all-gather); split, one gloo group per lane and direction (each connection carries one).)")
     rtt_target = spec.rtt_s or 0.1
     print(f"\nper-round cost of latency (measured through a proxy with the coordinator {latency['rtt_s'] * 1e3:g} ms "
           f"away): round trips per store op {latency['round_trips_per_op']}; one header gather between 2 islands "

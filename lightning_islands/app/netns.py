@@ -391,12 +391,12 @@ def _kill_inside(namespace: str) -> None:
                 pass
 
 
-def remove(tag: str) -> None:
-    """Delete every namespace of the link ``tag`` (its devices go with them); idempotent."""
-    for name in namespaces():
-        m = _NAME.match(name)
-        if m and name.startswith(f"{tag}-"):
-            if m.group(3) != "hub":
+def remove(tag: str, num_islands: int) -> None:
+    """Delete the namespaces of the link ``tag`` (their devices go with them), killing what still
+    runs inside an island's; idempotent: a name that does not exist is skipped."""
+    for name in [f"{tag}-i{i}" for i in range(num_islands)] + [f"{tag}-hub"]:
+        if os.path.exists(os.path.join(NETNS_DIR, name)):
+            if not name.endswith("-hub"):
                 _kill_inside(name)
             _run(["ip", "netns", "del", name], check=False)
 
@@ -461,4 +461,4 @@ def shaped_link(spec: str | LinkSpec, num_islands: int) -> Iterator[ShapedLink]:
             yield _build(tag, num_islands, spec, seed=os.getpid() * 31 + seq)
         finally:
             with _signals_deferred():
-                remove(tag)
+                remove(tag, num_islands)
