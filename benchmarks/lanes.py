@@ -1,7 +1,7 @@
 """Throughput of the lanes over a shaped link, and what latency costs a round.
 
     python benchmarks/lanes.py --out results/lanes            # 1, 2, 4, 8 lanes, 300 MB, 1gbit[,100ms]
-    python benchmarks/lanes.py --quick --out /tmp/lanes       # 2 lanes and 1, 8 MB, 200mbit
+    python benchmarks/lanes.py --quick --out /tmp/lanes       # lanes 1 and 2, 8 MB, 200mbit
 
 Two islands of one process each run in network namespaces joined by a link shaped with tc
 (``lightning-islands run --link``; root and iproute2 needed, see lightning_islands/app/netns.py):
@@ -10,7 +10,12 @@ says so). For each lane count, each island's leader all-gathers one payload of `
 with ``IslandLink.all_gather_bytes`` (what a round does per exchange chunk) after a small warm-up
 exchange; the time is from the start of the all-gather to its end on the slower island. ``ratio`` is
 the achieved payload rate over the shaped rate: at most ~0.956 with 1500-byte frames, since tbf
-counts every frame's 66 header bytes (Ethernet, IP, TCP with timestamps) against the rate.
+counts every frame's 66 header bytes (Ethernet, IP, TCP with timestamps) against the rate. Beside
+it, the same bytes with gloo send/recv into buffers touched beforehand: on the lanes (duplex: with
+two islands each lane's connection carries both directions, as in the all-gather) and on one gloo
+group per lane and direction (split). Measured here (docs/BENCHMARKS.md): split 0.93-0.96, duplex
+~0.5 at any lane count (a gloo pair moving both ways under TCP back-pressure gets about half the
+rate each way), the all-gather a little below duplex (its copies).
 
 What latency costs a round (read from lightning_islands/engine/round.py and transport.py; the
 counts are measured by this script, through a proxy that delays the coordinator's traffic):
