@@ -70,6 +70,42 @@ def test_the_bucket_holds_a_gso_packet_and_the_queue_a_bdp():
     assert burst > 65536 and limit == burst + 125_000  # 20 ms at 50 Mbit/s
 
 
+def _fake_tc(monkeypatch, netem: bool) -> list[list[str]]:
+    """Record every ip/tc command instead of running it; netem exists or not."""
+    calls: list[list[str]] = []
+
+    def run(args, check=True):
+        calls.append(args)
+        missing = "netem" in args and not netem
+        return subprocess.CompletedProcess(args, 2 if missing else 0, "",
+                                           "Error: Specified qdisc kind is unknown." if missing else "")
+
+    monkeypatch.setattr(netns, "_run", run)
+    return calls
+
+
+@pytest.mark.parametrize("netem", [True, False])
+def test_the_delay_sits_on_the_hub_ends_only_and_the_rate_on_both(monkeypatch, netem):
+    """Where netem exists (not on this project's kernel, hence the recorded commands): half the RTT
+    before the tbf on each hub end, none on the island ends, whose qdiscs belong to the senders."""
+    calls = _fake_tc(monkeypatch, netem)
+    link = netns._build("li-1-0", 2, netns.parse_link("1gbit,100ms"), seed=0)
+    assert link.netem is netem and link.rtt_s == (0.1 if netem else 0.0)
+    qdiscs = [c for c in calls if c[0] == "tc" and "add" in c]
+    for i in range(2):
+        island = [c for c in qdiscs if c[2] == f"li-1-0-i{i}"]
+        assert len(island) == 1 and "tbf" in island[0] and "netem" not in island[0]
+        hub = [c for c in qdiscs if c[2] == "li-1-0-hub" and c[6] == f"li-h{i}"]
+        tbf = [c for c in hub if "tbf" in c]
+        assert len(tbf) == 1 and tbf[0][tbf[0].index("rate") + 1] == "1000000000bit"
+        if netem:
+            (delay,) = [c for c in hub if "netem" in c]
+            assert delay[delay.index("delay") + 1] == "50000us" and delay[7:9] == ["root", "handle"]
+            assert tbf[0][7:10] == ["parent", "1:1", "handle"]
+    if not netem:  # tried once, then rate-only everywhere
+        assert sum("netem" in c for c in calls) == 1
+
+
 # ----------------------------------------------------------------------------------------- the link
 def _ours() -> list[str]:
     return [n for n in netns.namespaces() if n.startswith(f"li-{os.getpid()}-")]

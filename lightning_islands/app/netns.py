@@ -23,11 +23,15 @@ Topology, for a run of N islands::
   rate, so each direction runs at the rate and both directions at once (an all-gather) at the rate
   each. Inside an island, traffic between its processes goes over ``lo`` (even when addressed to the
   veth's own address, which Linux delivers locally), so it is never shaped.
-- **Delay where the kernel has netem** (detected by trying on the first veth): a quarter of the RTT
-  on each of the four egresses a round trip between two islands crosses, so the islands are ``RTT``
-  apart and the coordinator at the hub ``RTT / 2`` from each. netem is the root qdisc, tbf its child
-  (the order ``tc-netem(8)`` gives for delay plus rate). Where netem is missing the link is
-  rate-only and :meth:`ShapedLink.describe` says so.
+- **Delay where the kernel has netem** (detected by trying on the first veth): half the RTT on the
+  hub end of every veth, the one qdisc a packet crosses on its way into an island, so the islands
+  are ``RTT`` apart and the coordinator at the hub ``RTT / 2`` from each. Not on the island end: a
+  packet held in its sender's own qdisc still counts against the socket's TCP Small Queues budget
+  (about 1 ms of its pacing rate), which would throttle the sender to that budget per delay; past
+  the veth it no longer does (measured: with 1.9 MB queued at a hub end, the sending socket's
+  ``sk_wmem_alloc`` was 0). netem is the root qdisc there and tbf its child (the order
+  ``tc-netem(8)`` gives for delay plus rate). Where netem is missing the link is rate-only and
+  :meth:`ShapedLink.describe` says so.
 - **tbf sizing**: ``burst`` (the token bucket) is the larger of 10 ms at the rate and 64 KiB + 2 KiB,
   so a 64 KiB GSO packet passes whole (tbf would otherwise cut it into MTU-sized segments, costing CPU
   on a small machine), and a dequeue that a busy machine delays by up to 10 ms loses no tokens (a
@@ -309,7 +313,7 @@ class ShapedLink:
     hub_address: str
     subnet: str
     islands: tuple[IslandPort, ...]
-    netem: bool  # whether the kernel has netem (False: rate only, whatever spec.rtt_s asked)
+    netem: bool  # whether the asked RTT is in effect (False: none asked, or the kernel lacks netem)
 
     @property
     def rtt_s(self) -> float:
@@ -335,16 +339,17 @@ class ShapedLink:
                 f"coordinator at {self.hub_address} in {self.hub_namespace} ({self.subnet})")
 
 
-def _qdiscs(namespace: str, device: str, spec: LinkSpec, netem: bool) -> bool:
-    """Shape ``device``'s egress; returns whether netem delay was set (False when the kernel lacks it)."""
+def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool:
+    """Shape ``device``'s egress to the rate, with ``delay_s`` of netem delay before it when asked;
+    returns whether the delay was set (False when the kernel lacks netem: then tbf alone)."""
     burst, limit = tbf_sizes(spec.rate_bps, spec.rtt_s)
     tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(limit)]
     tc = ["tc", "-n", namespace, "qdisc", "add", "dev", device]
-    if spec.rtt_s and netem:
-        delay_us = max(1, round(spec.rtt_s / 4 * 1e6))
-        packets = max(10_000, int(4 * spec.rate_bps * spec.rtt_s / 4 / 8 / 1500))
-        done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{delay_us}us", "limit", str(packets)],
-                    check=False)
+    if delay_s > 0:
+        # room for every packet the delay holds: full frames at the rate, four times over for small ones
+        packets = max(10_000, 4 * int(spec.rate_bps * delay_s / 8 / 1500))
+        done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{max(1, round(delay_s * 1e6))}us",
+                          "limit", str(packets)], check=False)
         if done.returncode == 0:
             _run(tc + ["parent", "1:1", "handle", "10:"] + tbf)
             return True
@@ -374,8 +379,8 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int) -> ShapedLink:
         _run(["ip", "-n", hub, "link", "set", "dev", outer, "up"])
         _run(["ip", "-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", inner])
         _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
-        netem = _qdiscs(ns, inner, spec, netem) and netem
-        netem = _qdiscs(hub, outer, spec, netem) and netem
+        _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
+        netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
         ports.append(IslandPort(i, ns, inner, addr))
     return ShapedLink(spec, tag, hub, hub_addr, str(subnet), tuple(ports), netem=bool(spec.rtt_s) and netem)
 
