@@ -4,7 +4,8 @@ Used by ``lightning-islands run`` (any script) and by the Hydra app. Each island
 streamed with an ``[island i]`` prefix (and kept in ``island{i}.log`` when a log folder is given);
 attached to a terminal, one live line per island (step, loss, outer round, bytes exchanged) replaces
 the interleaved progress bars. If an island fails, the others are stopped and the failure is
-reported with the island's index and exit code.
+reported with the island's index and exit code. With a ``link`` each island runs in its own
+network namespace behind a shaped link (:mod:`lightning_islands.app.netns`).
 """
 
 from __future__ import annotations
