@@ -63,6 +63,19 @@ def test_without_root_or_iproute2_the_message_says_what_is_needed(monkeypatch):
             pass
 
 
+@pytest.mark.parametrize("overrides, link", [
+    ([], None), (["islands.link=[1gbit,100ms]"], "1gbit,100ms"), (["islands.link='1gbit,100ms'"], "1gbit,100ms"),
+    (["islands=two_equal", "islands.link=200mbit"], "200mbit"), (["strategy=fsdp", "islands.link=1gbit"], None),
+])
+def test_the_hydra_app_passes_islands_link_to_the_launcher(overrides, link):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_islands.app.train import config_dir, link_spec
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        assert link_spec(compose("config", overrides=overrides)) == link
+
+
 def test_the_bucket_holds_a_gso_packet_and_the_queue_a_bdp():
     burst, limit = netns.tbf_sizes(10**9, 0.1)
     assert burst == 1_250_000 and limit == burst + 12_500_000
