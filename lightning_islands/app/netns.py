@@ -41,8 +41,8 @@ Topology, for a run of N islands::
   ms); the excess it lets through is one bucket, 1 % of a second. ``limit`` (the queue before
   drops) is the bucket plus the bandwidth-delay product at ``max(RTT, 20 ms)``: one BDP of buffer
   is what a single TCP flow needs to keep a bottleneck busy, and 20 ms keeps a rate-only link from
-  dropping on bursts. tbf counts whole frames (headers too), so a TCP stream's payload reaches ~95.6 % of the rate with
-  1500-byte frames (1448 payload bytes per 1514).
+  dropping on bursts. tbf counts whole frames (headers too), so a TCP stream's payload reaches
+  ~95.6 % of the rate with 1500-byte frames (1448 payload bytes per 1514).
 
 Every ``ip``/``tc`` call has a timeout. The namespaces are deleted when :func:`shaped_link` ends,
 also by an exception, SIGINT or SIGTERM (turned into ``SystemExit`` while the link is up, when no
