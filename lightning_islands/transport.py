@@ -25,6 +25,9 @@ ENV_ISLAND = "LI_ISLAND"
 ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
 ENV_COORDINATOR = "LI_COORDINATOR"
 ENV_RUN_ID = "LI_RUN_ID"
+# The network interface the lanes bind to (the launcher's shaped link sets it to the island's veth);
+# unset, they use gloo's default device (GLOO_SOCKET_IFNAME, else this host's name).
+ENV_LINK_IFNAME = "LI_LINK_IFNAME"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -129,6 +132,9 @@ class IslandLink:
             waited for; one that is silent this long fails the wait.
         max_wait: the longest one wait may last even while the missing islands keep beating
             (``None``: no limit).
+        interface: the network interface the lanes bind to (``None``: ``LI_LINK_IFNAME``, else
+            gloo's default device). Only the lanes use it: the island's own process group keeps
+            its own device.
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class IslandLink:
         lanes: int = 2,
         timeout: timedelta = timedelta(minutes=10),
         max_wait: timedelta | None = None,
+        interface: str | None = None,
     ) -> None:
         if not 0 <= island < num_islands:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -167,6 +174,7 @@ class IslandLink:
                 f"a fresh {ENV_RUN_ID}"
             )
         self.n_lanes = lanes
+        self.interface = interface or os.environ.get(ENV_LINK_IFNAME) or None
         self.lanes: list = []
         self.stats = LinkStats()
 
@@ -174,9 +182,23 @@ class IslandLink:
         """Build the gloo groups (every island must call this after the fingerprint check)."""
         self.lanes = [
             dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/lane{k}/", self.store), self.island,
-                                  self.num_islands, self.timeout)
+                                  self.num_islands, self._lane_options())
             for k in range(self.n_lanes)
         ]
+
+    def _lane_options(self) -> dist.ProcessGroupGloo._Options | timedelta:
+        """A lane's gloo options: bound to :attr:`interface` when one is set, else just the timeout
+        (gloo's default device)."""
+        if not self.interface:
+            return self.timeout
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = self.timeout
+        try:
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=self.interface)]
+        except RuntimeError as err:
+            raise RuntimeError(f"island {self.island} cannot bind its lanes to interface {self.interface!r} "
+                               f"({err}); fix or unset {ENV_LINK_IFNAME}") from err
+        return opts
 
     def abort(self, message: str) -> None:
         """Tell the other islands that this one failed, so they stop waiting for it with a clear error."""

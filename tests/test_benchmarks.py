@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,3 +66,24 @@ def test_auth_benchmark_writes_both_tables(tmp_path):
     assert {r["construction"] for r in data["constructions"]} >= {"hmac-sha256", "blake2b keyed",
                                                                   "tree blake2b keyed", "memcpy (appending the tag)"}
     assert data["meta"]["threads"] == 2 and data["meta"]["scheme"].startswith("hmac-sha256")
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (network namespaces, tc); CI runs as root")
+def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lanes.py"), "--quick", "--payload-mb", "2", "--rate", "100mbit",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| lanes | payload MB |" in proc.stdout and "window each lane needs" in proc.stdout
+    data = json.loads((tmp_path / "lanes.json").read_text())
+    assert [r["lanes"] for r in data["rows"]] == [1, 2]
+    for r in data["rows"]:
+        assert r["intact"] and r["payload_bytes"] == 2_000_000 and r["shaped_bps"] == 100_000_000
+        assert 0 < r["ratio"] <= 1.0 and 0 < r["duplex_ratio"] <= 1.0 and 0 < r["split_ratio"] <= 1.0
+        assert r["rtt_ms"] == (100.0 if data["link"]["netem"] else 0.0)
+    latency = data["latency"]
+    assert latency["round_trips_per_op"]["set"] < 0.5 and 1.5 < latency["round_trips_per_op"]["get"] < 2.5
+    # a header gather between two islands that arrive together: 5N + 1 round trips to the coordinator
+    assert latency["header_gather_round_trips_counted"] == [pytest.approx(11, abs=0.6)] * 2
+    assert [w["window_bytes_per_lane"] for w in data["windows"]] == [1_250_000, 625_000]

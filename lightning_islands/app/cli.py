@@ -13,6 +13,7 @@ USAGE = """usage: lightning-islands COMMAND ...
 commands:
   train [hydra overrides...]     compose the Hydra config and run the job (see README)
   run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
+        [--link 1gbit,100ms]     ... each island in a network namespace behind a tc-shaped link
   coordinator --port P           serve a coordinator for islands started elsewhere
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
   plan [overrides...] --link-bps 25G --rtt-ms 100 --step-seconds 0.5,0.8
@@ -35,11 +36,27 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--run-id", default=None, help="namespace of this run on the coordinator")
     parser.add_argument("--live", choices=["auto", "on", "off"], default="auto",
                         help="one live status line per island (default: when attached to a terminal)")
+    parser.add_argument("--link", default=None, metavar="RATE[,RTT]",
+                        help="put each island in its own network namespace behind a link shaped by tc, e.g. "
+                             "1gbit,100ms (the RTT needs netem in the kernel); needs root and iproute2")
     args = parser.parse_args(own)
     if not command:
         parser.error("give the command after --, e.g. lightning-islands run --islands 2,1 -- python train.py")
+    link = None
+    if args.link is not None:
+        from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
+
+        try:
+            link = parse_link(args.link)
+            check_link_support()
+        except ValueError as err:
+            parser.error(f"--link: {err}")
+        except LinkUnavailable as err:
+            print(f"lightning-islands run: {err}", file=sys.stderr)
+            return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
-    results = run_islands(parse_islands(args.islands), command, log_dir=args.log_dir, run_id=args.run_id, live=live)
+    results = run_islands(parse_islands(args.islands), command, log_dir=args.log_dir, run_id=args.run_id, live=live,
+                          link=link)
     return report_failures(results)
 
 

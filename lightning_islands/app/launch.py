@@ -4,11 +4,13 @@ Used by ``lightning-islands run`` (any script) and by the Hydra app. Each island
 streamed with an ``[island i]`` prefix (and kept in ``island{i}.log`` when a log folder is given);
 attached to a terminal, one live line per island (step, loss, outer round, bytes exchanged) replaces
 the interleaved progress bars. If an island fails, the others are stopped and the failure is
-reported with the island's index and exit code.
+reported with the island's index and exit code. With a ``link`` each island runs in its own
+network namespace behind a shaped link (:mod:`lightning_islands.app.netns`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,7 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_islands.transport import ENV_COORDINATOR, ENV_ISLAND, ENV_NUM_ISLANDS, ENV_RUN_ID, Coordinator
+from lightning_islands.app.netns import LinkSpec, ShapedLink, run_in_namespace, shaped_link
+from lightning_islands.transport import (
+    ENV_COORDINATOR,
+    ENV_ISLAND,
+    ENV_LINK_IFNAME,
+    ENV_NUM_ISLANDS,
+    ENV_RUN_ID,
+    Coordinator,
+)
 
 ENV_PROGRESS = "LI_PROGRESS_BAR"
 
@@ -130,6 +140,7 @@ def run_islands(
     live: bool | None = None,
     out: IO[str] | None = None,
     coordinator_host: str = "127.0.0.1",
+    link: str | LinkSpec | None = None,
 ) -> list[IslandResult]:
     """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
 
@@ -138,10 +149,46 @@ def run_islands(
     ``OMP_NUM_THREADS`` (to something other than an empty string), every process gets an equal
     share of this machine's cores
     (:func:`cpu_threads_per_process`).
+
+    ``link`` (``"RATE[,RTT]"``, e.g. ``"1gbit,100ms"``; ``None``: none) runs each island in its own
+    network namespace behind a shaped veth (:mod:`lightning_islands.app.netns`; needs root and
+    iproute2): the coordinator then listens at the hub's address (``coordinator_host`` is not
+    used), each island's lanes bind to its veth (``LI_LINK_IFNAME``) and its own process group to
+    ``lo`` (``GLOO_SOCKET_IFNAME=lo``), so only traffic between islands crosses the shaped link.
+    The link in effect is printed first and, with ``log_dir``, written to ``link.json`` there; the
+    namespaces are removed when the run ends, however it ends.
     """
     out = out or sys.stdout
+    if link is None:
+        return _launch(islands, command, Coordinator(coordinator_host, 0), [[]] * len(islands), [{}] * len(islands),
+                       log_dir, env, island_env, run_id, live, out)
+    with shaped_link(link, len(islands)) as shaped:
+        out.write(f"lightning-islands: {shaped.describe()}\n")
+        out.flush()
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "link.json").write_text(json.dumps(link_record(shaped), indent=2))
+        coordinator = run_in_namespace(shaped.hub_namespace, lambda: Coordinator(shaped.hub_address, 0))
+        link_env = [{ENV_LINK_IFNAME: port.interface, "GLOO_SOCKET_IFNAME": "lo"} for port in shaped.islands]
+        prefixes = [shaped.exec_prefix(i) for i in range(len(islands))]
+        return _launch(islands, command, coordinator, prefixes, link_env, log_dir, env, island_env, run_id, live,
+                       out)
+
+
+def link_record(shaped: ShapedLink) -> dict[str, Any]:
+    """What a run records about its shaped link (``link.json``; the summary shows ``describe``)."""
+    return {"spec": str(shaped.spec), "rate_bps": shaped.spec.rate_bps, "rtt_s_asked": shaped.spec.rtt_s,
+            "rtt_s": shaped.rtt_s, "netem": shaped.netem, "describe": shaped.describe(),
+            "hub": shaped.hub_address, "islands": [p.address for p in shaped.islands]}
+
+
+def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordinator, prefixes: Sequence[list[str]],
+            link_env: Sequence[Mapping[str, str]], log_dir: str | os.PathLike | None, env: Mapping[str, str] | None,
+            island_env: Sequence[Mapping[str, str]] | None, run_id: str | None, live: bool | None,
+            out: IO[str]) -> list[IslandResult]:
+    """:func:`run_islands` once the coordinator serves: island ``i`` runs under ``prefixes[i]``
+    with ``link_env[i]`` added to its environment."""
     live = out.isatty() if live is None else live
-    coordinator = Coordinator(coordinator_host, 0)
     run_id = run_id or uuid.uuid4().hex[:12]
     logs_path = Path(log_dir) if log_dir is not None else None
     if logs_path is not None:
@@ -156,12 +203,12 @@ def run_islands(
             child_env["OMP_NUM_THREADS"] = str(threads_each)
         child_env.update({ENV_ISLAND: str(i), ENV_NUM_ISLANDS: str(len(islands)),
                           ENV_COORDINATOR: coordinator.address, ENV_RUN_ID: run_id,
-                          "PYTHONUNBUFFERED": "1"})
+                          "PYTHONUNBUFFERED": "1", **link_env[i]})
         if len(islands) > 1 or not live:
             child_env.setdefault(ENV_PROGRESS, "0")
         if island_env is not None:
             child_env.update(island_env[i])
-        cmd = torchrun_command(nproc, command, free_port())
+        cmd = list(prefixes[i]) + torchrun_command(nproc, command, free_port())
         single_interactive = len(islands) == 1 and live
         proc = subprocess.Popen(
             cmd, env=child_env, text=True, bufsize=1,

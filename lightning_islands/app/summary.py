@@ -25,6 +25,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     }
     if "parameters" in first:
         summary["parameters"] = first["parameters"]
+    link = run_dir / "link.json"  # written by the launcher when the islands ran behind a shaped link
+    if link.exists():
+        summary["link"] = json.loads(link.read_text()).get("describe")
     if first.get("islands"):
         summary["rounds"] = first.get("rounds")
         summary["bytes_exchanged"] = sum(r["islands"].get("bytes_sent", 0.0) for r in results)
@@ -80,6 +83,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                          f"in fp32 ({summary['bytes_fp32'] / 1e6:.2f} MB)")
             lines.append(f"bytes vs sync DP    {_times_fewer(summary['bytes_sync_dp'], sent)} than synchronous data "
                          f"parallelism across the same cut ({summary['bytes_sync_dp'] / 1e6:,.1f} MB)")
+    if summary.get("link"):
+        lines.append(f"link                {summary['link']}")
     for plot in summary.get("plots", []):
         lines.append(f"plot                {plot}")
     lines.append(f"logs                {summary['run_dir']}  (checkpoints in island*/checkpoints)")

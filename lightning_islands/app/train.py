@@ -15,9 +15,10 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_islands.app.launch import report_failures, run_islands
+from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
 from lightning_islands.app.report import build_report
 from lightning_islands.app.summary import format_summary, summarize
 
@@ -37,6 +38,17 @@ def island_plan(cfg: DictConfig) -> list[int]:
     return [int(cfg.strategy.get("devices", 1))]
 
 
+def link_spec(cfg: DictConfig) -> str | None:
+    """``islands.link`` as ``"RATE[,RTT]"`` (a list ``[1gbit,100ms]`` is joined; Hydra reads an
+    unquoted comma as a sweep), or ``None``: none, or not the islands strategy."""
+    link = cfg.islands.get("link") if cfg.strategy.name == "islands" else None
+    if link is None or link == "":
+        return None
+    if isinstance(link, (list, ListConfig)):
+        return ",".join(str(part) for part in link)
+    return str(link)
+
+
 def drive(cfg: DictConfig) -> dict[str, Any]:
     """Run the composed job to the end; returns the summary (raises SystemExit if an island failed)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
@@ -46,9 +58,16 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
     job_path = run_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(job), job_path)
     plan = island_plan(cfg)
+    link = link_spec(cfg)
+    if link is not None:  # before anything starts: a bad spec or a machine without root/iproute2
+        try:
+            parse_link(link)
+            check_link_support()
+        except (ValueError, LinkUnavailable) as err:
+            raise SystemExit(f"lightning-islands: islands.link: {err}") from err
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
     results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],
-                          log_dir=run_dir)
+                          log_dir=run_dir, link=link)
     code = report_failures(results)
     if code:
         raise SystemExit(code)

@@ -1,0 +1,471 @@
+"""A shaped link on one machine: each island in its own Linux network namespace behind a veth pair
+whose egress the kernel shapes with ``tc``.
+
+Topology, for a run of N islands::
+
+    namespace li-PID-SEQ-i0           namespace li-PID-SEQ-hub              namespace li-PID-SEQ-i1
+    lo (the island's own ranks)       bridge li-br 10.A.B.1 (coordinator)   lo (the island's own ranks)
+    li-i0 10.A.B.2 --[veth, shaped]-- li-h0 ---+--- li-h1 --[veth, shaped]-- li-i1 10.A.B.3
+
+- **A hub namespace holding a bridge**, rather than a bridge in the root namespace: every address the
+  run creates lives inside namespaces the run created, the machine's own namespace gains neither an
+  address nor a route (so nothing on it can route into the islands, and nothing leads from them off
+  the machine), and deleting the namespaces removes every device with them. The coordinator, which
+  the launcher serves from its own process, listens inside the hub namespace: :func:`run_in_namespace`
+  creates its socket from a thread that joined the hub namespace for that moment (a socket belongs to
+  the namespace it was created in; the process itself stays where it is). Namespace names carry the
+  creating pid and a per-process counter; devices (``li-iN``, ``li-hN``, ``li-br``, at most 15
+  characters) are created directly inside their namespaces, so they need to be unique only there.
+- **One private /24 per run** (``10.A.B.0/24``, picked to overlap no address or route of the machine
+  or of other namespaces): the bridge joins every island at layer 2, so a single subnet needs no
+  routing and no forwarding sysctl. An island namespace has only ``lo`` and its veth, and no default
+  route: it reaches the other islands and the hub, nothing else.
+- **Shaped in both directions**: ``tbf`` on the egress of the island end (island -> hub) and of the
+  hub end (hub -> island) of every veth. Between two islands a byte crosses two shapers of the same
+  rate, so each direction runs at the rate and both directions at once (an all-gather) at the rate
+  each. Inside an island, traffic between its processes goes over ``lo`` (even when addressed to the
+  veth's own address, which Linux delivers locally), so it is never shaped.
+- **Delay where the kernel has netem** (detected by trying on the first veth): half the RTT on the
+  hub end of every veth, the one qdisc a packet crosses on its way into an island, so the islands
+  are ``RTT`` apart and the coordinator at the hub ``RTT / 2`` from each. Not on the island end: a
+  packet held in its sender's own qdisc still counts against the socket's TCP Small Queues budget
+  (about 1 ms of its pacing rate), which would throttle the sender to that budget per delay; past
+  the veth it no longer does (measured: with 1.9 MB queued at a hub end, the sending socket's
+  ``sk_wmem_alloc`` was 0). netem is the root qdisc there and tbf its child (the order
+  ``tc-netem(8)`` gives for delay plus rate). Where netem is missing the link is rate-only and
+  :meth:`ShapedLink.describe` says so.
+- **tbf sizing**: ``burst`` (the token bucket) is the larger of 10 ms at the rate and 64 KiB + 2 KiB,
+  so a 64 KiB GSO packet passes whole (tbf would otherwise cut it into MTU-sized segments, costing CPU
+  on a small machine), and a dequeue that a busy machine delays by up to 10 ms loses no tokens (on
+  a loaded 2-core VM, streams ran at 0.89-0.95 of the rate with a 2 ms bucket, 0.93-0.96 with 10
+  ms); the excess it lets through is one bucket, 1 % of a second. ``limit`` (the queue before
+  drops) is the bucket plus the bandwidth-delay product at ``max(RTT, 20 ms)``: one BDP of buffer
+  is what a single TCP flow needs to keep a bottleneck busy, and 20 ms keeps a rate-only link from
+  dropping on bursts. tbf counts whole frames (headers too), so a TCP stream's payload reaches
+  ~95.6 % of the rate with 1500-byte frames (1448 payload bytes per 1514).
+
+Every ``ip``/``tc`` call has a timeout. The namespaces are deleted when :func:`shaped_link` ends,
+also by an exception, SIGINT or SIGTERM (turned into ``SystemExit`` while the link is up, when no
+other handler is set); those of runs whose process died (names carry the creating pid) are swept
+when the next link is made. Root and ``ip``/``tc`` (iproute2) are needed: :func:`link_problem` says
+what is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+PREFIX = "li-"
+NETNS_DIR = "/var/run/netns"  # where `ip netns` keeps its names (a bind mount per namespace)
+CALL_TIMEOUT_S = 15.0  # every ip/tc call
+BRIDGE = "li-br"
+_NAME = re.compile(r"^li-(\d+)-(\d+)-(hub|i\d+)$")
+_CLONE_NEWNET = 0x40000000
+_SEQ = itertools.count()
+_SEQ_LOCK = threading.Lock()
+
+_RATE_UNITS = {  # as tc(8) reads them; the *bps units are bytes per second
+    "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
+    "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12,
+}
+_TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
+               "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
+_FORM = "RATE[,RTT] with tc units, e.g. 1gbit,100ms or 200mbit"
+
+
+class LinkUnavailable(RuntimeError):
+    """This machine cannot make a shaped link (not root, or ``ip``/``tc`` missing)."""
+
+
+# ----------------------------------------------------------------------------------------- parsing
+def parse_rate(text: str) -> int:
+    """A tc rate (``1gbit``, ``200mbit``, ``12.5mbps``: *bps are bytes per second) in bits per second."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _RATE_UNITS:
+        raise ValueError(f"link rate {text!r} is not a number with a tc unit ({', '.join(_RATE_UNITS)}); "
+                         f"give the link as {_FORM}")
+    bps = round(float(m.group(1)) * _RATE_UNITS[unit])
+    if bps < 8_000:
+        raise ValueError(f"link rate {text!r} is below 8kbit; give the link as {_FORM}")
+    return bps
+
+
+def parse_duration(text: str) -> float:
+    """A tc time (``100ms``, ``0.1s``, ``250us``) in seconds."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _TIME_UNITS:
+        raise ValueError(f"link RTT {text!r} is not a number with a time unit (s, ms, us); give the link as {_FORM}")
+    seconds = float(m.group(1)) * _TIME_UNITS[unit]
+    if seconds > 10.0:
+        raise ValueError(f"link RTT {text!r} is above 10 s; give the link as {_FORM}")
+    return seconds
+
+
+def format_rate(bps: float) -> str:
+    """``1e9`` -> ``"1 Gbit/s"``."""
+    for scale, unit in ((1e12, "Tbit/s"), (1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What the link between islands should be: a rate each way and a round-trip time (0: none)."""
+
+    rate_bps: int
+    rtt_s: float = 0.0
+
+    def __str__(self) -> str:
+        unit = next(u for u in ("tbit", "gbit", "mbit", "kbit", "bit") if self.rate_bps % _RATE_UNITS[u] == 0)
+        rtt = f",{self.rtt_s * 1e3:g}ms" if self.rtt_s else ""
+        return f"{self.rate_bps // _RATE_UNITS[unit]}{unit}{rtt}"
+
+
+def parse_link(spec: str | LinkSpec) -> LinkSpec:
+    """``"1gbit,100ms"`` or ``"200mbit"`` -> :class:`LinkSpec`; a ValueError names the accepted form."""
+    if isinstance(spec, LinkSpec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"link {spec!r} is empty; give it as {_FORM}")
+    parts = spec.split(",")
+    if len(parts) > 2:
+        raise ValueError(f"link {spec!r} has more than two parts; give it as {_FORM}")
+    rate = parse_rate(parts[0])
+    rtt = parse_duration(parts[1]) if len(parts) == 2 else 0.0
+    return LinkSpec(rate, rtt)
+
+
+def tbf_sizes(rate_bps: int, rtt_s: float = 0.0) -> tuple[int, int]:
+    """``(burst, limit)`` in bytes for tbf at ``rate_bps`` (see the module docstring for why)."""
+    burst = max(66 * 1024, int(rate_bps * 0.010 / 8))
+    limit = burst + int(rate_bps * max(rtt_s, 0.020) / 8)
+    return burst, limit
+
+
+# ----------------------------------------------------------------------------------------- commands
+def link_problem() -> str | None:
+    """Why this machine cannot make a shaped link (``None`` when it can)."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    needs = []
+    if os.geteuid() != 0:
+        needs.append("root (network namespaces and tc need CAP_NET_ADMIN; run as root, e.g. with sudo)")
+    if missing:
+        needs.append(f"{' and '.join(missing)} from iproute2 (e.g. `apt-get install iproute2`)")
+    if not needs:
+        return None
+    return "a shaped link (--link / islands.link) needs " + "; and ".join(needs)
+
+
+def check_link_support() -> None:
+    """Raise :class:`LinkUnavailable` saying what is needed when :func:`link_problem` finds something."""
+    problem = link_problem()
+    if problem:
+        raise LinkUnavailable(problem)
+
+
+def _run(args: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        raise RuntimeError(f"`{' '.join(args)}` did not finish within {CALL_TIMEOUT_S:g} s") from err
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def namespaces() -> list[str]:
+    """The names of every network namespace ``ip netns`` knows."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of links whose creating process is gone (a run killed before its
+    teardown); returns their names."""
+    gone = []
+    for name in namespaces():
+        m = _NAME.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            _run(["ip", "netns", "del", name], check=False)
+            gone.append(name)
+    return gone
+
+
+def _used_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network that an address or route of this machine or of a named namespace covers."""
+    texts = [_run(["ip", "-4", "-o", "addr", "show"], check=False).stdout,
+             _run(["ip", "-4", "route", "show", "table", "all"], check=False).stdout]
+    texts += [_run(["ip", "-n", ns, "-4", "-o", "addr", "show"], check=False).stdout for ns in namespaces()]
+    nets = []
+    for cidr in re.findall(r"(?<![\d.])(\d+\.\d+\.\d+\.\d+(?:/\d+)?)", "\n".join(texts)):
+        try:
+            nets.append(ipaddress.IPv4Network(cidr, strict=False))
+        except ValueError:
+            continue
+    return nets
+
+
+def pick_subnet(seed: int = 0) -> ipaddress.IPv4Network:
+    """A free ``10.A.B.0/24`` (A in 200..254) that overlaps no address or route here."""
+    used = _used_networks()
+    candidates = [(a, b) for a in range(200, 255) for b in range(256)]
+    start = seed % len(candidates)
+    for a, b in candidates[start:] + candidates[:start]:
+        net = ipaddress.IPv4Network(f"10.{a}.{b}.0/24")
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise RuntimeError("no free 10.A.B.0/24 (A in 200..254) for the link; remove stale namespaces (ip netns list)")
+
+
+# ----------------------------------------------------------------------------------------- namespaces
+def _setns(fd: int) -> None:
+    if hasattr(os, "setns"):
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+@contextmanager
+def entered(namespace: str) -> Iterator[None]:
+    """Move the calling thread (only it) into network namespace ``namespace`` for the body: sockets
+    it creates there belong to that namespace for their whole life. Needs root."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        target = os.open(os.path.join(NETNS_DIR, namespace), os.O_RDONLY)
+        try:
+            _setns(target)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            _setns(own)
+    finally:
+        os.close(own)
+
+
+def run_in_namespace(namespace: str, fn: Callable[[], T]) -> T:
+    """``fn()`` run by a fresh thread inside ``namespace``; returns its result or raises its error.
+    The calling thread never changes namespace."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with entered(namespace):
+                box["result"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=work, name=f"netns-{namespace}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+@dataclass(frozen=True)
+class IslandPort:
+    """One island's end of the link: its namespace, its veth there and that veth's address."""
+
+    island: int
+    namespace: str
+    interface: str
+    address: str
+
+
+@dataclass(frozen=True)
+class ShapedLink:
+    """A link made by :func:`shaped_link`: where each island runs and how the link is shaped."""
+
+    spec: LinkSpec
+    tag: str
+    hub_namespace: str
+    hub_address: str
+    subnet: str
+    islands: tuple[IslandPort, ...]
+    netem: bool  # whether the asked RTT is in effect (False: none asked, or the kernel lacks netem)
+
+    @property
+    def rtt_s(self) -> float:
+        """The RTT between islands that the link adds (0 without netem)."""
+        return self.spec.rtt_s if self.netem else 0.0
+
+    def exec_prefix(self, island: int) -> list[str]:
+        """Prefix a command with this to run it inside island ``island``'s namespace."""
+        return ["ip", "netns", "exec", self.islands[island].namespace]
+
+    def describe(self) -> str:
+        """One line for logs: the rate, the RTT (or why there is none), the namespaces, the hub."""
+        rate = f"{format_rate(self.spec.rate_bps)} each way (tbf)"
+        if not self.spec.rtt_s:
+            delay = "no added delay (none asked)"
+        elif self.netem:
+            delay = (f"RTT {self.spec.rtt_s * 1e3:g} ms between islands (netem), "
+                     f"{self.spec.rtt_s * 500:g} ms to the coordinator")
+        else:
+            delay = (f"no delay: netem missing in this kernel, running rate-only "
+                     f"(asked for RTT {self.spec.rtt_s * 1e3:g} ms)")
+        return (f"link {self.spec}: {rate}, {delay}; islands in namespaces {self.tag}-i0..{len(self.islands) - 1}, "
+                f"coordinator at {self.hub_address} in {self.hub_namespace} ({self.subnet})")
+
+
+def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool:
+    """Shape ``device``'s egress to the rate, with ``delay_s`` of netem delay before it when asked;
+    returns whether the delay was set (False when the kernel lacks netem: then tbf alone)."""
+    burst, limit = tbf_sizes(spec.rate_bps, spec.rtt_s)
+    tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(limit)]
+    tc = ["tc", "-n", namespace, "qdisc", "add", "dev", device]
+    if delay_s > 0:
+        # room for every packet the delay holds: full frames at the rate, four times over for small ones
+        packets = max(10_000, 4 * int(spec.rate_bps * delay_s / 8 / 1500))
+        done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{max(1, round(delay_s * 1e6))}us",
+                          "limit", str(packets)], check=False)
+        if done.returncode == 0:
+            _run(tc + ["parent", "1:1", "handle", "10:"] + tbf)
+            return True
+        if "unknown" not in (done.stderr + done.stdout).lower():
+            raise RuntimeError(f"tc netem on {device} in {namespace} failed: {done.stderr.strip()}")
+    _run(tc + ["root", "handle", "1:"] + tbf)
+    return False
+
+
+def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int) -> ShapedLink:
+    subnet = pick_subnet(seed)
+    hosts = list(subnet.hosts())
+    hub, hub_addr = f"{tag}-hub", str(hosts[0])
+    _run(["ip", "netns", "add", hub])
+    _run(["ip", "-n", hub, "link", "set", "dev", "lo", "up"])
+    _run(["ip", "-n", hub, "link", "add", "name", BRIDGE, "type", "bridge"])
+    _run(["ip", "-n", hub, "addr", "add", f"{hub_addr}/{subnet.prefixlen}", "dev", BRIDGE])
+    _run(["ip", "-n", hub, "link", "set", "dev", BRIDGE, "up"])
+    ports, netem = [], bool(spec.rtt_s)
+    for i in range(num_islands):
+        ns, inner, outer, addr = f"{tag}-i{i}", f"li-i{i}", f"li-h{i}", str(hosts[i + 1])
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "set", "dev", "lo", "up"])
+        # both ends are made inside their namespaces: the machine's own namespace never sees them
+        _run(["ip", "link", "add", "name", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", hub])
+        _run(["ip", "-n", hub, "link", "set", "dev", outer, "master", BRIDGE])
+        _run(["ip", "-n", hub, "link", "set", "dev", outer, "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", inner])
+        _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
+        _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
+        netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
+        ports.append(IslandPort(i, ns, inner, addr))
+    return ShapedLink(spec, tag, hub, hub_addr, str(subnet), tuple(ports), netem=bool(spec.rtt_s) and netem)
+
+
+def _kill_inside(namespace: str) -> None:
+    """SIGKILL whatever still runs inside one of this link's island namespaces (never this process)."""
+    out = _run(["ip", "netns", "pids", namespace], check=False).stdout
+    for pid in (int(p) for p in out.split() if p.isdigit()):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def remove(tag: str, num_islands: int) -> None:
+    """Delete the namespaces of the link ``tag`` (their devices go with them), killing what still
+    runs inside an island's; idempotent: a name that does not exist is skipped."""
+    for name in [f"{tag}-i{i}" for i in range(num_islands)] + [f"{tag}-hub"]:
+        if os.path.exists(os.path.join(NETNS_DIR, name)):
+            if not name.endswith("-hub"):
+                _kill_inside(name)
+            _run(["ip", "netns", "del", name], check=False)
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM while the body (a teardown) runs; re-raise the first one after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if caught:
+        if caught[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + caught[0])
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the body runs, SIGTERM raises SystemExit (so ``finally`` blocks run), unless the
+    program already handles it; main thread only."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def shaped_link(spec: str | LinkSpec, num_islands: int) -> Iterator[ShapedLink]:
+    """Make the namespaces, veths and qdiscs of a link between ``num_islands`` islands for the body;
+    remove them after it, however it ends. Raises :class:`LinkUnavailable` without root or iproute2.
+
+    Run a command in island ``i`` with :meth:`ShapedLink.exec_prefix`, serve the coordinator with
+    :func:`run_in_namespace` on :attr:`ShapedLink.hub_namespace` at :attr:`ShapedLink.hub_address`.
+    """
+    spec = parse_link(spec)
+    if not 1 <= num_islands <= 250:
+        raise ValueError(f"a shaped link joins 1 to 250 islands, not {num_islands}")
+    check_link_support()
+    sweep_stale()
+    with _SEQ_LOCK:
+        seq = next(_SEQ)
+    tag = f"{PREFIX}{os.getpid()}-{seq}"
+    with _sigterm_raises():
+        try:
+            yield _build(tag, num_islands, spec, seed=os.getpid() * 31 + seq)
+        finally:
+            with _signals_deferred():
+                remove(tag, num_islands)

@@ -1,0 +1,292 @@
+"""The shaped link on one machine (lightning_islands/app/netns.py): real namespaces, real tc.
+
+Everything but the parsing needs root (namespaces, tc): those tests run as root in CI and are
+skipped on a developer machine without it. Every transfer is bounded in size and time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_islands.app import netns
+from lightning_islands.app.launch import run_islands
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or netns.link_problem() is not None,
+    reason="network namespaces and tc need root and iproute2 (CI runs these as root)")
+
+
+# ----------------------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize("text, rate, rtt", [
+    ("1gbit,100ms", 10**9, 0.1), ("200mbit", 200 * 10**6, 0.0), ("12.5mbps", 10**8, 0.0),
+    (" 1GBit , 0.25s ", 10**9, 0.25), ("100kbit,500us", 10**5, 0.0005), ("1mibit", 2**20, 0.0),
+])
+def test_a_link_is_a_rate_and_an_optional_rtt(text, rate, rtt):
+    spec = netns.parse_link(text)
+    assert spec.rate_bps == rate and spec.rtt_s == pytest.approx(rtt)
+    assert netns.parse_link(str(spec)) == spec
+    assert str(netns.parse_link("1000mbit,100ms")) == "1gbit,100ms"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1gbit,100ms,1", "more than two parts"), ("", "empty"), ("1000", "tc unit"), ("fast", "tc unit"),
+    ("1gbit,100", "time unit"), ("1gbit,100mb", "time unit"), ("1bit", "below 8kbit"), ("1gbit,20s", "above 10 s"),
+])
+def test_a_bad_link_names_the_accepted_form(text, says):
+    with pytest.raises(ValueError, match=says) as err:
+        netns.parse_link(text)
+    assert "RATE[,RTT]" in str(err.value) and "1gbit,100ms" in str(err.value)
+
+
+def test_without_root_or_iproute2_the_message_says_what_is_needed(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
+    problem = netns.link_problem()
+    assert "root" in problem and "ip and tc" in problem and "apt-get install iproute2" in problem
+    with pytest.raises(netns.LinkUnavailable, match="root"):
+        with netns.shaped_link("1gbit", 2):
+            pass
+
+
+@pytest.mark.parametrize("overrides, link", [
+    ([], None), (["islands.link=[1gbit,100ms]"], "1gbit,100ms"), (["islands.link='1gbit,100ms'"], "1gbit,100ms"),
+    (["islands=two_equal", "islands.link=200mbit"], "200mbit"), (["strategy=fsdp", "islands.link=1gbit"], None),
+])
+def test_the_hydra_app_passes_islands_link_to_the_launcher(overrides, link):
+    from hydra import compose, initialize_config_dir
+
+    from lightning_islands.app.train import config_dir, link_spec
+
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        assert link_spec(compose("config", overrides=overrides)) == link
+
+
+def test_the_bucket_holds_a_gso_packet_and_the_queue_a_bdp():
+    burst, limit = netns.tbf_sizes(10**9, 0.1)
+    assert burst == 1_250_000 and limit == burst + 12_500_000
+    burst, limit = netns.tbf_sizes(50 * 10**6)
+    assert burst > 65536 and limit == burst + 125_000  # 20 ms at 50 Mbit/s
+
+
+def _fake_tc(monkeypatch, netem: bool) -> list[list[str]]:
+    """Record every ip/tc command instead of running it; netem exists or not."""
+    calls: list[list[str]] = []
+
+    def run(args, check=True):
+        calls.append(args)
+        missing = "netem" in args and not netem
+        return subprocess.CompletedProcess(args, 2 if missing else 0, "",
+                                           "Error: Specified qdisc kind is unknown." if missing else "")
+
+    monkeypatch.setattr(netns, "_run", run)
+    return calls
+
+
+@pytest.mark.parametrize("netem", [True, False])
+def test_the_delay_sits_on_the_hub_ends_only_and_the_rate_on_both(monkeypatch, netem):
+    """Where netem exists (not on this project's kernel, hence the recorded commands): half the RTT
+    before the tbf on each hub end, none on the island ends, whose qdiscs belong to the senders."""
+    calls = _fake_tc(monkeypatch, netem)
+    link = netns._build("li-1-0", 2, netns.parse_link("1gbit,100ms"), seed=0)
+    assert link.netem is netem and link.rtt_s == (0.1 if netem else 0.0)
+    qdiscs = [c for c in calls if c[0] == "tc" and "add" in c]
+    for i in range(2):
+        island = [c for c in qdiscs if c[2] == f"li-1-0-i{i}"]
+        assert len(island) == 1 and "tbf" in island[0] and "netem" not in island[0]
+        hub = [c for c in qdiscs if c[2] == "li-1-0-hub" and c[6] == f"li-h{i}"]
+        tbf = [c for c in hub if "tbf" in c]
+        assert len(tbf) == 1 and tbf[0][tbf[0].index("rate") + 1] == "1000000000bit"
+        if netem:
+            (delay,) = [c for c in hub if "netem" in c]
+            assert delay[delay.index("delay") + 1] == "50000us" and delay[7:9] == ["root", "handle"]
+            assert tbf[0][7:10] == ["parent", "1:1", "handle"]
+    if not netem:  # tried once, then rate-only everywhere
+        assert sum("netem" in c for c in calls) == 1
+
+
+# ----------------------------------------------------------------------------------------- the link
+def _ours() -> list[str]:
+    return [n for n in netns.namespaces() if n.startswith(f"li-{os.getpid()}-")]
+
+
+def _stream(src_ns: str, dst_ns: str, dst: str, port: int, seconds: float, result: dict, key: str) -> None:
+    """Send as fast as TCP allows for ``seconds`` from ``src_ns`` to ``dst`` in ``dst_ns``; the
+    receiver's bit rate (after TCP's start-up) lands in ``result[key]``."""
+    listening = threading.Event()
+
+    def receive() -> None:
+        with netns.entered(dst_ns):
+            server = socket.socket()
+        # room for a second of data: a receiver that a busy machine deschedules must not make the
+        # sender wait (a zero window), or the link idles and the test measures the scheduler
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        server.bind((dst, port))
+        server.listen(1)
+        listening.set()
+        server.settimeout(10)
+        conn, _ = server.accept()
+        conn.settimeout(10)
+        buf, n, marks = bytearray(1 << 20), 0, []
+        while k := conn.recv_into(buf):
+            n += k
+            marks.append((time.perf_counter(), n))
+        # the steady state: from 0.3 s after the first byte (TCP's start-up) to the last
+        start = next((m for m in marks if m[0] >= marks[0][0] + 0.3), marks[0])
+        result[key] = (marks[-1][1] - start[1]) * 8 / (marks[-1][0] - start[0])
+        conn.close()
+        server.close()
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    assert listening.wait(10)
+    with netns.entered(src_ns):
+        sender = socket.socket()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    sender.settimeout(10)
+    sender.connect((dst, port))
+    data, end = b"\0" * (1 << 16), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sender.sendall(data)
+    sender.close()
+    receiver.join(timeout=20)
+
+
+@needs_root
+def test_a_long_transfer_arrives_at_the_shaped_rate_both_ways_and_nothing_else_is_reachable():
+    rate = 60 * 10**6
+    before = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    with netns.shaped_link(f"{rate}bit", 2) as link:
+        a, b = link.islands
+        assert len(_ours()) == 3
+        # only the run's namespaces changed: no address, route or device in the machine's own
+        assert subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout == before
+        for port in link.islands:
+            routes = subprocess.run(["ip", "-n", port.namespace, "route"], capture_output=True, text=True).stdout
+            assert "default" not in routes and routes.count("\n") == 1, routes
+        got: dict[str, float] = {}
+        flows = [threading.Thread(target=_stream, args=(a.namespace, b.namespace, b.address, 5001, 3.0, got, "0->1")),
+                 threading.Thread(target=_stream, args=(b.namespace, a.namespace, a.address, 5002, 3.0, got, "1->0"))]
+        for f in flows:
+            f.start()
+        for f in flows:
+            f.join()
+        for direction, bps in got.items():
+            # tbf counts frames: payload is at most 1448/1514 = 0.956 of the rate
+            assert 0.9 * rate <= bps <= 1.0 * rate, f"{direction}: {bps / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
+        assert len(got) == 2
+    assert _ours() == []
+
+
+@needs_root
+def test_traffic_inside_an_island_is_not_shaped():
+    rate = 20 * 10**6
+    with netns.shaped_link(f"{rate}bit", 1) as link:
+        (port,) = link.islands
+        got: dict[str, float] = {}
+        # to the island's own veth address and over loopback: both delivered locally, over lo
+        _stream(port.namespace, port.namespace, port.address, 5003, 0.5, got, "veth address")
+        _stream(port.namespace, port.namespace, "127.0.0.1", 5004, 0.5, got, "loopback")
+    for where, bps in got.items():
+        assert bps > 10 * rate, f"{where}: {bps / 1e6:.0f} Mbit/s inside an island looks shaped"
+
+
+@needs_root
+def test_the_rtt_is_the_asked_one_where_netem_exists():
+    with netns.shaped_link("100mbit,40ms", 2) as link:
+        if not link.netem:
+            assert "no delay: netem missing" in link.describe()
+            pytest.skip("this kernel has no netem: the link is rate-only (and says so)")
+        a, b = link.islands
+        with netns.entered(b.namespace):
+            server = socket.create_server((b.address, 5005))
+        server.settimeout(10)
+        times = []
+        for _ in range(5):
+            with netns.entered(a.namespace):
+                client = socket.socket()
+            client.settimeout(10)
+            t0 = time.perf_counter()
+            client.connect((b.address, 5005))  # SYN, SYN-ACK: one round trip
+            times.append(time.perf_counter() - t0)
+            client.close()
+            server.accept()[0].close()
+        server.close()
+    assert statistics.median(times) == pytest.approx(0.040, rel=0.1, abs=0.002)
+
+
+@needs_root
+def test_launched_islands_talk_over_the_link_and_their_own_ranks_over_loopback(tmp_path):
+    """Island 0 (two ranks) and island 1 behind a 100 Mbit/s link: the island's own gloo group is
+    not shaped, the lanes are, and the coordinator is at the hub."""
+    rate = 100 * 10**6
+    buf = io.StringIO()
+    results = run_islands([2, 1], [sys.executable, str(SCRIPTS / "link_probe.py"), str(tmp_path), "40", "6"],
+                          log_dir=tmp_path / "logs", live=False, out=buf, link=f"{rate}bit",
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert all(r.returncode == 0 for r in results), buf.getvalue()[-4000:]
+    assert "link 100mbit: 100 Mbit/s each way (tbf)" in buf.getvalue()
+    record = json.loads((tmp_path / "logs" / "link.json").read_text())
+    islands = [json.loads((tmp_path / f"island{i}.json").read_text()) for i in range(2)]
+    for i, got in enumerate(islands):
+        assert got["env"]["LI_COORDINATOR"].startswith(record["hub"] + ":")
+        assert got["env"]["LI_LINK_IFNAME"] == f"li-i{i}" and got["env"]["GLOO_SOCKET_IFNAME"] == "lo"
+        assert got["intact"] and got["lane_bps"] <= 1.0 * rate, got
+    assert islands[0]["intra_bps"] > 5 * rate, islands[0]
+    assert _ours() == []
+
+
+@needs_root
+def test_the_namespaces_are_gone_after_an_island_fails():
+    buf = io.StringIO()
+    results = run_islands([1, 1], ["sh", "-c", 'test "$LI_ISLAND" = 1 && exit 3; sleep 20'], live=False, out=buf,
+                          link="10mbit")
+    assert results[1].returncode != 0 and results[0].stopped
+    assert _ours() == []
+
+
+@needs_root
+def test_the_namespaces_and_islands_are_gone_after_sigterm_to_the_driver(tmp_path):
+    code = ("from lightning_islands.app.launch import run_islands\n"
+            "run_islands([1, 1], ['sleep', '60'], live=False, link='10mbit')\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    prefix, inside, deadline = f"li-{driver.pid}-", [], time.time() + 30
+    while time.time() < deadline and len(inside) < 2:  # torchrun and its sleep, in each island
+        names = [n for n in netns.namespaces() if n.startswith(prefix) and not n.endswith("hub")]
+        inside = [int(p) for n in names for p in subprocess.run(["ip", "netns", "pids", n], capture_output=True,
+                                                                text=True).stdout.split()]
+        time.sleep(0.2)
+    assert len(inside) >= 2, "the islands never started"
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=40) != 0
+    assert not [n for n in netns.namespaces() if n.startswith(prefix)]
+    alive = [p for p in inside if Path(f"/proc/{p}").exists()]
+    assert not alive, f"island processes survived: {alive}"
+
+
+@needs_root
+def test_namespaces_of_a_dead_run_are_swept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"li-{dead.pid}-0-hub"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=15)
+    try:
+        assert name in netns.sweep_stale()
+        assert name not in netns.namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=15)
