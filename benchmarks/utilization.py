@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -65,8 +66,10 @@ def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[
 def _train(overrides: list[str], workdir: Path, log: Path) -> Path:
     """One run of the Hydra app; its run folder."""
     cmd = [sys.executable, "-m", "lightning_islands.app.train", *overrides]
+    # one thread per process everywhere (two lone islands at once would each take every core otherwise)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log.open("w") as f:
-        proc = subprocess.run(cmd, cwd=workdir, stdout=f, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(cmd, cwd=workdir, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
     text = log.read_text()
     if proc.returncode != 0 or "run folder " not in text:
         raise RuntimeError(f"run failed (exit {proc.returncode}); see {log}:\n{text[-3000:]}")
