@@ -176,15 +176,24 @@ class IslandLink:
         self.n_lanes = lanes
         self.interface = interface or os.environ.get(ENV_LINK_IFNAME) or None
         self.lanes: list = []
+        self.directed: list = []
         self.stats = LinkStats()
 
     def open_lanes(self) -> None:
-        """Build the gloo groups (every island must call this after the fingerprint check)."""
-        self.lanes = [
-            dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/lane{k}/", self.store), self.island,
-                                  self.num_islands, self._lane_options())
-            for k in range(self.n_lanes)
-        ]
+        """Build the gloo groups (every island must call this after the fingerprint check).
+
+        Between two islands each lane is two groups more, one per direction (``directed[k][i]``
+        carries what island ``i`` sends): one gloo connection that carries both directions at once
+        moved only about half the link's rate each way on a shaped link (docs/BENCHMARKS.md, lanes),
+        two of them 0.95 each way. With more islands the ring all-gather sends one way per connection.
+        """
+        def group(prefix: str) -> dist.ProcessGroupGloo:
+            return dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/{prefix}/", self.store), self.island,
+                                         self.num_islands, self._lane_options())
+
+        self.lanes = [group(f"lane{k}") for k in range(self.n_lanes)]
+        self.directed = ([[group(f"lane{k}/from{i}") for i in range(2)] for k in range(self.n_lanes)]
+                         if self.num_islands == 2 else [])
 
     def _lane_options(self) -> dist.ProcessGroupGloo._Options | timedelta:
         """A lane's gloo options: bound to :attr:`interface` when one is set, else just the timeout
@@ -329,10 +338,16 @@ class IslandLink:
         padded = torch.zeros(chunk * n_lanes, dtype=torch.uint8)
         padded[: payload.numel()] = payload
         outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(self.num_islands)] for _ in range(n_lanes)]
-        works = [
-            lane.allgather([outs[k]], [padded[k * chunk : (k + 1) * chunk]])
-            for k, lane in enumerate(self.lanes)
-        ] if chunk else []
+        works = []
+        for k, lane in enumerate(self.lanes if chunk else []):
+            mine = padded[k * chunk : (k + 1) * chunk]
+            if self.directed:  # two islands: send on this island's direction, receive on the other's
+                peer = 1 - self.island
+                outs[k][self.island] = mine
+                works.append(self.directed[k][self.island].send([mine], peer, 0))
+                works.append(self.directed[k][peer].recv([outs[k][peer]], peer, 0))
+            else:
+                works.append(lane.allgather([outs[k]], [mine]))
         for w in works:
             w.wait()
         t2 = time.perf_counter()
@@ -375,5 +390,5 @@ class IslandLink:
 
     def close(self) -> None:
         """Drop the lanes and the store connection."""
-        self.lanes = []
+        self.lanes, self.directed = [], []
         self.store = None  # type: ignore[assignment]
