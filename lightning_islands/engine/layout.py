@@ -23,8 +23,7 @@ _SHARD_FIX = ("Islands expect FSDP2's Shard(0) split of every parameter (torch.c
               "island's ranks); shard the module with fully_shard's default placement")
 
 
-_P = (1 << 31) - 1  # a prime; the checksum's two sums mix each value with its index modulo it
-_MIX = ((1_103_515_245, 12_345), (69_069, 2_147_483_629))
+_MIX = 2_654_435_761  # Knuth's multiplicative hash constant: the checksum's weights are MIX * index + 1
 
 
 @dataclass(frozen=True)
@@ -266,28 +265,24 @@ class CanonicalLayout:
             at += n
         return list(into)
 
-    def checksum(self, tensors: Sequence[Tensor]) -> tuple[int, int]:
+    def checksum(self, tensors: Sequence[Tensor]) -> int:
         """A checksum of fp32 tensors shaped like this rank's shards (the anchors, the momentum) that
         depends only on the canonical vector's bits, not on how the island shards it: each value's
-        bits are mixed with its canonical index and the terms are added exactly (integers), so the
-        island's sum over its ranks (:meth:`island_checksum`) is the same on every island that holds
-        the same global state. For spotting divergence, not for security (two 31-bit sums)."""
-        rank = self.group.rank
+        bits times an odd number made from its canonical index, summed modulo 2^64 (int64 arithmetic
+        wraps), so the island's sum over its ranks (:meth:`island_checksum`) is the same on every
+        island that holds the same global state. For spotting divergence, not for security."""
+        rank, total = self.group.rank, 0
         held = [t for t, e in zip(tensors, self.entries) if e.sharded or rank == 0]
-        total = [0, 0]
         for t, (offset, n) in zip(held, self._pieces(replicated_to_all=False)[rank]):
-            if n == 0:
-                continue
-            bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-            index = torch.arange(offset, offset + n, dtype=torch.int64, device=bits.device)
-            for k, (a, b) in enumerate(_MIX):  # each term < 2^31: a sum of up to 2^32 terms is exact in int64
-                total[k] += int(((bits % _P) * a % _P + index % _P * b % _P).remainder(_P).sum())
-        return total[0] % _P, total[1] % _P
+            if n:
+                bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
+                mix = torch.arange(offset, offset + n, dtype=torch.int64, device=bits.device).mul_(_MIX).add_(1)
+                total += int(bits.mul_(mix).sum())
+        return total % (1 << 64)
 
     def island_checksum(self, tensors: Sequence[Tensor]) -> int:
-        """:meth:`checksum` summed over the island's ranks, as one 62-bit int (a collective of the island)."""
-        parts = self.group.all_gather_object(self.checksum(tensors))
-        return sum(p[0] for p in parts) % _P << 31 | sum(p[1] for p in parts) % _P
+        """:meth:`checksum` summed over the island's ranks (modulo 2^64; a collective of the island)."""
+        return sum(self.group.all_gather_object(self.checksum(tensors))) % (1 << 64)
 
     def shard_of(self, flat: Tensor, index: int) -> Tensor:
         """This rank's part of parameter ``index`` cut out of the full flat vector (a view)."""

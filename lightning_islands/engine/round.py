@@ -411,7 +411,7 @@ class IslandEngine:
         header = {"round": self.schedule.round, "tokens": window_tokens, "steps": self.schedule.round_steps,
                   "step_seconds": step_seconds, "experts": window_experts, "stop": stop,
                   "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None,
-                  "state": self.state_summary() if self.num_islands > 1 else None}
+                  "state": self.state_summary(fragment) if self.num_islands > 1 else None}
         if background:
             return self._start_background(pending, sent, delta_sq, header)
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
@@ -570,12 +570,14 @@ class IslandEngine:
         return [i for i in sound if i in agree]
 
     # ------------------------------------------------------------------ the state check
-    def state_summary(self) -> dict[str, Any]:
-        """What every island's global state must agree on before a round (a collective of the
-        island, cheap: a checksum of each rank's shards at their canonical places, no gather)."""
-        momentum = self.state.momentum
-        return {"anchors": self.layout.island_checksum(self.state.anchors),
-                "momentum": None if momentum is None else self.layout.island_checksum(momentum),
+    def state_summary(self, fragment: int) -> dict[str, Any]:
+        """What every island's global state of ``fragment`` (the one a round is about to step) must
+        agree on before the round, with every fragment's outer step count (a collective of the
+        island, cheap: a checksum of each rank's shards at their canonical places, no gather). Each
+        fragment is checked once per H steps, in its own round."""
+        idx, layout, momentum = self.state.indices(fragment), self.fragment_layouts[fragment], self.state.momentum
+        return {"fragment": fragment, "anchors": layout.island_checksum([self.state.anchors[i] for i in idx]),
+                "momentum": None if momentum is None else layout.island_checksum([momentum[i] for i in idx]),
                 "outer_steps": self.state.steps()}
 
     def _repair(self, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
