@@ -333,33 +333,47 @@ class IslandLink:
         t0 = time.perf_counter()
         sizes = self._all_gather_sizes(payload.numel())
         t1 = time.perf_counter()
-        n_lanes = len(self.lanes)
-        chunk = (max(sizes) + n_lanes - 1) // n_lanes if max(sizes) else 0
-        padded = torch.zeros(chunk * n_lanes, dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(self.num_islands)] for _ in range(n_lanes)]
-        works = []
-        for k, lane in enumerate(self.lanes if chunk else []):
-            mine = padded[k * chunk : (k + 1) * chunk]
-            if self.directed:  # two islands: send on this island's direction, receive on the other's
-                peer = 1 - self.island
-                outs[k][self.island] = mine
-                works.append(self.directed[k][self.island].send([mine], peer, 0))
-                works.append(self.directed[k][peer].recv([outs[k][peer]], peer, 0))
-            else:
-                works.append(lane.allgather([outs[k]], [mine]))
-        for w in works:
-            w.wait()
+        result = self._pairwise(payload, sizes) if self.directed else self._ring(payload, sizes)
         t2 = time.perf_counter()
-        result = []
-        for i, size in enumerate(sizes):
-            full = torch.cat([outs[k][i] for k in range(n_lanes)]) if chunk else torch.empty(0, dtype=torch.uint8)
-            result.append(full[:size])
         self.stats.seconds_waiting += t1 - t0
         self.stats.seconds_exchanging += t2 - t1
         self.stats.bytes_sent += payload.numel() * (self.num_islands - 1)
         self.stats.bytes_received += sum(s for i, s in enumerate(sizes) if i != self.island)
         return result
+
+    def _pieces(self, size: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each lane's piece of a payload of ``size`` bytes."""
+        per = -(-size // len(self.lanes)) if size else 0
+        return [(min(k * per, size), min((k + 1) * per, size)) for k in range(len(self.lanes))]
+
+    def _pairwise(self, payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Two islands: each lane's piece of this payload goes out on this island's direction and the
+        peer's piece arrives on the other, straight into place (no padding, no copies)."""
+        peer = 1 - self.island
+        received = torch.empty(sizes[peer], dtype=torch.uint8)
+        works = []
+        for k, ((a, b), (c, d)) in enumerate(zip(self._pieces(sizes[self.island]), self._pieces(sizes[peer]))):
+            if b > a:
+                works.append(self.directed[k][self.island].send([payload[a:b]], peer, 0))
+            if d > c:
+                works.append(self.directed[k][peer].recv([received[c:d]], peer, 0))
+        for w in works:
+            w.wait()
+        return [payload, received] if self.island == 0 else [received, payload]
+
+    def _ring(self, payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Three or more islands: gloo's ring all-gather on every lane, over pieces padded to one size."""
+        n_lanes = len(self.lanes)
+        chunk = (max(sizes) + n_lanes - 1) // n_lanes if max(sizes) else 0
+        if not chunk:
+            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+        padded = torch.zeros(chunk * n_lanes, dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(self.num_islands)] for _ in range(n_lanes)]
+        works = [lane.allgather([outs[k]], [padded[k * chunk : (k + 1) * chunk]]) for k, lane in enumerate(self.lanes)]
+        for w in works:
+            w.wait()
+        return [torch.cat([outs[k][i] for k in range(n_lanes)])[:size] for i, size in enumerate(sizes)]
 
     def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
         """Broadcast a uint8 tensor from island ``src`` to every island (used for initial state)."""

@@ -122,25 +122,29 @@ def test_a_round_waits_at_most_max_wait_even_for_a_beating_island():
         t.join(timeout=10)
 
 
-def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes():
+@pytest.mark.parametrize("sizes", [(10, 0, 7), (10, 7), (0, 5), (1, 0)],
+                         ids=["ring", "pair", "pair, one empty", "tiny"])
+def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes(sizes):
+    n = len(sizes)
     coord = Coordinator()
-    links = [IslandLink(coord.address, i, 3, run_id="lanes", lanes=3) for i in range(3)]
-    payloads = [torch.arange(n, dtype=torch.uint8) for n in (10, 0, 7)]
-    results: list = [None] * 3
+    links = [IslandLink(coord.address, i, n, run_id="lanes", lanes=3) for i in range(n)]
+    payloads = [torch.arange(k, dtype=torch.uint8) for k in sizes]
+    results: list = [None] * n
 
     def island(i: int) -> None:
         links[i].open_lanes()
         results[i] = links[i].all_gather_bytes(payloads[i])
 
-    threads = [threading.Thread(target=island, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=island, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
+    assert bool(links[0].directed) == (n == 2)  # two islands: one group per lane and direction
     for got in results:
-        assert [torch.equal(g, p) for g, p in zip(got, payloads)] == [True, True, True]
+        assert [torch.equal(g, p) for g, p in zip(got, payloads)] == [True] * n
     stats = links[0].take_stats()
-    assert stats.bytes_sent == 10 * 2 and stats.bytes_received == 7
+    assert stats.bytes_sent == sizes[0] * (n - 1) and stats.bytes_received == sum(sizes[1:])
     assert links[0].take_stats().bytes_sent == 0
 
 
