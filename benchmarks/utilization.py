@@ -51,7 +51,7 @@ def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[
               f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
               "data.val_windows=16", "data.val_batch_size=16", f"islands.sync_every={args.H}",
               f"islands.codec={args.codec}", f"islands.lanes={args.lanes}", f"seed={args.seed}",
-              "experiment.name=utilization", "summary_json=true"]
+              "experiment.name=utilization", "summary_json=true", *args.extra]
     if config == "none":
         return [*common, "islands.members=[{devices:1,batch_size:16}]"]
     link = [f"islands.link='{rate}'"] if rate else []
@@ -84,6 +84,11 @@ def _rounds(run_dir: Path, island: int) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("islands/round")]
 
 
+def _step_seconds(result: dict, steps: int) -> float:
+    """An island's median seconds per step (its fit over its steps when too short to have one)."""
+    return result.get("step_seconds_median") or result["fit_seconds"] / steps
+
+
 def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Path) -> dict:
     """One row: the config's wall time, bytes, rates and loss."""
     work = out / config.replace("+", "_")
@@ -110,7 +115,7 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
             raise errors[0]
         results = [json.loads((r / "island0" / "result.json").read_text()) for r in runs]
         return {"config": config, "wall_seconds": max(r["fit_seconds"] for r in results),
-                "step_seconds": max(r["step_seconds_median"] for r in results),
+                "step_seconds": max(_step_seconds(r, args.steps) for r in results),
                 "val_loss": sum(r["val_loss"] for r in results) / len(results), "bytes": 0.0, "rounds": 0,
                 "peak_bps": 0.0, "mean_bps": 0.0, "seconds_waiting": 0.0,
                 "parameters": int(results[0]["parameters"]["total"])}
@@ -122,7 +127,7 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
              / m["islands/seconds_exchanging"] * 8
              for i in range(len(islands)) for m in _rounds(run_dir, i) if m.get("islands/seconds_exchanging")]
     total = summary["bytes_exchanged"]
-    return {"config": config, "wall_seconds": wall, "step_seconds": max(r["step_seconds_median"] for r in islands),
+    return {"config": config, "wall_seconds": wall, "step_seconds": max(_step_seconds(r, args.steps) for r in islands),
             "val_loss": summary["val_loss"], "bytes": total, "rounds": summary["rounds"],
             "peak_bps": max(rates, default=0.0) / 2,  # per direction: each round's bytes went both ways
             "mean_bps": total * 8 / wall / len(islands),  # per island's uplink
@@ -177,6 +182,7 @@ def main() -> None:
     parser.add_argument("--rate", default="auto",
                         help="link rate (tc units, e.g. 40mbit) or auto; ',RTT' appends a delay (e.g. 40mbit,100ms)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")
     args = parser.parse_args()
     args.steps = args.steps or (96 if args.quick else 192)
     out = Path(args.out)

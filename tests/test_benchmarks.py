@@ -87,3 +87,26 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
     # a header gather between two islands that arrive together: 5N + 1 round trips to the coordinator
     assert latency["header_gather_round_trips_counted"] == [pytest.approx(11, abs=0.6)] * 2
     assert [w["window_bytes_per_lane"] for w in data["windows"]] == [1_250_000, 625_000]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (CI runs as root)")
+def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
+    from conftest import TINY_DATA, TINY_MODEL
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    extra = [f"--extra={o}" for o in [*TINY_MODEL, *TINY_DATA, "model.seq_len=32"]]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "utilization.py"), "--steps", "8", "--H", "4", "--fragments", "2",
+         "--tau", "1", "--rate", "20mbit", *extra, "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "utilization.json").read_text())
+    assert [r["config"] for r in rows] == ["none", "sync", "fragments", "fragments+overlap"]
+    for r in rows:
+        assert r["link_rate_bps"] == 20e6 and r["rtt_ms"] == 0.0 and 0 < r["utilization"] <= 2.0
+        for key in ("bytes", "peak_bps", "mean_bps", "val_loss"):
+            assert key in r
+    assert [r["rounds"] for r in rows] == [0, 2, 4, 4]
+    assert all(0 < r["predicted_utilization"] <= 1 for r in rows[1:])
+    assert (tmp_path / "utilization.md").read_text().count("\n|") >= 5
