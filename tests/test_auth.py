@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from doubles import Hub, MemoryLink
-from test_engine import SPECS, Plan, assert_identical, initial_flat, inner_steps, run
+from test_engine import SPECS, assert_identical, run
 
 from lightning_islands.auth import (
     ENV_SECRET,
@@ -248,32 +248,20 @@ def test_the_engine_stops_both_islands_when_one_has_the_wrong_secret():
 def test_the_real_link_over_loopback_with_a_secret_gives_the_same_bits():
     """Two islands' engines over the coordinator and gloo lanes, each link authenticated: the same
     global states as the plain in-memory run (the initial state is broadcast: islands start apart)."""
+    from test_engine import LOOPBACK_PLAN, loopback_island
+
     from lightning_islands.transport import Coordinator, IslandLink
 
     coordinator = Coordinator()
-    plan = Plan(sizes=[1, 1], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
-
-    def island(i: int) -> list[torch.Tensor]:
-        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
-        layout = CanonicalLayout(SPECS)
-        engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-        locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
-        link = AuthenticatedLink(IslandLink(coordinator.address, i, 2, run_id="auth", lanes=2), SECRET, "auth")
-        engine.meet(lambda: link, settings.fingerprint(layout, 2, False, "cpu"))
-        engine.adopt_initial_state(locals_, {})
-        out = []
-        for _ in range(plan.rounds):
-            inner_steps(engine, locals_, i, plan.tokens[i])
-            engine.run_round(locals_)
-            out.append(engine.global_flat().clone())
-        link.heartbeat({"step": 1})  # forwarded to the IslandLink
+    links = [AuthenticatedLink(IslandLink(coordinator.address, i, 2, run_id="auth", lanes=2), SECRET, "auth")
+             for i in range(2)]
+    got = outcomes([lambda i=i: loopback_island(i, lambda k: links[k]) for i in range(2)])
+    links[0].heartbeat({"step": 1})  # forwarded to the IslandLink
+    for link in links:
         link.close()
-        return out
-
-    got = outcomes([lambda: island(0), lambda: island(1)])
     assert not any(isinstance(g, Exception) for g in got), got
     assert all(torch.equal(a, b) for a, b in zip(*got))
-    assert all(torch.equal(a, b) for a, b in zip(got[0], assert_identical(run(plan))))
+    assert all(torch.equal(a, b) for a, b in zip(got[0], assert_identical(run(LOOPBACK_PLAN))))
     assert coordinator.status(2, "auth")[0] == {"step": 1}
 
 

@@ -285,32 +285,38 @@ def test_islands_built_alike_send_no_initial_state():
     assert m["islands/bytes_sent"] == m["islands/payload_bytes"], "only the round's payload crossed"
 
 
+LOOPBACK_PLAN = Plan(sizes=[1, 1], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
+
+
+def loopback_island(i: int, make_link: Any) -> list[torch.Tensor]:
+    """Island ``i`` of :data:`LOOPBACK_PLAN` over the link ``make_link(i)`` returns (a real one);
+    its global state after each round."""
+    plan = LOOPBACK_PLAN
+    settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
+    layout = CanonicalLayout(SPECS)
+    engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
+    locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
+    engine.meet(lambda: make_link(i), settings.fingerprint(layout, 2, False, "cpu"))
+    engine.adopt_initial_state(locals_, {})
+    out = []
+    for _ in range(plan.rounds):
+        inner_steps(engine, locals_, i, plan.tokens[i])
+        engine.run_round(locals_)
+        out.append(engine.global_flat().clone())
+    return out
+
+
 def test_the_real_link_over_loopback_gives_the_same_bits():
     """The same two islands over the coordinator and gloo lanes (threads of this process)."""
     from lightning_islands.transport import Coordinator, IslandLink
 
     coordinator = Coordinator()
-    plan = Plan(sizes=[1, 1], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
-
-    def island(i: int) -> list[torch.Tensor]:
-        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
-        layout = CanonicalLayout(SPECS)
-        engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-        locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
-        engine.meet(lambda: IslandLink(coordinator.address, i, 2, run_id="loopback", lanes=2),
-                    settings.fingerprint(layout, 2, False, "cpu"))
-        engine.adopt_initial_state(locals_, {})
-        out = []
-        for _ in range(plan.rounds):
-            inner_steps(engine, locals_, i, plan.tokens[i])
-            engine.run_round(locals_)
-            out.append(engine.global_flat().clone())
-        engine.link.close()  # type: ignore[union-attr]
-        return out
-
-    over_tcp = run_threads([lambda: island(0), lambda: island(1)])
+    links = [IslandLink(coordinator.address, i, 2, run_id="loopback", lanes=2) for i in range(2)]
+    over_tcp = run_threads([lambda i=i: loopback_island(i, lambda k: links[k]) for i in range(2)])
+    for link in links:
+        link.close()
     assert all(torch.equal(a, b) for a, b in zip(*over_tcp))
-    in_memory = assert_identical(run(plan))
+    in_memory = assert_identical(run(LOOPBACK_PLAN))
     assert all(torch.equal(a, b) for a, b in zip(over_tcp[0], in_memory))
 
 
