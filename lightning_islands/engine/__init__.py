@@ -6,6 +6,9 @@ One module an idea:
     schedule   H per round, its warm-up, time balancing, max_rounds, the round's clock
     state      OuterState: anchors, outer momentum, error-feedback residual (state_dict)
     round      IslandEngine: rendezvous, the round's two halves (start / finish), the start agreement
+    fragments  which parameters sync together (Streaming DiLoCo)
+    flight     an overlapped round's exchange in the leader's background thread
+    health     the per-round state checksum, the majority, and the repair of a drifted island
     exchange   the leader's chunk: encode once, all-gather, decode, merge in island order
     layout     the canonical layout and its gather to / scatter from the island's leader
     group      what the engine needs from the island's ranks (IslandGroup) and from the link (Link)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -33,9 +31,10 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs import with_residual
-from lightning_islands.engine import outer
+from lightning_islands.engine import health, outer
 from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
+from lightning_islands.engine.flight import InFlight
 from lightning_islands.engine.fragments import split_fragments
 from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout
@@ -69,32 +68,6 @@ class PendingRound:
     def stop(self) -> bool:
         """Whether some island ends training with this round (so every island does)."""
         return any(h["stop"] for h in self.headers)
-
-
-class InFlight:
-    """An overlapped round's exchange in a background thread on the leader: the round headers, then
-    every chunk of the fragment's gathered vector encoded, exchanged, decoded and merged. It reads
-    only the snapshot it was given (the gathered pseudo-gradient) and writes only its own results,
-    so the inner steps that run meanwhile cannot race with it."""
-
-    def __init__(self, work: Callable[[], dict[str, Any]], name: str) -> None:
-        self.result: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self, work: Callable[[], dict[str, Any]]) -> None:
-        try:
-            self.result = work()
-        except BaseException as err:  # noqa: BLE001 - raised again where the round lands
-            self.error = err
-
-    def join(self) -> dict[str, Any]:
-        """Wait for the exchange; its result, or its error raised here."""
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 class IslandEngine:
@@ -565,57 +538,19 @@ class IslandEngine:
     def _members(self, headers: Sequence[dict[str, Any]]) -> list[int]:
         """The islands merged this round: those that hold the majority's global state (see
         :meth:`_repair`) with a sound pseudo-gradient (:func:`outer.merge_members` of the norms)."""
-        agree = set(_majority([h.get("state") for h in headers]))
+        agree = set(health.majority([h.get("state") for h in headers]))
         sound = outer.merge_members([h.get("norm") for h in headers], self.settings.exclude_norm_ratio)
         return [i for i in sound if i in agree]
 
     # ------------------------------------------------------------------ the state check
     def state_summary(self, fragment: int) -> dict[str, Any]:
-        """What every island's global state of ``fragment`` (the one a round is about to step) must
-        agree on before the round, with every fragment's outer step count (a collective of the
-        island, cheap: a checksum of each rank's shards at their canonical places, no gather). Each
-        fragment is checked once per H steps, in its own round."""
-        idx, layout, momentum = self.state.indices(fragment), self.fragment_layouts[fragment], self.state.momentum
-        return {"fragment": fragment, "anchors": layout.island_checksum([self.state.anchors[i] for i in idx]),
-                "momentum": None if momentum is None else layout.island_checksum([momentum[i] for i in idx]),
-                "outer_steps": self.state.steps()}
+        """What every island's global state of ``fragment`` must agree on before a round
+        (:func:`health.state_summary`; a collective of the island)."""
+        return health.state_summary(self, fragment)
 
     def _repair(self, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
-        """Every rank, once the round's headers are known: if some island's global state differs from
-        the majority's (the largest group of equal state summaries; a tie goes to the group with the
-        lowest island), the first island of the majority sends its anchors and momentum to all and the
-        others take them (into ``locals_`` too). Such an island is left out of this round's merge
-        (its pseudo-gradient was taken from the wrong anchors). Returns how many islands were repaired."""
-        states = [h.get("state") for h in headers]
-        good = _majority(states)
-        bad = [i for i in range(len(headers)) if i not in good]
-        if not bad:
-            return 0
-        src, has_momentum = good[0], states[good[0]]["momentum"] is not None
-        n = self.layout.numel
-        if self.island == src:
-            flat = self.layout.gather_to_leader(self.state.anchors, self.device)
-            if has_momentum:
-                flat_m = self.layout.gather_to_leader(self.state.momentum, self.device)  # type: ignore[arg-type]
-                flat = None if flat is None else torch.cat([flat, flat_m])  # type: ignore[list-item]
-            self.agree(lambda: self.link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
-            return len(bad)
-        box: dict[str, Tensor] = {}
-        self.agree(lambda: box.update(flat=self.link.broadcast_bytes(None, src=src)))  # type: ignore[union-attr]
-        if self.island not in bad:
-            return len(bad)
-        if self.is_leader:
-            log.warning("islands: island %d's global state differs from island(s) %s's before round %d (%s vs %s); "
-                        "taking island %d's", self.island, good, self.schedule.round, states[self.island],
-                        states[src], src)
-        flat = box["flat"].view(torch.float32) if self.is_leader else None
-        anchors = self.layout.scatter_from_leader(None if flat is None else flat[:n], self.device)
-        momentum = (self.layout.scatter_from_leader(None if flat is None else flat[n:], self.device)
-                    if has_momentum else None)
-        self.state.load_state_dict({"anchor": anchors, "momentum": momentum, "residual": self.state.residual,
-                                    "outer_steps": states[src]["outer_steps"]})
-        self.state.write_to(locals_)
-        return len(bad)
+        """Replace a drifted island's global state (:func:`health.repair`; every rank)."""
+        return health.repair(self, headers, locals_)
 
     def _weights(self, headers: Sequence[dict[str, Any]]) -> list[float]:
         """Each island's merge weight from the round headers: its tokens, or 1 with ``weighting="equal"``."""
@@ -711,14 +646,6 @@ class IslandEngine:
             metrics.update({f"islands/{key}": value for key, value in exchange.link_sums.items()})
             metrics["islands/cosine"] = stats.cosine()
         return metrics
-
-
-def _majority(states: Sequence[Any]) -> list[int]:
-    """The islands in the largest group of equal ``states`` (a tie: the group of the lowest island)."""
-    groups: dict[str, list[int]] = {}
-    for i, state in enumerate(states):
-        groups.setdefault(json.dumps(state, sort_keys=True), []).append(i)
-    return max(groups.values(), key=lambda g: (len(g), -g[0]))
 
 
 def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
