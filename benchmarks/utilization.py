@@ -182,6 +182,8 @@ def main() -> None:
     parser.add_argument("--rate", default="auto",
                         help="link rate (tc units, e.g. 40mbit) or auto; ',RTT' appends a delay (e.g. 40mbit,100ms)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
+                        help="which of sync,fragments,fragments+overlap to run (none always runs)")
     parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")
     args = parser.parse_args()
     args.steps = args.steps or (96 if args.quick else 192)
@@ -193,7 +195,7 @@ def main() -> None:
     rtt_ms = float(rate.split(",")[1].strip().removesuffix("ms")) if "," in rate else 0.0
     print(f"none: {none['wall_seconds']:.1f} s, {none['step_seconds'] * 1e3:.0f} ms/step; link {rate}", flush=True)
     rows = [none]
-    for config in CONFIGS[1:]:
+    for config in [c for c in CONFIGS[1:] if c in args.configs.split(",")]:
         row = run_config(args, config, rate, out)
         rows.append(row)
         print(f"{config}: {row['wall_seconds']:.1f} s", flush=True)

@@ -97,16 +97,18 @@ def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
     extra = [f"--extra={o}" for o in [*TINY_MODEL, *TINY_DATA, "model.seq_len=32"]]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "utilization.py"), "--steps", "8", "--H", "4", "--fragments", "2",
-         "--tau", "1", "--rate", "20mbit", *extra, "--out", str(tmp_path)],
+         "--tau", "1", "--rate", "20mbit", "--configs", "sync,fragments+overlap", *extra, "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "utilization.json").read_text())
-    assert [r["config"] for r in rows] == ["none", "sync", "fragments", "fragments+overlap"]
+    assert [r["config"] for r in rows] == ["none", "sync", "fragments+overlap"]  # CI time: "fragments" as these
     for r in rows:
         assert r["link_rate_bps"] == 20e6 and r["rtt_ms"] == 0.0 and 0 < r["utilization"] <= 2.0
         for key in ("bytes", "peak_bps", "mean_bps", "val_loss"):
             assert key in r
-    assert [r["rounds"] for r in rows] == [0, 2, 4, 4]
-    assert all(0 < r["predicted_utilization"] <= 1 for r in rows[1:])
+    assert [r["rounds"] for r in rows] == [0, 2, 4]
+    # the planner agrees with the short measured run (loosely: 8 steps on a shared CI machine)
+    for r in rows[1:]:
+        assert abs(r["predicted_utilization"] - r["utilization"]) < 0.25, r
     assert (tmp_path / "utilization.md").read_text().count("\n|") >= 5
