@@ -245,7 +245,7 @@ def test_launched_islands_talk_over_the_link_and_their_own_ranks_over_loopback(t
     for i, got in enumerate(islands):
         assert got["env"]["LI_COORDINATOR"].startswith(record["hub"] + ":")
         assert got["env"]["LI_LINK_IFNAME"] == f"li-i{i}" and got["env"]["GLOO_SOCKET_IFNAME"] == "lo"
-        assert got["intact"] and got["lane_bps"] <= 1.0 * rate, got
+        assert got["intact"] and got["lane_bps"] <= 1.05 * rate, got  # + one bucket of tbf on 6 MB
     assert islands[0]["intra_bps"] > 5 * rate, islands[0]
     assert _ours() == []
 
