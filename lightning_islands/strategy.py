@@ -34,12 +34,12 @@ from typing_extensions import override
 from lightning_islands.auth import SCHEME, AuthenticatedLink, load_secret
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
 from lightning_islands.engine.checkpoint import (
-    PREVIOUS,
-    STAGED,
+    discard,
     explain_unreadable,
     load_global_parameters,
+    previous_path,
     publish,
-    staging_path,
+    staged_path,
 )
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
@@ -446,7 +446,9 @@ class IslandStrategy(FSDP2Strategy):
         assert self.engine is not None
         checkpoint["islands"] = {**self.engine.checkpoint_meta(self._resuming), "stepped_batch": self._stepped_batch}
         final = Path(self.broadcast(str(filepath)))
-        staged = staging_path(final) if self.global_rank == 0 else final.with_name(final.name + STAGED)
+        staged = staged_path(final)
+        if self.global_rank == 0:
+            discard(staged)  # what an interrupted write left
         self.barrier()
         with self._beating("saving checkpoint"):  # written aside, then moved into place: a crash keeps the last one
             super().save_checkpoint(checkpoint, staged, storage_options)
@@ -462,7 +464,7 @@ class IslandStrategy(FSDP2Strategy):
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except (Exception, CheckpointException) as err:  # a BaseException in torch: named with the fix
-            if isinstance(err, FileNotFoundError) and not path.with_name(path.name + PREVIOUS).exists():
+            if isinstance(err, FileNotFoundError) and not previous_path(path).exists():
                 raise
             raise RuntimeError(explain_unreadable(path, err)) from err
         meta = checkpoint.get("islands")

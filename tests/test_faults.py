@@ -60,12 +60,12 @@ def test_every_island_non_finite_stops_the_run_with_the_cause():
 
 
 def test_a_checkpoint_is_published_whole_or_not_at_all(tmp_path):
-    from lightning_islands.engine.checkpoint import explain_unreadable, publish, staging_path
+    from lightning_islands.engine.checkpoint import explain_unreadable, publish, staged_path
 
     final = tmp_path / "last.ckpt"
     final.mkdir()
     (final / "shard").write_text("round 1")
-    staged = staging_path(final)
+    staged = staged_path(final)
     staged.mkdir()
     (staged / "shard").write_text("round 2, half written")
     # a crash here leaves the previous checkpoint as it was
