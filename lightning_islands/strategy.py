@@ -252,7 +252,6 @@ class IslandStrategy(FSDP2Strategy):
         last = self._wants_stop(final)
         if self.settings.overlap_steps and not last:  # it flies while the next inner steps run; the last never does
             self.engine.start(self._locals(), self._expert_counts(), False, started, background=True)
-            self.engine.schedule.restart_clock()
             return {}
         metrics = self._after_round(*self.engine.run_round(self._locals(), self._expert_counts(), last, started))
         if metrics:
@@ -266,7 +265,7 @@ class IslandStrategy(FSDP2Strategy):
             return
         started = time.perf_counter()
         self._after_round(*self.engine.land(self._locals()))
-        self.engine.schedule.exclude(time.perf_counter() - started)  # waiting is not step time
+        self.engine.schedule.exclude(time.perf_counter() - started)  # waiting (and its callbacks) is not step time
 
     def _after_round(self, metrics: dict[str, float], stop: bool) -> dict[str, float]:
         if stop:

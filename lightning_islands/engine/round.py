@@ -358,7 +358,8 @@ class IslandEngine:
 
         ``background``: overlap the round with the next inner steps. Only the fragment's snapshot is
         gathered to the leader here; the headers and the exchange run in a background thread of the
-        leader, and :meth:`finish` (or :meth:`land`) waits for them. At most one round is in flight.
+        leader, and :meth:`land` waits for them; the next round is timed from here. At most one
+        round is in flight.
         """
         if self.in_flight is not None:
             raise RuntimeError("a round is still in flight: land it (IslandEngine.land) before starting the next")
@@ -431,6 +432,7 @@ class IslandEngine:
         self.in_flight = pending
         self.round_tokens = 0  # the steps taken while it flies count for the next round
         self.schedule.round_steps = 0
+        self.schedule.restart_clock()
         return pending
 
     def landing_due(self) -> bool:
