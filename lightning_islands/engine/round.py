@@ -591,7 +591,8 @@ class IslandEngine:
         if not names:
             return {}
         members = self._members(headers)
-        weights = [self._weights(headers)[i] for i in members]
+        all_weights = self._weights(headers)
+        weights = [all_weights[i] for i in members]
         gaps = [outer.expert_share_gap([headers[i]["experts"][n] for i in members], weights) for n in names]
         return {"islands/expert_share_gap_max": max(g[0] for g in gaps),
                 "islands/expert_share_gap_mean": sum(g[1] for g in gaps) / len(gaps)}
