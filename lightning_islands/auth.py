@@ -254,6 +254,25 @@ class AuthenticatedLink:
             raise self._reject(problems)
         return [json.loads(entry["json"]) for entry in got]
 
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        """The wrapped link's round headers (``None``: an island not present), each checked against
+        its MAC; when the member set changed, payload sequence numbers start anew under the new
+        lanes' key (every member sees the same change at the same round)."""
+        key = f"round{round_}"
+        text = json.dumps(header)
+        sent = {"auth": SCHEME, "json": text, "mac": object_mac(self._key, key, self.island, text)}
+        got = self.link.meet_round(round_, sent)  # type: ignore[attr-defined]
+        problems = [p for p in (self._object_problem(key, i, e) for i, e in enumerate(got) if e is not None) if p]
+        if problems:
+            raise self._reject(problems)
+        lanes = getattr(self.link, "lanes_key", None)
+        if lanes is not None and lanes != self._epoch:
+            self.restart_sequence(lanes)
+        return [None if e is None else json.loads(e["json"]) for e in got]
+
+    def _present(self) -> list[int]:
+        return list(getattr(self.link, "present", range(self.num_islands)))
+
     def _object_problem(self, key: str, island: int, entry: object) -> str | None:
         """What is wrong with island ``island``'s entry under ``key``, or ``None``."""
         what = f"round header {key!r}" if key.startswith("round") else f"object {key!r}"
@@ -327,12 +346,12 @@ class AuthenticatedLink:
         t1 = time.perf_counter()
         got = self.link.all_gather_bytes(signed)
         t2 = time.perf_counter()
-        others = [i for i in range(n) if i != self.island]
+        others = [i for i in self._present() if i != self.island]
         what = f"all_gather_bytes call {seq}" + (f" of epoch {epoch!r}" if epoch else "")
         self._check(what, others, [got[i] for i in others],
                     [header(i, max(0, got[i].numel() - TAG_BYTES)) for i in others])
         self._account(t1 - t0 + time.perf_counter() - t2)
-        return [t[:-TAG_BYTES] for t in got]
+        return [t[:-TAG_BYTES] if i in others or i == self.island else t for i, t in enumerate(got)]
 
     def broadcast_bytes(self, payload: Tensor | None, src: int = 0) -> Tensor:
         """Island ``src``'s uint8 payload on every island, checked against its tag."""

@@ -43,7 +43,7 @@ from lightning_islands.engine.checkpoint import (
 )
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
-from lightning_islands.transport import IslandAborted, IslandLink, island_identity
+from lightning_islands.transport import IslandAborted, IslandLink, island_identity, restart_count
 
 _SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
 
@@ -101,7 +101,8 @@ class IslandStrategy(FSDP2Strategy):
                  max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
                  exchange_chunk_mib: float | None = 1024.0, exclude_norm_ratio: float | None = 16.0,
                  fragments: int = 1, fragment_layout: str = "strided",
-                 overlap_steps: int = 0, overlap_alpha: float = 0.0, secret_file: str | None = None,
+                 overlap_steps: int = 0, overlap_alpha: float = 0.0, min_islands: int = 1,
+                 grace_s: float | None = None, secret_file: str | None = None,
                  unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
         # every argument that is a setting of the islands (the same names) goes to IslandSettings
@@ -124,6 +125,7 @@ class IslandStrategy(FSDP2Strategy):
         self._beats = 0
         self._start_agreed = False  # this fit took part in the islands' start agreement
         self._resuming = False
+        self._rejoining = False  # a restarted island: the live islands take it back at its first round
         self._secret: bytes | None = None
 
     # ------------------------------------------------------------------ what the app reads
@@ -192,14 +194,19 @@ class IslandStrategy(FSDP2Strategy):
             self._secret = load_secret(self.secret_file)
             # whether payloads are signed must agree (never the secret itself, nor where it is kept)
             fingerprint = {**self.engine.fingerprint(self._resuming), "auth": SCHEME if self._secret else False}
-            self.engine.meet(self._open_link, fingerprint)
-        self.engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
+            self._rejoining = restart_count() > 0  # restarted after a crash: the live islands take it back
+            self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining)
+        if self._rejoining:  # its own parameters stand in until the round that takes it back replaces them
+            self.engine.state.set_anchors(self._locals())
+        else:
+            self.engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
 
     def _open_link(self) -> IslandLink | AuthenticatedLink:
         assert self.coordinator is not None
         s = self.settings
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
-                          timeout=timedelta(seconds=s.timeout_s), max_wait=timedelta(seconds=s.max_wait_s))
+                          timeout=timedelta(seconds=s.timeout_s), max_wait=timedelta(seconds=s.max_wait_s),
+                          min_islands=s.min_islands, grace_s=self.engine.grace_s)  # type: ignore[union-attr]
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     # ------------------------------------------------------------------ inner steps and rounds
@@ -399,6 +406,9 @@ class IslandStrategy(FSDP2Strategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         more = trainer.max_steps < 0 or trainer.global_step < trainer.max_steps
         self._start_agreed = True
+        if self._rejoining:  # the live islands' state, outer state and round, through the round that takes it back
+            self._after_round(*self.engine.rejoin(self._locals()))  # type: ignore[union-attr]
+            return
         stop, message, warn = self.engine.settle_start(self.engine.agree_on_start(more))  # type: ignore[union-attr]
         if message:
             (rank_zero_warn if warn else rank_zero_info)(message)

@@ -9,17 +9,21 @@ moved.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from lightning_islands.membership import Decision, LateForRound, Membership, RoundLost
 
 ENV_ISLAND = "LI_ISLAND"
 ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
@@ -28,6 +32,26 @@ ENV_RUN_ID = "LI_RUN_ID"
 # The network interface the lanes bind to (the launcher's shaped link sets it to the island's veth);
 # unset, they use gloo's default device (GLOO_SOCKET_IFNAME, else this host's name).
 ENV_LINK_IFNAME = "LI_LINK_IFNAME"
+# How many times this island was restarted (torch.distributed.run sets it; 0: the first start).
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+# How often an island's liveness beat changes while its link is open.
+BEAT_S = 0.25
+
+
+_BEATING: weakref.WeakSet = weakref.WeakSet()  # links whose liveness thread runs
+
+
+@atexit.register
+def _stop_beats() -> None:
+    """Stop every liveness thread before the interpreter finalizes (a thread inside the store's C++
+    code at that moment aborts the process)."""
+    for link in list(_BEATING):
+        link._stop_alive()
+
+
+def restart_count() -> int:
+    """This island's start count: 0 the first time, then 1, 2, ... after each restart."""
+    return _env_int(ENV_RESTART_COUNT) or 0
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -114,6 +138,10 @@ class IslandAborted(RuntimeError):
     """Another island reported a failure (or never arrived) while this one waited for it."""
 
 
+class CoordinatorLost(ConnectionError):
+    """The coordinator stopped answering: the run cannot go on (restart it from the last checkpoints)."""
+
+
 class IslandLink:
     """The leader's connection to the other islands: a store client plus ``lanes`` gloo groups.
 
@@ -135,6 +163,11 @@ class IslandLink:
         interface: the network interface the lanes bind to (``None``: ``LI_LINK_IFNAME``, else
             gloo's default device). Only the lanes use it: the island's own process group keeps
             its own device.
+        min_islands: the fewest islands a round may go on with (:mod:`lightning_islands.membership`).
+        grace_s: how long a round waits for an island that shows no sign of life (a number, or a
+            callable asked each time); ``None``: ``timeout``.
+        incarnation: this island's start count (a restarted island claims its index anew);
+            ``None``: from ``TORCHELASTIC_RESTART_COUNT``.
     """
 
     def __init__(
@@ -147,6 +180,9 @@ class IslandLink:
         timeout: timedelta = timedelta(minutes=10),
         max_wait: timedelta | None = None,
         interface: str | None = None,
+        min_islands: int = 1,
+        grace_s: float | Callable[[], float] | None = None,
+        incarnation: int | None = None,
     ) -> None:
         if not 0 <= island < num_islands:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -166,7 +202,8 @@ class IslandLink:
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "
                 "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
             ) from err
-        claims = self.store.add(f"{run_id}/joined/{island}", 1)
+        self.incarnation = restart_count() if incarnation is None else incarnation
+        claims = self.store.add(f"{run_id}/joined/{island}/{self.incarnation}", 1)
         if claims > 1:
             raise RuntimeError(
                 f"island {island} already joined run {run_id!r} on the coordinator at {address}: either two "
@@ -177,23 +214,138 @@ class IslandLink:
         self.interface = interface or os.environ.get(ENV_LINK_IFNAME) or None
         self.lanes: list = []
         self.directed: list = []
+        self.present: tuple[int, ...] = tuple(range(num_islands))  # the islands the lanes join
+        self._lanes_key: str | None = None
+        # lanes of earlier member sets stay referenced: dropping a gloo group whose peer died may abort
+        self._retired: list = []
+        self.decision: Decision | None = None
+        self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
+                                     timeout.total_seconds() if grace_s is None else grace_s,
+                                     None if max_wait is None else max_wait.total_seconds(), self._aborted)
         self.stats = LinkStats()
+        self._alive_stop = threading.Event()
+        self._alive = threading.Thread(target=self._beat_alive, name=f"island{island}-alive", daemon=True)
+        self._alive.start()
+        _BEATING.add(self)
+
+    def _stop_alive(self) -> None:
+        self._alive_stop.set()
+        self._alive.join(timeout=5.0)
+
+    def _beat_alive(self) -> None:
+        """Change this island's liveness beat every ``BEAT_S`` while the link is open (own connection)."""
+        try:
+            store = dist.TCPStore(*self._address, is_master=False, timeout=self.timeout)
+        except Exception:  # noqa: BLE001 - without beats the island only looks silent
+            return
+        key, count = self.membership.alive_key(self.island), 0
+        while not self._alive_stop.is_set():
+            count += 1
+            try:
+                store.set(key, f"{self.incarnation}:{count}")
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the link's own calls will say so
+                return
+            self._alive_stop.wait(BEAT_S)
+
+    def _aborted(self, island: int) -> str | None:
+        key = f"{self.run_id}/abort/{island}"
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
 
     def open_lanes(self) -> None:
-        """Build the gloo groups (every island must call this after the fingerprint check).
+        """Build the gloo groups between every island (every island must call this after the
+        fingerprint check); the rounds rebuild them whenever their member set changes.
 
         Between two islands each lane is two groups more, one per direction (``directed[k][i]``
         carries what island ``i`` sends): one gloo connection that carries both directions at once
         moved only about half the link's rate each way on a shaped link (docs/BENCHMARKS.md, lanes),
         two of them 0.95 each way. With more islands the ring all-gather sends one way per connection.
         """
+        self._build_lanes("lanes", tuple(range(self.num_islands)))
+
+    def _build_lanes(self, key: str, present: tuple[int, ...]) -> None:
+        if self.lanes:
+            self._retired.append((self.lanes, self.directed))
+        self.lanes, self.directed, self.present, self._lanes_key = [], [], present, key
+        if len(present) < 2:
+            return
+        rank, size = present.index(self.island), len(present)
+
         def group(prefix: str) -> dist.ProcessGroupGloo:
-            return dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/{prefix}/", self.store), self.island,
-                                         self.num_islands, self._lane_options())
+            return dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/{key}/{prefix}/", self.store), rank, size,
+                                         self._lane_options())
 
         self.lanes = [group(f"lane{k}") for k in range(self.n_lanes)]
-        self.directed = ([[group(f"lane{k}/from{i}") for i in range(2)] for k in range(self.n_lanes)]
-                         if self.num_islands == 2 else [])
+        self.directed = [[group(f"lane{k}/from{i}") for i in range(2)] for k in range(self.n_lanes)] \
+            if size == 2 else []
+
+    @property
+    def lanes_key(self) -> str | None:
+        """The key the current lanes were built under (it changes with the member set)."""
+        return self._lanes_key
+
+    # -- rounds: who takes part ------------------------------------------------------------------
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        """Publish this island's header of round ``round_`` and return every island's, in island
+        order (``None``: not present this round). The lanes are rebuilt when the member set changed.
+
+        Raises :class:`~lightning_islands.membership.LateForRound` (after asking to rejoin) when the
+        round went on without this island, and :class:`~lightning_islands.membership.QuorumLost`.
+        """
+        try:
+            decision, headers = self.membership.decide(round_, header)
+        except LateForRound:
+            self.membership.request_join()
+            raise
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
+        if decision.lanes != self._lanes_key:
+            try:
+                self._build_lanes(decision.lanes, decision.present)
+            except RuntimeError as err:
+                self.membership.retry(decision)
+                raise RoundLost(f"round {round_}: the lanes to islands {list(decision.present)} could not be "
+                                f"built ({err})") from err
+        self.decision = decision
+        return headers
+
+    def settle_round(self) -> None:
+        """This island finished the round's exchange: wait until every member did (the round
+        counts), or raise :class:`~lightning_islands.membership.RoundLost` (run it again)."""
+        if self.decision is not None:
+            try:
+                self.membership.settle(self.decision)
+            except dist.DistNetworkError as err:
+                raise self._coordinator_lost(err) from err
+
+    def end_run(self, round_: int) -> None:
+        """The islands agreed that round ``round_`` is the last: an island still rejoining stops."""
+        self.membership.end(round_)
+
+    def rejoin(self, timeout_s: float) -> int:
+        """Ask the live islands to take this (restarted) island back; returns the round they take it
+        into (the caller then runs that round as a joiner)."""
+        with suppress(Exception):
+            self.store.delete_key(f"{self.run_id}/abort/{self.island}")  # a report of this island's earlier life
+        self.membership.request_join()
+        return self.membership.await_inclusion(timeout_s).round
+
+    def membership_changes(self) -> list[str]:
+        """The member-set changes seen since the last call (for the log)."""
+        changes, self.membership.changes = self.membership.changes, []
+        return changes
+
+    def _coordinator_lost(self, err: Exception) -> CoordinatorLost:
+        host, port = self._address
+        return CoordinatorLost(
+            f"island {self.island} lost the coordinator at {host}:{port} ({err}); the run cannot go on without it "
+            "(it holds the membership and every round's agreement). Keep the coordinator running for the whole "
+            "run; restart the run from the islands' last checkpoints (resume=...)")
+
+    def _lost(self, what: str, err: Exception) -> RoundLost:
+        """A lane failed mid-round: the attempt is marked failed, the round runs again."""
+        if self.decision is not None:
+            self.membership.retry(self.decision)
+        return RoundLost(f"island {self.island} lost a peer during {what} ({err}); the round runs again without it")
 
     def _lane_options(self) -> dist.ProcessGroupGloo._Options | timedelta:
         """A lane's gloo options: bound to :attr:`interface` when one is set, else just the timeout
@@ -316,30 +468,42 @@ class IslandLink:
     # -- tensors over the lanes ----------------------------------------------------------------
     def _all_gather_sizes(self, n: int) -> list[int]:
         mine = torch.tensor([n], dtype=torch.int64)
-        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.num_islands)]
+        out = [torch.empty(1, dtype=torch.int64) for _ in self.present]
         self.lanes[0].allgather([out], [mine]).wait()
         return [int(t.item()) for t in out]
 
     def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
-        """All-gather one uint8 CPU tensor per island (sizes may differ); returns them in island order.
+        """All-gather one uint8 CPU tensor per island (sizes may differ); returns them in island order
+        (an empty tensor for an island not present this round).
 
         The time until every island has announced its size is counted as waiting (for the slowest
         island); the rest as exchanging. The payload is cut into ``len(lanes)`` chunks that move in
-        parallel.
+        parallel. A lane that fails (a peer died) raises
+        :class:`~lightning_islands.membership.RoundLost` instead of hanging.
         """
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise TypeError("payload must be a 1-D uint8 tensor")
         payload = payload.cpu().contiguous()
+        present = self.present
+        out = [torch.empty(0, dtype=torch.uint8) for _ in range(self.num_islands)]
+        out[self.island] = payload
+        if len(present) < 2:
+            return out
         t0 = time.perf_counter()
-        sizes = self._all_gather_sizes(payload.numel())
-        t1 = time.perf_counter()
-        result = self._pairwise(payload, sizes) if self.directed else self._ring(payload, sizes)
+        try:
+            sizes = self._all_gather_sizes(payload.numel())
+            t1 = time.perf_counter()
+            got = self._pairwise(payload, sizes) if self.directed else self._ring(payload, sizes)
+        except RuntimeError as err:
+            raise self._lost("an all-gather", err) from err
         t2 = time.perf_counter()
         self.stats.seconds_waiting += t1 - t0
         self.stats.seconds_exchanging += t2 - t1
-        self.stats.bytes_sent += payload.numel() * (self.num_islands - 1)
-        self.stats.bytes_received += sum(s for i, s in enumerate(sizes) if i != self.island)
-        return result
+        self.stats.bytes_sent += payload.numel() * (len(present) - 1)
+        self.stats.bytes_received += sum(s for i, s in zip(present, sizes) if i != self.island)
+        for i, t in zip(present, got):
+            out[i] = t
+        return out
 
     def _pieces(self, size: int) -> list[tuple[int, int]]:
         """``[start, stop)`` of each lane's piece of a payload of ``size`` bytes."""
@@ -349,17 +513,18 @@ class IslandLink:
     def _pairwise(self, payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Two islands: each lane's piece of this payload goes out on this island's direction and the
         peer's piece arrives on the other, straight into place (no padding, no copies)."""
-        peer = 1 - self.island
+        me = self.present.index(self.island)
+        peer = 1 - me
         received = torch.empty(sizes[peer], dtype=torch.uint8)
         works = []
-        for k, ((a, b), (c, d)) in enumerate(zip(self._pieces(sizes[self.island]), self._pieces(sizes[peer]))):
+        for k, ((a, b), (c, d)) in enumerate(zip(self._pieces(sizes[me]), self._pieces(sizes[peer]))):
             if b > a:
-                works.append(self.directed[k][self.island].send([payload[a:b]], peer, 0))
+                works.append(self.directed[k][me].send([payload[a:b]], peer, 0))
             if d > c:
                 works.append(self.directed[k][peer].recv([received[c:d]], peer, 0))
         for w in works:
             w.wait()
-        return [payload, received] if self.island == 0 else [received, payload]
+        return [payload, received] if me == 0 else [received, payload]
 
     def _ring(self, payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Three or more islands: gloo's ring all-gather on every lane, over pieces padded to one size."""
@@ -369,26 +534,33 @@ class IslandLink:
             return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
         padded = torch.zeros(chunk * n_lanes, dtype=torch.uint8)
         padded[: payload.numel()] = payload
-        outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in range(self.num_islands)] for _ in range(n_lanes)]
+        outs = [[torch.empty(chunk, dtype=torch.uint8) for _ in sizes] for _ in range(n_lanes)]
         works = [lane.allgather([outs[k]], [padded[k * chunk : (k + 1) * chunk]]) for k, lane in enumerate(self.lanes)]
         for w in works:
             w.wait()
         return [torch.cat([outs[k][i] for k in range(n_lanes)])[:size] for i, size in enumerate(sizes)]
 
     def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
-        """Broadcast a uint8 tensor from island ``src`` to every island (used for initial state)."""
+        """Broadcast a uint8 tensor from island ``src`` to every island present (initial state, repairs)."""
+        if self.island == src and len(self.present) < 2:
+            return payload.cpu().contiguous() if payload is not None else torch.empty(0, dtype=torch.uint8)
+        if src not in self.present:
+            raise ValueError(f"island {src} is not present this round (present: {list(self.present)})")
         size = torch.tensor([payload.numel() if self.island == src and payload is not None else 0],
                             dtype=torch.int64)
         opts = dist.BroadcastOptions()
-        opts.rootRank = src
+        opts.rootRank = self.present.index(src)
         t0 = time.perf_counter()
-        self.lanes[0].broadcast([size], opts).wait()
-        buf = payload.cpu().contiguous() if self.island == src and payload is not None else torch.empty(
-            int(size.item()), dtype=torch.uint8)
-        self.lanes[0].broadcast([buf], opts).wait()
+        try:
+            self.lanes[0].broadcast([size], opts).wait()
+            buf = payload.cpu().contiguous() if self.island == src and payload is not None else torch.empty(
+                int(size.item()), dtype=torch.uint8)
+            self.lanes[0].broadcast([buf], opts).wait()
+        except RuntimeError as err:
+            raise self._lost("a broadcast", err) from err
         self.stats.seconds_exchanging += time.perf_counter() - t0
         if self.island == src:
-            self.stats.bytes_sent += buf.numel() * (self.num_islands - 1)
+            self.stats.bytes_sent += buf.numel() * (len(self.present) - 1)
         else:
             self.stats.bytes_received += buf.numel()
         return buf
@@ -403,6 +575,7 @@ class IslandLink:
         return stats
 
     def close(self) -> None:
-        """Drop the lanes and the store connection."""
+        """Stop the liveness beat; drop the lanes and the store connection."""
+        self._stop_alive()
         self.lanes, self.directed = [], []
         self.store = None  # type: ignore[assignment]

@@ -556,3 +556,84 @@ def test_live_status_lines_replace_interleaved_logs(tmp_path):
     assert "island 0: done" in text and "island 1: done" in text
     assert "[island 0]" not in text, "in live mode the logs go to files, not the terminal"
     assert (tmp_path / "logs" / "island0.log").read_text()
+
+
+def _val_loss(params: dict) -> float:
+    """The regression's validation loss under ``params`` (the batches of its val_dataloader)."""
+    from islands_regression import batch_for
+
+    total = 0.0
+    for r in range(2):
+        x, y = batch_for(99, r, 0, 4)
+        pred = (x @ params["layers.0.weight"].T + params["layers.0.bias"]) @ params["layers.1.weight"].T \
+            + params["layers.1.bias"]
+        total += float(torch.nn.functional.mse_loss(pred, y))
+    return total / 2
+
+
+def _killed_run(tmp_path, phase: str | None) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    kill = [] if phase is None else ["--kill-island", "1", "--kill-phase", phase, "--kill-step", "10",
+                                     "--kill-round", "3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off",
+         "--max-restarts", "1", "--", sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
+         "--steps", "48", "--H", "4", "--grace-s", "3", "--delays", "0.05", "--timeout-s", "30", *kill],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return proc, load_rounds(tmp_path, 0), load_rounds(tmp_path, 1)
+
+
+@pytest.mark.parametrize("phase", ["inner", "exchange"])
+def test_a_killed_island_restarts_rejoins_and_ends_bit_identical(tmp_path, phase):
+    """SIGKILL island 1's training process during its inner steps, or in an exchange: island 0
+    trains on (stalling at most the grace window), torchrun restarts island 1 (--max-restarts), it
+    rejoins from nothing, and from its first round back its global state equals island 0's."""
+    proc, rounds0, rounds1 = _killed_run(tmp_path / "faults", phase)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "killing island 1" in out and "island 1 rejoins the run at round" in out
+    assert sorted(rounds0) == list(range(1, 13)), "island 0 trained through every round"
+    back = sorted(r for r, saved in rounds1.items() if saved["restarted"])
+    assert back and back[-1] == 12, f"island 1 was back for rounds {back}"
+    for r in back:
+        for name, t in rounds0[r]["params"].items():
+            assert torch.equal(t, rounds1[r]["params"][name]), f"round {r}: {name} differs"
+        assert rounds0[r]["digest"] == rounds1[r]["digest"]
+    times = sorted(p.stat().st_mtime for p in (tmp_path / "faults").glob("island0_round*.pt"))
+    stall = max(b - a for a, b in zip(times, times[1:]))
+    assert stall < 3 + 4.0, f"island 0 stalled {stall:.1f} s between rounds (grace 3 s)"
+    if phase == "inner":
+        _, clean, _ = _killed_run(tmp_path / "clean", None)
+        faulty, base = _val_loss(rounds0[12]["params"]), _val_loss(clean[12]["params"])
+        assert abs(faulty - base) <= 0.01 * base + 1e-3, f"loss {faulty:.4f} with the fault, {base:.4f} without"
+
+
+def test_a_lost_coordinator_ends_every_island_naming_it(tmp_path):
+    """The coordinator SIGKILLed mid-run: every island ends with an error that names it and the fix
+    (documented in the README), instead of hanging."""
+    from lightning_islands.app.launch import free_port, torchrun_command
+
+    port = free_port()
+    coordinator = subprocess.Popen([sys.executable, "-m", "lightning_islands.app.cli", "coordinator", "--host",
+                                    "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in coordinator.stdout.readline()
+        islands = []
+        for i in range(2):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "LI_ISLAND": str(i), "LI_NUM_ISLANDS": "2",
+                   "LI_COORDINATOR": f"127.0.0.1:{port}", "LI_RUN_ID": "lost"}
+            cmd = torchrun_command(1, [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
+                                       "--steps", "400", "--H", "4", "--delays", "0.02"], free_port())
+            islands.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "island0_round3.pt").exists():
+            assert time.monotonic() < deadline, "the islands never reached round 3"
+            time.sleep(0.1)
+        coordinator.kill()
+        outs = [p.communicate(timeout=120)[0] for p in islands]
+    finally:
+        coordinator.kill()
+        for p in islands:
+            p.kill()
+    for i, (p, out) in enumerate(zip(islands, outs)):
+        assert p.returncode != 0, f"island {i} went on without its coordinator"
+        assert f"lost the coordinator at 127.0.0.1:{port}" in out and "restart the run from" in out, out[-3000:]

@@ -14,6 +14,7 @@ commands:
   train [hydra overrides...]     compose the Hydra config and run the job (see README)
   run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
         [--link 1gbit,100ms]     ... each island in a network namespace behind a tc-shaped link
+        [--max-restarts N]       ... restart an island that died; it rejoins the others
   coordinator --port P           serve a coordinator for islands started elsewhere
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
   plan [overrides...] --link-bps 25G --rtt-ms 100 --step-seconds 0.5,0.8
@@ -39,7 +40,12 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--link", default=None, metavar="RATE[,RTT]",
                         help="put each island in its own network namespace behind a link shaped by tc, e.g. "
                              "1gbit,100ms (the RTT needs netem in the kernel); needs root and iproute2")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart an island whose process died up to N times (as torchrun does) while the others "
+                             "train on; it rejoins them (default 0: a failed island ends the run)")
     args = parser.parse_args(own)
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not command:
         parser.error("give the command after --, e.g. lightning-islands run --islands 2,1 -- python train.py")
     link = None
@@ -56,7 +62,7 @@ def _run(argv: list[str]) -> int:
             return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
     results = run_islands(parse_islands(args.islands), command, log_dir=args.log_dir, run_id=args.run_id, live=live,
-                          link=link)
+                          link=link, max_restarts=args.max_restarts)
     return report_failures(results)
 
 

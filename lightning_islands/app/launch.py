@@ -58,8 +58,9 @@ def parse_islands(spec: str | Sequence[int]) -> list[int]:
     return sizes
 
 
-def torchrun_command(nproc: int, command: Sequence[str], master_port: int) -> list[str]:
-    """The ``torch.distributed.run`` invocation for one island running ``command``.
+def torchrun_command(nproc: int, command: Sequence[str], master_port: int, max_restarts: int = 0) -> list[str]:
+    """The ``torch.distributed.run`` invocation for one island running ``command``; it restarts the
+    island's processes up to ``max_restarts`` times when one of them dies.
 
     ``python script.py ...``/``python -m mod ...``/``script.py ...`` run under this interpreter;
     anything else runs as a plain executable (``--no-python``).
@@ -68,7 +69,7 @@ def torchrun_command(nproc: int, command: Sequence[str], master_port: int) -> li
     if not cmd:
         raise ValueError("no command given to run in each island; put it after --, e.g. -- python train.py")
     base = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={master_port}"]
+            "--master-addr=127.0.0.1", f"--master-port={master_port}", f"--max-restarts={max_restarts}"]
     head = os.path.basename(cmd[0])
     if head.startswith("python"):
         cmd = cmd[1:]
@@ -141,6 +142,7 @@ def run_islands(
     out: IO[str] | None = None,
     coordinator_host: str = "127.0.0.1",
     link: str | LinkSpec | None = None,
+    max_restarts: int = 0,
 ) -> list[IslandResult]:
     """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
 
@@ -157,11 +159,17 @@ def run_islands(
     ``lo`` (``GLOO_SOCKET_IFNAME=lo``), so only traffic between islands crosses the shaped link.
     The link in effect is printed first and, with ``log_dir``, written to ``link.json`` there; the
     namespaces are removed when the run ends, however it ends.
+
+    ``max_restarts``: an island whose process dies is restarted (all of its processes, by
+    ``torch.distributed.run``) up to this many times, while the others train on; it rejoins them
+    (``TORCHELASTIC_RESTART_COUNT`` tells it that it restarted).
     """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     out = out or sys.stdout
     if link is None:
         return _launch(islands, command, Coordinator(coordinator_host, 0), [[]] * len(islands), [{}] * len(islands),
-                       log_dir, env, island_env, run_id, live, out)
+                       log_dir, env, island_env, run_id, live, out, max_restarts)
     with shaped_link(link, len(islands)) as shaped:
         out.write(f"lightning-islands: {shaped.describe()}\n")
         out.flush()
@@ -172,7 +180,7 @@ def run_islands(
         link_env = [{ENV_LINK_IFNAME: port.interface, "GLOO_SOCKET_IFNAME": "lo"} for port in shaped.islands]
         prefixes = [shaped.exec_prefix(i) for i in range(len(islands))]
         return _launch(islands, command, coordinator, prefixes, link_env, log_dir, env, island_env, run_id, live,
-                       out)
+                       out, max_restarts)
 
 
 def link_record(shaped: ShapedLink) -> dict[str, Any]:
@@ -185,7 +193,7 @@ def link_record(shaped: ShapedLink) -> dict[str, Any]:
 def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordinator, prefixes: Sequence[list[str]],
             link_env: Sequence[Mapping[str, str]], log_dir: str | os.PathLike | None, env: Mapping[str, str] | None,
             island_env: Sequence[Mapping[str, str]] | None, run_id: str | None, live: bool | None,
-            out: IO[str]) -> list[IslandResult]:
+            out: IO[str], max_restarts: int = 0) -> list[IslandResult]:
     """:func:`run_islands` once the coordinator serves: island ``i`` runs under ``prefixes[i]``
     with ``link_env[i]`` added to its environment."""
     live = out.isatty() if live is None else live
@@ -208,7 +216,7 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
             child_env.setdefault(ENV_PROGRESS, "0")
         if island_env is not None:
             child_env.update(island_env[i])
-        cmd = list(prefixes[i]) + torchrun_command(nproc, command, free_port())
+        cmd = list(prefixes[i]) + torchrun_command(nproc, command, free_port(), max_restarts)
         single_interactive = len(islands) == 1 and live
         proc = subprocess.Popen(
             cmd, env=child_env, text=True, bufsize=1,

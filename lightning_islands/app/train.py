@@ -66,8 +66,9 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
         except (ValueError, LinkUnavailable) as err:
             raise SystemExit(f"lightning-islands: islands.link: {err}") from err
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
+    restarts = int(cfg.islands.get("max_restarts", 0) or 0) if cfg.strategy.name == "islands" else 0
     results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],
-                          log_dir=run_dir, link=link)
+                          log_dir=run_dir, link=link, max_restarts=restarts)
     code = report_failures(results)
     if code:
         raise SystemExit(code)

@@ -72,6 +72,7 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             fragments=int(isl.get("fragments", 1)),
             fragment_layout=isl.get("fragment_layout", "strided"), overlap_steps=int(isl.get("overlap_steps", 0)),
             overlap_alpha=float(isl.get("overlap_alpha", 0.0)), secret_file=isl.get("secret_file"),
+            min_islands=int(isl.get("min_islands", 1)), grace_s=isl.get("grace_s"),
             steps_per_round=member.get("steps_per_round"),
             unit_classes=cfg.strategy.get("unit_classes"),
             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True),

@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def majority(states: Sequence[Any]) -> list[int]:
-    """The islands in the largest group of equal ``states`` (a tie: the group of the lowest island)."""
+def majority(headers: Sequence[dict[str, Any]]) -> list[int]:
+    """The islands in the largest group of equal global state (the headers' ``state``; a tie: the
+    group of the lowest island). Only islands present in the round vote, and an island that is
+    (re)joining never does: its state is whatever it restarted with."""
     groups: dict[str, list[int]] = {}
-    for i, state in enumerate(states):
-        groups.setdefault(json.dumps(state, sort_keys=True), []).append(i)
-    return max(groups.values(), key=lambda g: (len(g), -g[0]))
+    for i, h in enumerate(headers):
+        if not h.get("absent") and not h.get("joining"):
+            groups.setdefault(json.dumps(h.get("state"), sort_keys=True), []).append(i)
+    return max(groups.values(), key=lambda g: (len(g), -g[0])) if groups else []
 
 
 def state_summary(engine: IslandEngine, fragment: int) -> dict[str, Any]:
@@ -48,9 +51,9 @@ def repair(engine: IslandEngine, headers: Sequence[dict[str, Any]], locals_: Seq
     others take them (into ``locals_`` too). Such an island is left out of this round's merge
     (its pseudo-gradient was taken from the wrong anchors). Returns how many islands were repaired."""
     states = [h.get("state") for h in headers]
-    good = majority(states)
-    bad = [i for i in range(len(headers)) if i not in good]
-    if not bad:
+    good = majority(headers)
+    bad = [i for i, h in enumerate(headers) if i not in good and not h.get("absent")]
+    if not bad or not good:
         return 0
     src, has_momentum = good[0], states[good[0]]["momentum"] is not None
     n = engine.layout.numel

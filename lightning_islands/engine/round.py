@@ -42,10 +42,20 @@ from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import IslandSettings, compare_fingerprints
 from lightning_islands.engine.state import OuterState
 from lightning_islands.engine.stats import RoundStats, sum_sq
+from lightning_islands.membership import LateForRound, RoundLost, RunEnded
 from lightning_islands.transport import IslandAborted
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+# what a round's headers hold for an island that is not present in it
+ABSENT = {"absent": True, "tokens": 0.0, "steps": 0, "step_seconds": 0.0, "experts": None, "stop": False,
+          "norm": None, "state": None}
+# errors of the leader that every rank re-raises as they are: the round is run again, or rejoined
+_RETRIED = {cls.__name__: cls for cls in (RoundLost, LateForRound, RunEnded)}
+# the shortest default grace window (a short round must not drop an island that pauses briefly)
+GRACE_FLOOR_S = 10.0
+# how many times a round is run again after losing an island before the run gives up
+MAX_ATTEMPTS = 16
 
 
 @dataclass
@@ -104,7 +114,16 @@ class IslandEngine:
         self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)
         self.last_round_metrics: dict[str, float] = {}
         self.initial_state_broadcast: bool | None = None  # whether island 0's state had to be sent
+        self.joining = False  # (re)joining: the next round replaces this island's global state
+        self._step_seconds = 0.0  # the last round's seconds per inner step (the default grace window)
         self._state_exchanges = 0
+
+    def grace_s(self) -> float:
+        """How long a round waits for an island that shows no sign of life: ``grace_s``, else the
+        expected length of a round (this island's last one), at least 10 s."""
+        if self.settings.grace_s is not None:
+            return float(self.settings.grace_s)
+        return max(GRACE_FLOOR_S, self.schedule.steps_per_round * self._step_seconds)
 
     @property
     def is_leader(self) -> bool:
@@ -121,6 +140,8 @@ class IslandEngine:
         if self.is_leader:
             try:
                 box = ("ok", leader_work())
+            except (RoundLost, LateForRound, RunEnded) as err:  # not a failure of the island: no abort
+                box = (type(err).__name__, str(err))
             except Exception as err:  # noqa: BLE001 - forwarded to every rank below
                 message = f"island {self.island}: {type(err).__name__}: {err}"
                 if self.link is not None and not isinstance(err, IslandAborted):
@@ -130,22 +151,30 @@ class IslandEngine:
         box = self.group.broadcast_object(box)
         if box[0] == "error":
             raise RuntimeError(box[1])
+        if box[0] in _RETRIED:
+            raise _RETRIED[box[0]](box[1])
         return box[1]
 
     # ------------------------------------------------------------------ rendezvous
-    def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any]) -> None:
+    def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool = False) -> None:
         """Leader: open the link, compare fingerprints through the coordinator, then open the lanes;
-        every rank raises if any island differs."""
+        every rank raises if any island differs. ``rejoining``: a restarted island compares with
+        what the others published when they started, whether or not they resumed, and opens no
+        lanes (the round that takes it back builds them)."""
 
         def leader() -> None:
             try:
                 self.link = open_link()
             except Exception as err:
                 raise RuntimeError(f"could not meet the other islands: {err}") from err
-            error = compare_fingerprints(self.link.gather_objects("fingerprint", fingerprint))
+            prints = self.link.gather_objects("fingerprint", fingerprint)
+            if rejoining:
+                prints = [{k: v for k, v in p.items() if k != "resuming"} for p in prints]
+            error = compare_fingerprints(prints)
             if error:
                 raise RuntimeError(error)
-            self.link.open_lanes()
+            if not rejoining:
+                self.link.open_lanes()
 
         self.agree(leader)
 
@@ -379,6 +408,7 @@ class IslandEngine:
                         for d, i in zip(deltas, idx)]
         delta_sq, tokens = self.group.sum([own_sq, float(self.round_tokens)])
         step_seconds = self.schedule.step_seconds(t_start)
+        self._step_seconds = step_seconds
         pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps,
                                experts=experts)
         window_tokens, window_experts = self._since_last_sync(pending, layout)
@@ -386,20 +416,89 @@ class IslandEngine:
                   "step_seconds": step_seconds, "experts": window_experts, "stop": stop,
                   "norm": math.sqrt(delta_sq) if math.isfinite(delta_sq) else None,
                   "state": self.state_summary(fragment) if self.num_islands > 1 else None}
+        if self.joining:
+            header["joining"] = True  # its state is whatever it restarted with: it is repaired, not merged
         if background:
             return self._start_background(pending, sent, delta_sq, header)
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return self._attempt(pending, sent, delta_sq, header, locals_)
+            except RoundLost as err:
+                if self.is_leader:
+                    log.warning("islands: %s (attempt %d)", err, attempt + 1)
+            except LateForRound as err:
+                return self._left_behind(pending, str(err), 0)
+            except RunEnded:
+                return self._ended(pending)
+        raise IslandAborted(f"round {self.schedule.round} failed {MAX_ATTEMPTS} times in a row; see the warnings")
+
+    def _attempt(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: dict[str, Any],
+                 locals_: Sequence[Tensor]) -> PendingRound:
+        """One attempt of a synchronous round: headers, repair, exchange, and the agreement that it counted."""
         coefs: dict[str, list[Tensor]] = {}  # the leader's per-expert merge coefficients of this round
         pending.headers = self.agree(lambda: self._meet_round(header, coefs))
+        if any(h["steps"] > 0 for h in pending.headers):
+            pending.grads, pending.metrics = self._exchange(sent, delta_sq, pending.headers, coefs, pending.fragment)
+            pending.metrics.update(self._expert_gap_metrics(pending.headers))
+        # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
+        # outer step on zero pseudo-gradients would still move the anchor by the momentum
+        self.agree(lambda: self._settle(pending.stop))
         if pending.stop:
             self.schedule.stopping = True
-        pending.repaired = self._repair(pending.headers, locals_)
-        if not any(h["steps"] > 0 for h in pending.headers):
-            # Every island ended exactly at a round boundary: this exchange only agreed to stop, and an
-            # outer step on zero pseudo-gradients would still move the anchor by the momentum.
-            return pending
-        pending.grads, pending.metrics = self._exchange(sent, delta_sq, pending.headers, coefs, fragment)
-        pending.metrics.update(self._expert_gap_metrics(pending.headers))
+        self.joining = False
+        # after the exchange, as an overlapped round does (a joiner's round and the others' may differ in kind)
+        pending.repaired = self._repair_counted(pending.headers, locals_)
         return pending
+
+    def _settle(self, stop: bool) -> None:
+        """Leader: wait until every member finished the round's exchange (it counts); a last round
+        is recorded, so that an island still rejoining stops too."""
+        settle = getattr(self.link, "settle_round", None)
+        if settle is None:
+            return
+        settle()
+        if stop:
+            self.link.end_run(self.schedule.round)  # type: ignore[union-attr]
+
+    def _left_behind(self, pending: PendingRound, why: str, steps_since: int) -> PendingRound:
+        """The round went on without this island (it came too late): it takes no outer step now and
+        joins the next round, where the others' global state replaces its own. ``steps_since``:
+        inner steps taken since the round's sync point (they count for the next round)."""
+        if self.is_leader:
+            log.warning("islands: %s; island %d rejoins at the next round", why, self.island)
+        self.joining = True
+        self.schedule.skip(steps_since)
+        pending.headers, pending.grads = [], None
+        return pending
+
+    def _ended(self, pending: PendingRound) -> PendingRound:
+        """The others ended training while this island was getting back in: it stops too."""
+        if self.is_leader:
+            log.warning("islands: the other islands ended training; island %d stops at round %d", self.island,
+                        self.schedule.round)
+        self.schedule.stopping = True
+        pending.headers, pending.grads = [dict(ABSENT, stop=True)], None
+        return pending
+
+    @torch.no_grad()
+    def rejoin(self, locals_: Sequence[Tensor]) -> tuple[dict[str, float], bool]:
+        """A restarted island (every rank): ask the live islands to take it back, then run the round
+        they take it into as a joiner: it receives their global parameters, outer state and round
+        number, takes that round's outer step with them and ends it bit-identical to them. Returns
+        the round's metrics and whether the islands agreed to stop after it."""
+        self.state.set_anchors(locals_)
+        assert self.link is not None or not self.is_leader
+        try:
+            round_ = self.agree(lambda: self.link.rejoin(self.settings.max_wait_s))  # type: ignore[union-attr]
+        except RunEnded:
+            self.schedule.stopping = True
+            return {}, True
+        self.schedule.rejoin(round_)
+        self.joining = True
+        if self.is_leader:
+            log.warning("islands: island %d rejoins the run at round %d", self.island, round_)
+        # synchronous: its link sees the same calls as the others' round, overlapped or not
+        return self.run_round(locals_)
 
     def _since_last_sync(self, pending: PendingRound, layout: CanonicalLayout
                          ) -> tuple[float, dict[str, list[float]] | None]:
@@ -442,10 +541,26 @@ class IslandEngine:
 
     def _exchange_in_background(self, flat: Tensor, delta_sq: float, header: dict[str, Any], fragment: int,
                                 keep_residual: bool) -> dict[str, Any]:
-        """The leader's background work of an overlapped round: headers, then every chunk."""
+        """The leader's background work of an overlapped round: headers, then every chunk; a round
+        that loses an island runs again without it."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                return self._background_attempt(flat, delta_sq, header, fragment, keep_residual)
+            except RoundLost as err:
+                log.warning("islands: %s (attempt %d)", err, attempt + 1)
+            except LateForRound as err:
+                return {"headers": [], "late": str(err)}
+            except RunEnded:
+                return {"headers": [dict(ABSENT, stop=True)], "ended": True}
+        raise IslandAborted(f"round {header['round']} failed {MAX_ATTEMPTS} times in a row; see the warnings")
+
+    def _background_attempt(self, flat: Tensor, delta_sq: float, header: dict[str, Any], fragment: int,
+                            keep_residual: bool) -> dict[str, Any]:
         coefs: dict[str, list[Tensor]] = {}
         headers = self._meet_round(header, coefs)
+        stop = any(h["stop"] for h in headers)
         if not any(h["steps"] > 0 for h in headers):
+            self._settle(stop)
             return {"headers": headers}
         layout = self.fragment_layouts[fragment]
         members = self._members(headers)
@@ -455,12 +570,13 @@ class IslandEngine:
         merged = torch.empty_like(flat)
         residual = torch.empty_like(flat) if keep_residual else None
         chunks = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
-        for start, stop in chunks:
-            got, dropped = exchange.run(flat[start:stop], start)
-            merged[start:stop].copy_(got)
+        for start, stop_at in chunks:
+            got, dropped = exchange.run(flat[start:stop_at], start)
+            merged[start:stop_at].copy_(got)
             if residual is not None:
-                residual[start:stop].copy_(dropped)
+                residual[start:stop_at].copy_(dropped)
         exchange.release()
+        self._settle(stop)
         metrics = self._exchange_metrics(stats, exchange, len(chunks))
         metrics.update(self._expert_gap_metrics(headers))
         # this thread's waits for the other islands were not idle time (training went on): the round's
@@ -486,8 +602,16 @@ class IslandEngine:
         flight, box = pending.flight, {}
         self.in_flight, pending.flight = None, None
         pending.headers = self.agree(lambda: (box.update(flight.join()), box["headers"])[1])  # type: ignore[union-attr]
+        late, ended = self.agree(lambda: (box.get("late"), box.get("ended")))
+        if late:
+            self._left_behind(pending, late, self.schedule.inner_steps - pending.inner_steps)
+            return
+        if ended:
+            self._ended(pending)
+            return
         if pending.stop:
             self.schedule.stopping = True
+        self.joining = False
         waited = time.perf_counter() - t0
         if not any(h["steps"] > 0 for h in pending.headers):
             return
@@ -510,7 +634,7 @@ class IslandEngine:
         overlapped = pending is self.in_flight
         if overlapped:
             self._complete(pending)
-            pending.repaired = self._repair(pending.headers, locals_)
+            pending.repaired = self._repair_counted(pending.headers, locals_)
         if pending.grads is None:
             return {}
         idx = self.state.indices(pending.fragment)
@@ -540,15 +664,26 @@ class IslandEngine:
     def _members(self, headers: Sequence[dict[str, Any]]) -> list[int]:
         """The islands merged this round: those that hold the majority's global state (see
         :meth:`_repair`) with a sound pseudo-gradient (:func:`outer.merge_members` of the norms)."""
-        agree = set(health.majority([h.get("state") for h in headers]))
-        sound = outer.merge_members([h.get("norm") for h in headers], self.settings.exclude_norm_ratio)
-        return [i for i in sound if i in agree]
+        agree = set(health.majority(headers))
+        voting = [h.get("norm") if i in agree else None for i, h in enumerate(headers)]
+        return outer.merge_members(voting, self.settings.exclude_norm_ratio)
 
     # ------------------------------------------------------------------ the state check
     def state_summary(self, fragment: int) -> dict[str, Any]:
         """What every island's global state of ``fragment`` must agree on before a round
         (:func:`health.state_summary`; a collective of the island)."""
         return health.state_summary(self, fragment)
+
+    def _repair_counted(self, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
+        """:meth:`_repair` once the round counted: a peer lost meanwhile leaves a drifted island as
+        it was (it is repaired at its next round, not voting until then)."""
+        try:
+            return self._repair(headers, locals_)
+        except RoundLost as err:
+            if self.is_leader:
+                log.warning("islands: %s", err)
+            self.joining = self.joining or self.island not in health.majority(headers)
+            return 0
 
     def _repair(self, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
         """Replace a drifted island's global state (:func:`health.repair`; every rank)."""
@@ -564,10 +699,15 @@ class IslandEngine:
         headers = [header]
         if self.link is not None:
             t0 = time.perf_counter()
-            headers = self.link.gather_objects(f"round{self.schedule.round}", header)
+            meet = getattr(self.link, "meet_round", None)
+            headers = ([ABSENT if h is None else h for h in meet(self.schedule.round, header)] if meet is not None
+                       else self.link.gather_objects(f"round{self.schedule.round}", header))
             self.link.add_wait(time.perf_counter() - t0)
+            for change in self.link.membership_changes() if hasattr(self.link, "membership_changes") else []:
+                log.warning("islands: island %d sees membership change: %s", self.island, change)
         members = self._members(headers)
-        left_out = [i for i in range(len(headers)) if i not in members]
+        left_out = [i for i, h in enumerate(headers) if i not in members and not h.get("absent")
+                    and not h.get("joining")]
         if not members:
             raise RuntimeError(f"round {self.schedule.round}: every island's pseudo-gradient is non-finite (NaN or "
                                "inf): training diverged; resume from an earlier checkpoint with a lower learning rate")
@@ -577,7 +717,7 @@ class IslandEngine:
                         "than exclude_norm_ratio=%s times the median); they adopt the merged result",
                         self.schedule.round, left_out, norms, self.settings.exclude_norm_ratio)
         by_name = {e.name: e for e in self.layout.entries}
-        for name in headers[0]["experts"] or {}:  # None without expert weighting
+        for name in headers[members[0]]["experts"] or {}:  # None without expert weighting
             coefs[name] = outer.expert_coefficients([headers[i]["experts"][name] for i in members])
             if by_name[name].shape[0] != coefs[name][0].numel():
                 raise ValueError(f"{name} has {by_name[name].shape[0]} rows but {coefs[name][0].numel()} expert counts")
@@ -587,10 +727,10 @@ class IslandEngine:
         """With expert weighting: how far the per-expert coefficients were from the islands' merge
         weights this round (largest, and token-weighted mean over experts, averaged over the expert
         parameters); nothing without it."""
-        names = list(headers[0]["experts"] or {})
+        members = self._members(headers)
+        names = list(headers[members[0]]["experts"] or {}) if members else []
         if not names:
             return {}
-        members = self._members(headers)
         all_weights = self._weights(headers)
         weights = [all_weights[i] for i in members]
         gaps = [outer.expert_share_gap([headers[i]["experts"][n] for i in members], weights) for n in names]
@@ -643,6 +783,7 @@ class IslandEngine:
         metrics = stats.metrics(error_feedback=self.settings.use_error_feedback)
         metrics["islands/exchange_chunks"] = float(chunks)
         metrics["islands/islands_left_out"] = float(self.num_islands - len(exchange.members))
+        metrics["islands/islands_present"] = float(len(getattr(self.link, "present", range(self.num_islands))))
         if self.link is not None:
             for key, value in exchange.link_sums.items():
                 self.totals[key] += value

@@ -96,6 +96,17 @@ class Schedule:
         self.total_tokens += int(tokens)
         self.steps_per_round = next_steps
 
+    def skip(self, steps_since: int = 0) -> None:
+        """The round went on without this island: move to the next one without an outer step."""
+        self.round += 1
+        self.round_steps = steps_since
+        self.steps_per_round = self.planned_steps(self.round)
+
+    def rejoin(self, round_: int) -> None:
+        """A restarted island enters the rounds at ``round_`` (the live islands' current round)."""
+        self.round, self.round_steps, self.stopping = round_, 0, False
+        self.steps_per_round = self.planned_steps(round_)
+
     # ------------------------------------------------------------------ the clock
     def restart_clock(self, untimed_first_step: bool = False) -> None:
         """Time the round from now: no steps, nothing untimed yet. ``untimed_first_step``: the next

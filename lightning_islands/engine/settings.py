@@ -88,6 +88,14 @@ class IslandSettings:
         exclude_norm_ratio: a round merges without an island whose pseudo-gradient is not finite, or
             whose norm is more than this many times the (lower) median of the islands' norms (0 or
             ``None``: only non-finite ones); that island adopts the merged result.
+        min_islands: the fewest islands a round may go on with. A round proceeds with the islands
+            that arrive; one that died (silent for ``grace_s``) is left out, the others' merge
+            weights renormalized over those present, and it is taken back when it restarts (it
+            rejoins). Fewer islands alive than this ends the run with an error naming them.
+        grace_s: how long a round waits for an island that shows no sign of life (its process's
+            liveness beat stopped) before going on without it. ``None``: the expected length of a
+            round (this island's last one), at least 10 s. An island that is alive is waited for,
+            up to ``max_wait_s``.
         exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
             of fp32 (rounded down to whole codec blocks and packing groups), one after another:
             gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
@@ -123,6 +131,8 @@ class IslandSettings:
     fragment_layout: str = "strided"
     overlap_steps: int = 0
     overlap_alpha: float = 0.0
+    min_islands: int = 1
+    grace_s: float | None = None
     # derived, set by __post_init__
     use_error_feedback: bool = field(init=False)
     exchange_chunk: int | None = field(init=False)
@@ -130,6 +140,10 @@ class IslandSettings:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.max_wait_s <= 0:
             raise ValueError(f"timeout_s and max_wait_s must be > 0, got {self.timeout_s} and {self.max_wait_s}")
+        if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int) or self.min_islands < 1:
+            raise ValueError(f"min_islands must be an int >= 1 (islands.min_islands), got {self.min_islands!r}")
+        if self.grace_s is not None and not self.grace_s > 0:
+            raise ValueError(f"grace_s must be > 0 or null (the expected round length), got {self.grace_s!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
         self.sync_warmup = sync_warmup_list(self.sync_warmup)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -108,6 +109,34 @@ class Regression(pl.LightningModule):
         return DataLoader(batches[self.trainer.global_rank :: self.trainer.world_size], batch_size=None)
 
 
+class Killer(pl.Callback):
+    """SIGKILLs this process, as a lost machine ends: after inner step ``step`` (``phase="inner"``),
+    or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent)."""
+
+    def __init__(self, phase: str, step: int, round_: int) -> None:
+        self.phase, self.step, self.round = phase, step, round_
+
+    def on_train_start(self, trainer, module) -> None:
+        link = trainer.strategy.engine.link
+        if self.phase != "exchange" or link is None:
+            return
+        inner = getattr(link, "link", link)  # under an AuthenticatedLink
+        send = inner.all_gather_bytes
+
+        def dying(payload):
+            if trainer.strategy.engine.schedule.round == self.round:
+                print(f"killing island {trainer.strategy.island_index} in round {self.round}'s exchange", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(payload)
+
+        inner.all_gather_bytes = dying
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.phase == "inner" and trainer.global_step == self.step:
+            print(f"killing island {trainer.strategy.island_index} after step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -154,6 +183,12 @@ def main() -> None:
     p.add_argument("--overlap", type=int, default=0, help="the strategy's overlap_steps")
     p.add_argument("--alpha", type=float, default=0.0, help="the strategy's overlap_alpha")
     p.add_argument("--exchange-chunk-mib", type=float, default=1024.0, help="the strategy's exchange_chunk_mib")
+    p.add_argument("--kill-island", type=int, default=-1, help="this island SIGKILLs itself (first start only)")
+    p.add_argument("--kill-step", type=int, default=0, help="...after this inner step (--kill-phase inner)")
+    p.add_argument("--kill-round", type=int, default=0, help="...in this round's exchange (--kill-phase exchange)")
+    p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange"])
+    p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
+    p.add_argument("--grace-s", type=float, default=0.0, help="the strategy's grace_s (0: default)")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -190,7 +225,8 @@ def main() -> None:
                               balance=args.balance, max_rounds=args.max_rounds or None,
                               steps_per_round=per_island(args.steps_per_round) or None,
                               exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
-                              overlap_steps=args.overlap, overlap_alpha=args.alpha)
+                              overlap_steps=args.overlap, overlap_alpha=args.alpha, min_islands=args.min_islands,
+                              grace_s=args.grace_s or None)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
@@ -198,6 +234,7 @@ def main() -> None:
         if s.global_rank == 0:
             torch.save({"params": params, "round": s.round, "metrics": s.last_round_metrics, "digest": digest,
                         "inner_steps": s.engine.schedule.inner_steps,
+                        "restarted": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                         "initial_state_broadcast": s.engine.initial_state_broadcast,
                         "buffers": {n: b.detach().cpu().clone() for n, b in s.lightning_module.named_buffers()},
                         "ef_device": str(s.engine.state.residual[0].device) if s.engine.state.residual else None},
@@ -215,6 +252,9 @@ def main() -> None:
                             p.to_local().fill_(float("nan")) if hasattr(p, "to_local") else p.fill_(float("nan"))
 
         callbacks.append(Diverge())
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if island == args.kill_island and not restarted:
+        callbacks.append(Killer(args.kill_phase, args.kill_step, args.kill_round))
     delay = per_island(args.delays, float)
     first_delay = per_island(args.first_step_delay, float)
     if delay or first_delay:

@@ -1,0 +1,311 @@
+"""Which islands take part in a round: decided once, atomically, in the coordinator's store.
+
+Every island's leader publishes its round header under the round's key and waits. The round's
+member set is decided as soon as every island expected is there, or once the missing ones have been
+silent (no liveness beat) for the grace window, or once ``max_wait`` has passed, provided at least
+``min_islands`` arrived. Whichever island decides first writes the set with ``compare_set``; every
+island then reads the same set from the store. Islands expected are those of the previous round plus
+those asking to (re)join.
+
+A round is an attempt: when an island is lost during the exchange (its lanes fail), every survivor
+marks the attempt failed and the round runs again with the islands still alive. An attempt counts
+only when every member said it finished its exchange (:meth:`Membership.settle`): the outcome, too,
+is written once with ``compare_set``, so no two live islands disagree on whether a round happened.
+
+Nothing here knows about tensors or lanes; it reads and writes small keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+# how often a waiting island polls the store
+POLL_S = 0.01
+
+
+class RoundLost(RuntimeError):
+    """An island of the round was lost during it: the round runs again without it."""
+
+
+class LateForRound(RuntimeError):
+    """The round was decided without this island (it arrived after the grace window): it rejoins."""
+
+
+class QuorumLost(RuntimeError):
+    """Fewer than ``min_islands`` islands are alive: training cannot go on."""
+
+
+class RunEnded(RuntimeError):
+    """The other islands ended training (an agreed last round) before this one got back in."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One attempt of one round, as decided in the store.
+
+    ``present``: the islands whose payloads move in this attempt, ascending; ``lanes``: the key the
+    lanes of this member set are built under (the same as the previous round's while the set stays).
+    """
+
+    round: int
+    attempt: int
+    present: tuple[int, ...]
+    lanes: str
+    joining: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """Where this attempt's keys live in the run's namespace."""
+        return f"round{self.round}/a{self.attempt}"
+
+    def to_json(self) -> str:
+        return json.dumps({"round": self.round, "attempt": self.attempt, "present": list(self.present),
+                           "lanes": self.lanes, "joining": list(self.joining)})
+
+    @staticmethod
+    def from_json(text: bytes | str) -> Decision:
+        d = json.loads(text)
+        return Decision(int(d["round"]), int(d["attempt"]), tuple(d["present"]), str(d["lanes"]),
+                        tuple(d.get("joining", ())))
+
+
+@dataclass
+class _Watch:
+    """When each island's liveness beat last changed, as seen from here."""
+
+    seen: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)
+
+    def silent_for(self, island: int, beat: bytes | None, now: float) -> float:
+        last = self.seen.get(island)
+        if last is None or last[0] != beat:
+            self.seen[island] = (beat, now)
+            return 0.0
+        return now - last[1]
+
+
+class Membership:
+    """One island's side of the per-round membership protocol (the leader's).
+
+    Args:
+        store: a client of the coordinator's store.
+        run_id: the run's namespace.
+        island: this island; ``num_islands``: how many the run has.
+        min_islands: the fewest islands a round may proceed with.
+        grace_s: how long a missing island may stay silent (no liveness beat) before a round goes on
+            without it; a callable is asked each time (the expected round length can change).
+        max_wait_s: the longest a round waits for islands that are alive but do not arrive.
+        aborted: ``aborted(i)``: island ``i``'s failure report, or ``None``.
+    """
+
+    def __init__(self, store: dist.Store, run_id: str, island: int, num_islands: int, min_islands: int,
+                 grace_s: float | Callable[[], float], max_wait_s: float | None,
+                 aborted: Callable[[int], str | None]) -> None:
+        if not 1 <= min_islands <= num_islands:
+            raise ValueError(f"min_islands must be in [1, {num_islands}], got {min_islands}")
+        self.store, self.run_id, self.island, self.num_islands = store, run_id, island, num_islands
+        self.min_islands = min_islands
+        self._grace = grace_s
+        self.max_wait_s = max_wait_s
+        self.aborted = aborted
+        self.previous: Decision | None = None  # the last attempt this island took part in
+        self.committed: Decision | None = None  # the last attempt that counted
+        self._watch = _Watch()
+        self._attempt: dict[int, int] = {}  # round -> the attempt this island is at
+        self.changes: list[str] = []  # membership changes seen, for the log
+
+    @property
+    def grace_s(self) -> float:
+        return float(self._grace() if callable(self._grace) else self._grace)
+
+    # ------------------------------------------------------------------ keys
+    def _k(self, key: str) -> str:
+        return f"{self.run_id}/{key}"
+
+    def alive_key(self, island: int) -> str:
+        """Where island ``island``'s liveness beat lives."""
+        return self._k(f"alive/{island}")
+
+    def _get(self, key: str) -> bytes | None:
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def _silent(self, islands: Sequence[int], now: float) -> dict[int, float]:
+        return {i: self._watch.silent_for(i, self._get(self.alive_key(i)), now) for i in islands}
+
+    def _gone(self, island: int, silent: float) -> bool:
+        return silent > self.grace_s or self.aborted(island) is not None
+
+    def joiners(self) -> list[int]:
+        """Islands asking to (re)join."""
+        return [i for i in range(self.num_islands) if i != self.island and self.store.check([self._k(f"join/{i}")])]
+
+    # ------------------------------------------------------------------ one round
+    def decide(self, round_: int, header: dict[str, Any]) -> tuple[Decision, list[dict[str, Any] | None]]:
+        """Publish ``header`` for round ``round_`` and wait for its member set; returns the decision
+        and every island's header in island order (``None`` for an island not present).
+
+        Raises :class:`LateForRound` when the round was decided without this island and
+        :class:`QuorumLost` when fewer than ``min_islands`` islands are alive.
+        """
+        while True:
+            attempt = self._attempt.setdefault(round_, 0)
+            decision = self._decision_of(round_, attempt, header)
+            for j in decision.joining:  # where a restarted joiner learns which round takes it in
+                if j != self.island:
+                    self.store.set(self._k(f"joined_at/{j}"), decision.to_json())
+            if self.island not in decision.present:
+                raise LateForRound(f"round {round_} was decided without island {self.island} (members "
+                                   f"{list(decision.present)}): it arrived after the grace window")
+            try:
+                headers = self._headers(decision)
+            except RoundLost:
+                self.fail(decision)
+                self._attempt[round_] = attempt + 1
+                continue
+            self._note(decision)
+            return decision, headers
+
+    def _decision_of(self, round_: int, attempt: int, header: dict[str, Any]) -> Decision:
+        key = f"round{round_}/a{attempt}"
+        self.store.set(self._k(f"{key}/h/{self.island}"), json.dumps(header))
+        expected = set(self.previous.present if self.previous else range(self.num_islands)) | {self.island}
+        started = time.monotonic()
+        while True:
+            found = self._get(self._k(f"{key}/members"))
+            if found is not None:
+                return Decision.from_json(found)
+            ended = self._get(self._k("ended"))
+            if ended is not None and int(ended) < round_:
+                raise RunEnded(f"the other islands ended training after round {int(ended)}")
+            arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
+            now = time.monotonic()
+            # a joiner sends its header once the decision names it: it is waited for only if alive
+            joiners = set(self.joiners()) - arrived
+            missing = expected - arrived - joiners
+            silent = self._silent(sorted(missing | joiners), now)
+            gone = {i for i in missing | joiners if self._gone(i, silent[i])}
+            alive = arrived | (missing - gone) | (joiners - gone)
+            waited_out = self.max_wait_s is not None and now - started > self.max_wait_s
+            if len(alive) < self.min_islands:
+                raise QuorumLost(
+                    f"round {round_}: only islands {sorted(alive)} are alive, fewer than "
+                    f"min_islands={self.min_islands}; islands {sorted(gone)} were silent for more than "
+                    f"{self.grace_s:g} s (grace_s) or failed. Restart them (they rejoin) or lower islands.min_islands")
+            if not missing - gone or (waited_out and len(arrived) >= self.min_islands):
+                present = tuple(sorted(arrived | (joiners - gone)))
+                if len(present) >= self.min_islands:
+                    return self._propose(round_, attempt, present, tuple(sorted(joiners - gone)))
+            time.sleep(POLL_S)
+
+    def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...]) -> Decision:
+        # the lanes stay while the members do: this island took part in the previous round with the same set
+        done = self.committed
+        keep = (attempt == 0 and done is not None and done.round == round_ - 1 and done.present == present
+                and not joining)
+        lanes = done.lanes if keep else f"round{round_}/a{attempt}"  # type: ignore[union-attr]
+        mine = Decision(round_, attempt, present, lanes, joining)
+        key = self._k(f"round{round_}/a{attempt}/members")
+        won = self.store.compare_set(key, "", mine.to_json())
+        return Decision.from_json(won)
+
+    def _headers(self, decision: Decision) -> list[dict[str, Any] | None]:
+        """Every present island's header (a joiner publishes its own once it sees the decision)."""
+        keys = {i: self._k(f"{decision.key}/h/{i}") for i in decision.present}
+        while True:
+            missing = [i for i, k in keys.items() if not self.store.check([k])]
+            if not missing:
+                break
+            if self._outcome(decision) == "fail":
+                raise RoundLost(f"round {decision.round} attempt {decision.attempt} failed on another island")
+            silent = self._silent(missing, time.monotonic())
+            lost = [i for i in missing if self._gone(i, silent[i])]
+            if lost:
+                raise RoundLost(f"islands {lost} were lost before sending their round {decision.round} header")
+            time.sleep(POLL_S)
+        return [json.loads(self.store.get(keys[i])) if i in keys else None for i in range(self.num_islands)]
+
+    def _note(self, decision: Decision) -> None:
+        prev = self.previous
+        if decision.joining or (prev is None and len(decision.present) < self.num_islands) or (
+                prev is not None and prev.present != decision.present):
+            before = list(prev.present) if prev else list(range(self.num_islands))
+            self.changes.append(f"round {decision.round}: members {before} -> {list(decision.present)}"
+                                + (f" (joining: {list(decision.joining)})" if decision.joining else ""))
+        self.previous = decision
+
+    # ------------------------------------------------------------------ the outcome
+    def _outcome(self, decision: Decision) -> str | None:
+        found = self._get(self._k(f"{decision.key}/outcome"))
+        return None if found is None else found.decode()
+
+    def fail(self, decision: Decision) -> None:
+        """Mark the attempt failed (this island lost a peer during it), unless it already counted."""
+        self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "fail")
+
+    def settle(self, decision: Decision) -> None:
+        """After this island's exchange of the attempt: wait until every member finished it (the
+        attempt counts) or one was lost (:class:`RoundLost`: run the round again)."""
+        self.store.set(self._k(f"{decision.key}/done/{self.island}"), "1")
+        keys = {i: self._k(f"{decision.key}/done/{i}") for i in decision.present}
+        while True:
+            outcome = self._outcome(decision)
+            if outcome is None:
+                missing = [i for i, k in keys.items() if not self.store.check([k])]
+                if not missing:
+                    outcome = self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "ok").decode()
+                else:
+                    silent = self._silent(missing, time.monotonic())
+                    if any(self._gone(i, silent[i]) for i in missing):
+                        self.fail(decision)
+                        continue
+            if outcome == "ok":
+                self.committed = decision
+                if self.island in decision.joining:
+                    self.store.delete_key(self._k(f"join/{self.island}"))
+                return
+            if outcome == "fail":
+                self._attempt[decision.round] = decision.attempt + 1
+                raise RoundLost(f"round {decision.round} attempt {decision.attempt} lost an island; running it "
+                                "again without it")
+            time.sleep(POLL_S)
+
+    def end(self, round_: int) -> None:
+        """Record that the run ended with round ``round_`` (an island still trying to get back in stops)."""
+        self.store.set(self._k("ended"), str(round_))
+
+    def retry(self, decision: Decision) -> None:
+        """This island's exchange of the attempt failed: mark it failed; the next :meth:`decide` of
+        the round runs the next attempt."""
+        self.fail(decision)
+        self._attempt[decision.round] = decision.attempt + 1
+
+    # ------------------------------------------------------------------ rejoining
+    def request_join(self) -> None:
+        """Ask the live islands to take this one into their next round."""
+        self.previous = self.committed = None
+        self.store.set(self._k(f"join/{self.island}"), "1")
+
+    def await_inclusion(self, timeout_s: float) -> Decision:
+        """Wait until a round is decided with this island joining; returns that decision (the join
+        request is withdrawn, and :meth:`decide` of that round continues at its attempt)."""
+        started, key = time.monotonic(), self._k(f"joined_at/{self.island}")
+        while time.monotonic() - started < timeout_s:
+            ended = self._get(self._k("ended"))
+            if ended is not None:
+                raise RunEnded(f"the other islands ended training after round {int(ended)}")
+            found = self._get(key)
+            if found is not None:
+                decision = Decision.from_json(found)
+                if self._outcome(decision) is None:
+                    self.store.delete_key(self._k(f"join/{self.island}"))
+                    self.store.delete_key(key)
+                    self._attempt[decision.round] = decision.attempt
+                    return decision
+            time.sleep(POLL_S * 5)
+        raise QuorumLost(f"island {self.island} asked to rejoin but no live island took it into a round within "
+                         f"{timeout_s:g} s; are the other islands still training?")

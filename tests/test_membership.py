@@ -1,0 +1,174 @@
+"""Membership per round: islands that die are left out, islands that restart rejoin.
+
+Islands are threads of this test with real :class:`~lightning_islands.transport.IslandLink`s over
+loopback (a real coordinator, real gloo lanes); the multi-process tests with real SIGKILLs and
+torchrun restarts are in tests/test_islands.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from doubles import run_threads
+from test_engine import INNER_LR, SPECS, initial_flat, target
+
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.membership import Decision, Membership, QuorumLost
+from lightning_islands.transport import Coordinator, IslandLink
+
+GRACE = 1.0
+
+
+def _engine(i: int, n: int, link: IslandLink, **kw: Any) -> tuple[IslandEngine, list[torch.Tensor]]:
+    settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, grace_s=GRACE, **kw)
+    layout = CanonicalLayout(SPECS)
+    engine = IslandEngine(settings, layout, i, n, torch.device("cpu"), torch.device("cpu"))
+    locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
+    return engine, locals_
+
+
+def _link(coordinator: Coordinator, i: int, n: int, run_id: str, incarnation: int = 0, **kw: Any) -> IslandLink:
+    return IslandLink(coordinator.address, i, n, run_id=run_id, lanes=2, grace_s=GRACE, incarnation=incarnation, **kw)
+
+
+def test_the_member_set_is_decided_once_for_everyone():
+    """Two islands propose at once; both read the same decision, and the lanes key stays while the
+    members do."""
+    coordinator = Coordinator()
+    store = coordinator.store
+    ms = [Membership(store, "m", i, 2, 1, GRACE, None, lambda i: None) for i in range(2)]
+    got = run_threads([lambda m=m: m.decide(0, {"i": m.island}) for m in ms])
+    assert got[0][0] == got[1][0] and got[0][0].present == (0, 1)
+    assert got[0][1] == [{"i": 0}, {"i": 1}]
+    for m in ms:
+        m.committed = m.previous  # as if settled
+    again = run_threads([lambda m=m: m.decide(1, {"i": m.island}) for m in ms])
+    assert again[0][0].lanes == got[0][0].lanes, "same members: the lanes stay"
+
+
+def test_a_silent_island_is_left_out_after_the_grace_window_and_the_quorum_holds():
+    coordinator = Coordinator()
+    store = coordinator.store
+    m0 = Membership(store, "q", 0, 2, 1, GRACE, None, lambda i: None)
+    t0 = time.monotonic()
+    decision, headers = m0.decide(0, {"i": 0})
+    waited = time.monotonic() - t0
+    assert decision.present == (0,) and headers == [{"i": 0}, None]
+    assert GRACE <= waited < GRACE + 1.0, f"waited {waited:.2f} s for a silent island"
+    strict = Membership(store, "q2", 0, 2, 2, GRACE, None, lambda i: None)
+    with pytest.raises(QuorumLost, match=r"fewer than min_islands=2.*islands.min_islands"):
+        strict.decide(0, {"i": 0})
+
+
+def test_a_failed_attempt_counts_for_no_island():
+    """The outcome is written once: an island that finished its exchange learns that another
+    failed, and the round runs again."""
+    coordinator = Coordinator()
+    ms = [Membership(coordinator.store, "f", i, 2, 1, GRACE, None, lambda i: None) for i in range(2)]
+    decisions = run_threads([lambda m=m: m.decide(0, {})[0] for m in ms])
+    ms[1].retry(decisions[1])
+    from lightning_islands.membership import RoundLost
+    with pytest.raises(RoundLost):
+        ms[0].settle(decisions[0])
+    nxt = run_threads([lambda m=m: m.decide(0, {})[0] for m in ms])
+    assert nxt[0] == nxt[1] and nxt[0].attempt == 1 and nxt[0].lanes != decisions[0].lanes
+
+
+def _train(engine: IslandEngine, locals_: list[torch.Tensor], i: int, until: int, out: dict[int, torch.Tensor],
+           pause: float = 0.0, end: bool = True) -> None:
+    """Inner steps and rounds as the strategy drives them (overlapped rounds land ``overlap_steps``
+    later, the last one is synchronous) until round ``until`` is done (the end of training, when
+    ``end``) or the islands stop; the global state after each round into ``out``."""
+
+    def landed(metrics: dict[str, float], stop: bool) -> bool:
+        if metrics:
+            out[engine.schedule.round] = engine.global_flat().clone()
+        return stop
+
+    while True:
+        goal = target(i, engine.schedule.inner_steps)
+        for k, loc in enumerate(locals_):
+            loc.sub_(torch.mul(torch.sub(loc, engine.layout.shard_of(goal, k)), INNER_LR))
+        engine.count_tokens(4 + i)
+        due = engine.schedule.close_step()
+        time.sleep(pause)
+        if engine.landing_due() and landed(*engine.land(locals_)):
+            return
+        if not due:
+            continue
+        if landed(*engine.land(locals_)):
+            return
+        last = engine.schedule.round + 1 >= until
+        if engine.settings.overlap_steps and not last:
+            engine.start(locals_, background=True)
+        elif landed(*engine.run_round(locals_, stop=last and end)) or last:
+            return
+
+
+@pytest.mark.parametrize("overlap", [0, 1], ids=["sync", "overlap"])
+def test_a_lost_island_is_left_out_and_a_restarted_one_rejoins_bit_identically(overlap):
+    coordinator = Coordinator()
+    run_id = f"rejoin{overlap}"
+    kw = {"overlap_steps": overlap}
+    results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+    died = threading.Event()
+
+    def island0() -> None:
+        link = _link(coordinator, 0, 2, run_id)
+        engine, locals_ = _engine(0, 2, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(False))
+        engine.adopt_initial_state(locals_, {})
+        _train(engine, locals_, 0, 2, results[0], end=False)
+        died.wait(30)
+        _train(engine, locals_, 0, 12, results[0], pause=0.15)
+        link.close()
+
+    def island1() -> None:
+        link = _link(coordinator, 1, 2, run_id)
+        engine, locals_ = _engine(1, 2, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(False))
+        engine.adopt_initial_state(locals_, {})
+        _train(engine, locals_, 1, 2, {}, end=False)
+        link.close()  # "dies": its liveness beat stops, it never sends its round-2 header
+        died.set()
+        time.sleep(2 * GRACE)
+        link = _link(coordinator, 1, 2, run_id, incarnation=1)
+        engine, locals_ = _engine(1, 2, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(True), rejoining=True)
+        engine.state.set_anchors(locals_)
+        _, stop = engine.rejoin(locals_)
+        results[1][engine.schedule.round] = engine.global_flat().clone()
+        if not stop:
+            _train(engine, locals_, 1, 12, results[1])
+        link.close()
+
+    run_threads([island0, island1])
+    back = sorted(results[1])
+    assert back and back[0] > 3, f"island 1 came back at round {back}"
+    assert sorted(results[0]) == list(range(1, 13)), "island 0 trained through every round"
+    assert back[-1] == 12, "island 1 trained to the end with island 0"
+    for r in back:
+        assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
+
+
+def test_decision_json_round_trips():
+    d = Decision(3, 1, (0, 2), "round3/a1", (2,))
+    assert Decision.from_json(d.to_json()) == d
+
+
+def test_a_lost_coordinator_is_named_with_the_fix():
+    import gc
+
+    from lightning_islands.transport import CoordinatorLost
+
+    coordinator = Coordinator()
+    address = coordinator.address
+    link = _link(coordinator, 0, 2, "gone")
+    del coordinator
+    gc.collect()
+    with pytest.raises(CoordinatorLost, match=rf"lost the coordinator at {address}.*restart the run from"):
+        link.meet_round(0, {})
