@@ -1,21 +1,21 @@
 """Islands that die and come back: stall, recovery, goodput and loss, against a run without faults.
 
 Runs the same training (the provided MoE, two islands of one process each, ``islands=two_equal``)
-twice: once without faults, and once with ``islands.max_restarts`` while this script SIGKILLs
+twice, both writing checkpoints every ``--ckpt-every`` steps: once without faults, and once with
+``islands.max_restarts`` while this script SIGKILLs
 island 1's training process every ``--every`` rounds' worth of time (the time the fault-free run
 took for that many rounds), as a lost machine would end. The launcher's torch.distributed.run
-restarts the island, it rejoins island 0 (which trains on meanwhile), and the run ends when island
-0 has taken its steps.
+restarts the island from its last checkpoint (or from nothing before the first), it rejoins island
+0 (which trains on meanwhile), and the run ends when island 0 has taken its steps.
 
     python benchmarks/faults.py [--quick] --out DIR
 
-writes ``DIR/faults.json`` and ``DIR/faults.md``: per fault, when it happened, how long island 0
-stalled (its longest wait for the other island in a round around the fault), how long until
-island 1 was back in a round (fault to recovery) and the rounds until its global state matched
-island 0's (its first round back ends bit-identical, checked by the state hash each round); per
-run, the wall time, the validation loss and the goodput: inner steps merged into the global model
-(each round, H times the islands present) per second of wall time, also relative to the run
-without faults.
+writes ``DIR/faults.json`` and ``DIR/faults.md``: per fault, how long until island 1 was back in a
+round (fault to recovery; its first round back ends bit-identical to island 0's, which the state
+hash of every round checks); per run, the wall time, island 0's longest wait in a round (its stall),
+the validation loss and the goodput: inner steps merged into the global model (each round, H times
+the islands merged: a joiner's round and a lost island's are not) per second, also relative to the
+run without faults.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 
 def _overrides(args: argparse.Namespace, faults: bool) -> list[str]:
-    common = ["model=moe_cpu", "islands=two_equal", "logger=csv", "trainer.checkpoint_every_n_steps=0",
+    common = ["model=moe_cpu", "islands=two_equal", "logger=csv", f"trainer.checkpoint_every_n_steps={args.ckpt_every}",
               f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
               "data.val_windows=16", "data.val_batch_size=16", f"islands.sync_every={args.H}",
               f"islands.codec={args.codec}", f"seed={args.seed}", "experiment.name=faults", "summary_json=true",
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, faults: bool, out: Path, period: float = 0.0) 
     wall = time.time() - started
     summary = json.loads((run_dir / "summary.json").read_text())
     rounds = _rounds(run_dir)
-    merged_steps = sum(m.get("islands/islands_present", 2.0) * args.H for m in rounds)
+    merged_steps = sum((2.0 - m.get("islands/islands_left_out", 0.0)) * args.H for m in rounds)
     island0 = json.loads((run_dir / "island0" / "result.json").read_text())
     row = {"run": "faults" if faults else "clean", "wall_seconds": wall, "fit_seconds": island0["fit_seconds"],
            "rounds": len(rounds), "val_loss": summary["val_loss"], "merged_steps": merged_steps,
@@ -144,7 +144,10 @@ def main() -> None:
     parser.add_argument("--H", type=int, default=4)
     parser.add_argument("--every", type=int, default=20, help="rounds between faults")
     parser.add_argument("--kills", type=int, default=None, help="faults (default: as many as fit)")
-    parser.add_argument("--grace", type=float, default=5.0, help="islands.grace_s")
+    parser.add_argument("--grace", type=float, default=1.0,
+                        help="islands.grace_s (below the restart time: the survivor goes on alone, then takes it back)")
+    parser.add_argument("--ckpt-every", type=int, default=40,
+                        help="trainer.checkpoint_every_n_steps (both runs): a restarted island resumes from its last")
     parser.add_argument("--codec", default="fp32")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")

@@ -250,3 +250,20 @@ def test_tensorboard_logger_writes_events_in_the_run_folder(tmp_path):
     logger.log_metrics({"train/loss": 1.0}, step=0)
     logger.finalize("success")
     assert list((tmp_path / "tb" / "island1").glob("events.out.tfevents.*"))
+
+
+def test_membership_settings_and_restarts_reach_the_strategy_and_the_launcher(tmp_path, monkeypatch):
+    _, strategy = _one_island_strategy(["islands.min_islands=1", "islands.grace_s=7"])
+    assert (strategy.settings.min_islands, strategy.settings.grace_s) == (1, 7)
+    with pytest.raises(ValueError, match=r"min_islands must be an int >= 1 \(islands.min_islands\), got 0"):
+        _one_island_strategy(["islands.min_islands=0"])
+    from lightning_islands.app.launch import torchrun_command
+    from lightning_islands.app.worker import restart_checkpoint
+
+    assert "--max-restarts=3" in torchrun_command(1, ["python", "x.py"], 1234, max_restarts=3)
+    (tmp_path / "last.ckpt").mkdir()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restart_checkpoint(tmp_path) is None, "a first start resumes only from `resume`"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restart_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+    assert restart_checkpoint(tmp_path / "none") is None, "restarted before its first checkpoint: from nothing"

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.strategy import IslandStrategy
-from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS
+from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 
 _TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
                  "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")
@@ -127,6 +127,14 @@ def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> st
     return str(paths[island])
 
 
+def restart_checkpoint(ckpt_dir: Path) -> str | None:
+    """A restarted island (``islands.max_restarts``) resumes from its own latest checkpoint, if it
+    wrote one (its inner optimizer, learning-rate schedule and data position); the round that takes
+    it back replaces its global state with the live islands'. ``None``: a first start, or none yet."""
+    last = ckpt_dir / "last.ckpt"
+    return str(last) if restart_count() > 0 and last.exists() else None
+
+
 class StepDelay(pl.Callback):
     """Emulates a slower island: sleeps ``seconds`` after every training batch."""
 
@@ -186,7 +194,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         use_distributed_sampler=False, enable_progress_bar=progress, enable_model_summary=False,
         **trainer_kwargs,
     )
-    ckpt_path = resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
+    ckpt_path = restart_checkpoint(ckpt_dir) or resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
     # Lightning's own DDP leaves a gloo world to interpreter finalization, where its worker threads
     # can abort the process after a successful run; our strategies register this themselves.
     destroy_world_at_exit()
