@@ -58,6 +58,7 @@ class Decision:
     present: tuple[int, ...]
     lanes: str
     joining: tuple[int, ...] = ()
+    joining_incs: tuple[int, ...] = ()  # each joiner's incarnation (a later restart of it is another process)
 
     @property
     def key(self) -> str:
@@ -66,13 +67,13 @@ class Decision:
 
     def to_json(self) -> str:
         return json.dumps({"round": self.round, "attempt": self.attempt, "present": list(self.present),
-                           "lanes": self.lanes, "joining": list(self.joining)})
+                           "lanes": self.lanes, "joining": list(self.joining), "joining_incs": list(self.joining_incs)})
 
     @staticmethod
     def from_json(text: bytes | str) -> Decision:
         d = json.loads(text)
         return Decision(int(d["round"]), int(d["attempt"]), tuple(d["present"]), str(d["lanes"]),
-                        tuple(d.get("joining", ())))
+                        tuple(d.get("joining", ())), tuple(d.get("joining_incs", ())))
 
 
 @dataclass
@@ -101,11 +102,14 @@ class Membership:
             without it; a callable is asked each time (the expected round length can change).
         max_wait_s: the longest a round waits for islands that are alive but do not arrive.
         aborted: ``aborted(i)``: island ``i``'s failure report, or ``None``.
+        incarnation: this island's start count (its liveness beat reads ``"INCARNATION:COUNT"``):
+            a member whose beat shows another incarnation was restarted, so the process that was a
+            member is gone.
     """
 
     def __init__(self, store: dist.Store, run_id: str, island: int, num_islands: int, min_islands: int,
                  grace_s: float | Callable[[], float], max_wait_s: float | None,
-                 aborted: Callable[[int], str | None]) -> None:
+                 aborted: Callable[[int], str | None], incarnation: int = 0) -> None:
         if not 1 <= min_islands <= num_islands:
             raise ValueError(f"min_islands must be in [1, {num_islands}], got {min_islands}")
         self.store, self.run_id, self.island, self.num_islands = store, run_id, island, num_islands
@@ -113,6 +117,8 @@ class Membership:
         self._grace = grace_s
         self.max_wait_s = max_wait_s
         self.aborted = aborted
+        self.incarnation = incarnation
+        self._incs: dict[int, int] = {}  # the incarnation of each island in this island's current attempt
         self.previous: Decision | None = None  # the last attempt this island took part in
         self.committed: Decision | None = None  # the last attempt that counted
         self._watch = _Watch()
@@ -137,12 +143,33 @@ class Membership:
     def _silent(self, islands: Sequence[int], now: float) -> dict[int, float]:
         return {i: self._watch.silent_for(i, self._get(self.alive_key(i)), now) for i in islands}
 
-    def _gone(self, island: int, silent: float) -> bool:
-        return silent > self.grace_s or self.aborted(island) is not None
+    def _beat_incarnation(self, island: int) -> int | None:
+        beat = self._get(self.alive_key(island))
+        try:
+            return None if beat is None else int(beat.decode().split(":", 1)[0])
+        except ValueError:
+            return None
 
-    def joiners(self) -> list[int]:
-        """Islands asking to (re)join."""
-        return [i for i in range(self.num_islands) if i != self.island and self.store.check([self._k(f"join/{i}")])]
+    def _gone(self, island: int, silent: float, incarnation: int | None = None) -> bool:
+        """Whether island ``island`` is lost: silent past the grace window, failed, or (given the
+        ``incarnation`` that took part) restarted since."""
+        if silent > self.grace_s or self.aborted(island) is not None:
+            return True
+        return incarnation is not None and self._beat_incarnation(island) not in (None, incarnation)
+
+    def _waited_out(self, started: float) -> bool:
+        return self.max_wait_s is not None and time.monotonic() - started > self.max_wait_s
+
+    def joiners(self, round_: int) -> dict[int, int]:
+        """Islands asking to (re)join from round ``round_`` on, with their incarnations."""
+        found = {}
+        for i in range(self.num_islands):
+            raw = self._get(self._k(f"join/{i}")) if i != self.island else None
+            if raw is not None:
+                request = json.loads(raw)
+                if int(request["from"]) <= round_:
+                    found[i] = int(request["inc"])
+        return found
 
     # ------------------------------------------------------------------ one round
     def decide(self, round_: int, header: dict[str, Any]) -> tuple[Decision, list[dict[str, Any] | None]]:
@@ -154,11 +181,13 @@ class Membership:
         """
         while True:
             attempt = self._attempt.setdefault(round_, 0)
-            decision = self._decision_of(round_, attempt, header)
+            decision = self._decision_of(round_, attempt, {**header, "_inc": self.incarnation})
             for j in decision.joining:  # where a restarted joiner learns which round takes it in
                 if j != self.island:
                     self.store.set(self._k(f"joined_at/{j}"), decision.to_json())
-            if self.island not in decision.present:
+            if self.island not in decision.present or (
+                    self.island in decision.joining
+                    and decision.joining_incs[decision.joining.index(self.island)] != self.incarnation):
                 raise LateForRound(f"round {round_} was decided without island {self.island} (members "
                                    f"{list(decision.present)}): it arrived after the grace window")
             try:
@@ -167,6 +196,7 @@ class Membership:
                 self.fail(decision)
                 self._attempt[round_] = attempt + 1
                 continue
+            self._incs = {i: int(h.pop("_inc", 0)) for i, h in enumerate(headers) if h is not None}
             self._note(decision)
             return decision, headers
 
@@ -185,13 +215,14 @@ class Membership:
             arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
             now = time.monotonic()
             # a joiner sends its header once the decision names it: it is waited for only if alive
-            joiners = set(self.joiners()) - arrived
+            asking = self.joiners(round_)
+            joiners = set(asking) - arrived
             missing = expected - arrived - joiners
             silent = self._silent(sorted(missing | joiners), now)
             gone = {i for i in missing | joiners if self._gone(i, silent[i])}
             alive = arrived | (missing - gone) | (joiners - gone)
             waited_out = self.max_wait_s is not None and now - started > self.max_wait_s
-            if len(alive) < self.min_islands:
+            if len(alive) < self.min_islands or (waited_out and len(arrived) < self.min_islands):
                 raise QuorumLost(
                     f"round {round_}: only islands {sorted(alive)} are alive, fewer than "
                     f"min_islands={self.min_islands}; islands {sorted(gone)} were silent for more than "
@@ -199,16 +230,18 @@ class Membership:
             if not missing - gone or (waited_out and len(arrived) >= self.min_islands):
                 present = tuple(sorted(arrived | (joiners - gone)))
                 if len(present) >= self.min_islands:
-                    return self._propose(round_, attempt, present, tuple(sorted(joiners - gone)))
+                    joining = tuple(sorted(joiners - gone))
+                    return self._propose(round_, attempt, present, joining, tuple(asking[j] for j in joining))
             time.sleep(POLL_S)
 
-    def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...]) -> Decision:
+    def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],
+                 joining_incs: tuple[int, ...]) -> Decision:
         # the lanes stay while the members do: this island took part in the previous round with the same set
         done = self.committed
         keep = (attempt == 0 and done is not None and done.round == round_ - 1 and done.present == present
                 and not joining)
         lanes = done.lanes if keep else f"round{round_}/a{attempt}"  # type: ignore[union-attr]
-        mine = Decision(round_, attempt, present, lanes, joining)
+        mine = Decision(round_, attempt, present, lanes, joining, joining_incs)
         key = self._k(f"round{round_}/a{attempt}/members")
         won = self.store.compare_set(key, "", mine.to_json())
         return Decision.from_json(won)
@@ -216,6 +249,8 @@ class Membership:
     def _headers(self, decision: Decision) -> list[dict[str, Any] | None]:
         """Every present island's header (a joiner publishes its own once it sees the decision)."""
         keys = {i: self._k(f"{decision.key}/h/{i}") for i in decision.present}
+        incs = dict(zip(decision.joining, decision.joining_incs))
+        started = time.monotonic()
         while True:
             missing = [i for i, k in keys.items() if not self.store.check([k])]
             if not missing:
@@ -223,9 +258,10 @@ class Membership:
             if self._outcome(decision) == "fail":
                 raise RoundLost(f"round {decision.round} attempt {decision.attempt} failed on another island")
             silent = self._silent(missing, time.monotonic())
-            lost = [i for i in missing if self._gone(i, silent[i])]
-            if lost:
-                raise RoundLost(f"islands {lost} were lost before sending their round {decision.round} header")
+            lost = [i for i in missing if self._gone(i, silent[i], incs.get(i))]
+            if lost or self._waited_out(started):
+                raise RoundLost(f"islands {lost or missing} were lost before sending their round {decision.round} "
+                                f"header (silent for {self.grace_s:g} s, restarted, or not there within max_wait_s)")
             time.sleep(POLL_S)
         return [json.loads(self.store.get(keys[i])) if i in keys else None for i in range(self.num_islands)]
 
@@ -252,6 +288,7 @@ class Membership:
         attempt counts) or one was lost (:class:`RoundLost`: run the round again)."""
         self.store.set(self._k(f"{decision.key}/done/{self.island}"), "1")
         keys = {i: self._k(f"{decision.key}/done/{i}") for i in decision.present}
+        started = time.monotonic()
         while True:
             outcome = self._outcome(decision)
             if outcome is None:
@@ -260,7 +297,7 @@ class Membership:
                     outcome = self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "ok").decode()
                 else:
                     silent = self._silent(missing, time.monotonic())
-                    if any(self._gone(i, silent[i]) for i in missing):
+                    if self._waited_out(started) or any(self._gone(i, silent[i], self._incs.get(i)) for i in missing):
                         self.fail(decision)
                         continue
             if outcome == "ok":
@@ -285,10 +322,11 @@ class Membership:
         self._attempt[decision.round] = decision.attempt + 1
 
     # ------------------------------------------------------------------ rejoining
-    def request_join(self) -> None:
-        """Ask the live islands to take this one into their next round."""
+    def request_join(self, from_round: int = 0) -> None:
+        """Ask the live islands to take this one into a round, from round ``from_round`` on (an
+        island left behind in a round is not a joiner of that round's later attempts)."""
         self.previous = self.committed = None
-        self.store.set(self._k(f"join/{self.island}"), "1")
+        self.store.set(self._k(f"join/{self.island}"), json.dumps({"from": from_round, "inc": self.incarnation}))
 
     def await_inclusion(self, timeout_s: float) -> Decision:
         """Wait until a round is decided with this island joining; returns that decision (the join
@@ -301,7 +339,8 @@ class Membership:
             found = self._get(key)
             if found is not None:
                 decision = Decision.from_json(found)
-                if self._outcome(decision) is None:
+                mine = dict(zip(decision.joining, decision.joining_incs)).get(self.island)
+                if mine == self.incarnation and self._outcome(decision) is None:
                     self.store.delete_key(self._k(f"join/{self.island}"))
                     self.store.delete_key(key)
                     self._attempt[decision.round] = decision.attempt

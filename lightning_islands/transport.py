@@ -221,7 +221,8 @@ class IslandLink:
         self.decision: Decision | None = None
         self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
                                      timeout.total_seconds() if grace_s is None else grace_s,
-                                     None if max_wait is None else max_wait.total_seconds(), self._aborted)
+                                     None if max_wait is None else max_wait.total_seconds(), self._aborted,
+                                     self.incarnation)
         self.stats = LinkStats()
         self._alive_stop = threading.Event()
         self._alive = threading.Thread(target=self._beat_alive, name=f"island{island}-alive", daemon=True)
@@ -294,7 +295,7 @@ class IslandLink:
         try:
             decision, headers = self.membership.decide(round_, header)
         except LateForRound:
-            self.membership.request_join()
+            self.membership.request_join(round_ + 1)
             raise
         except dist.DistNetworkError as err:
             raise self._coordinator_lost(err) from err
@@ -326,8 +327,11 @@ class IslandLink:
         into (the caller then runs that round as a joiner)."""
         with suppress(Exception):
             self.store.delete_key(f"{self.run_id}/abort/{self.island}")  # a report of this island's earlier life
-        self.membership.request_join()
-        return self.membership.await_inclusion(timeout_s).round
+        try:
+            self.membership.request_join()
+            return self.membership.await_inclusion(timeout_s).round
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
 
     def membership_changes(self) -> list[str]:
         """The member-set changes seen since the last call (for the log)."""

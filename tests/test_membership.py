@@ -172,3 +172,26 @@ def test_a_lost_coordinator_is_named_with_the_fix():
     gc.collect()
     with pytest.raises(CoordinatorLost, match=rf"lost the coordinator at {address}.*restart the run from"):
         link.meet_round(0, {})
+
+
+def test_an_island_left_behind_is_no_joiner_of_that_rounds_later_attempts():
+    coordinator = Coordinator()
+    m1 = Membership(coordinator.store, "late", 1, 2, 1, GRACE, None, lambda i: None)
+    m1.request_join(from_round=4)  # left out of round 3: it sends its next header in round 4
+    m0 = Membership(coordinator.store, "late", 0, 2, 1, GRACE, None, lambda i: None)
+    assert m0.joiners(3) == {} and m0.joiners(4) == {1: 0}
+
+
+def test_a_member_restarted_mid_round_counts_as_lost_at_once():
+    """Its new process beats, but the process that was a member is gone: the attempt fails without
+    waiting out the grace window."""
+    from lightning_islands.membership import RoundLost
+
+    coordinator = Coordinator()
+    ms = [Membership(coordinator.store, "inc", i, 2, 1, 30.0, None, lambda i: None) for i in range(2)]
+    decisions = run_threads([lambda m=m: m.decide(0, {})[0] for m in ms])
+    coordinator.store.set(ms[1].alive_key(1), "1:1")  # island 1's second incarnation is beating
+    t0 = time.monotonic()
+    with pytest.raises(RoundLost):
+        ms[0].settle(decisions[0])
+    assert time.monotonic() - t0 < 5.0

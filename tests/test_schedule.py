@@ -77,3 +77,14 @@ def test_bad_warmup_is_refused_with_the_cause(warmup):
 def test_bad_settings_are_refused_by_name(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         IslandSettings(**kwargs)
+
+
+def test_time_balance_ignores_the_clocks_of_absent_and_joining_islands():
+    s = _schedule(sync_every=8, balance="time", max_rounds=10)
+    fast, slow = {"step_seconds": 0.1}, {"step_seconds": 0.2}
+    assert s.next_round_steps([fast, slow]) == 16
+    # a joiner's clock ran while it waited to get back in: it sets no budget
+    assert s.next_round_steps([fast, {"step_seconds": 60.0, "joining": True}]) == 8
+    assert s.next_round_steps([fast, {"step_seconds": 0.0, "absent": True}]) == 8
+    assert _schedule(sync_every=8, balance="time", max_rounds=10).next_round_steps(
+        [{"step_seconds": 60.0, "joining": True}, slow]) == 8, "a joiner runs its planned steps"

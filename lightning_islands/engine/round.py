@@ -705,6 +705,9 @@ class IslandEngine:
             self.link.add_wait(time.perf_counter() - t0)
             for change in self.link.membership_changes() if hasattr(self.link, "membership_changes") else []:
                 log.warning("islands: island %d sees membership change: %s", self.island, change)
+        if not health.majority(headers):
+            raise RuntimeError(f"round {self.schedule.round}: every island present is rejoining, so none holds the "
+                               "global state; restart the run from the islands' last checkpoints (resume=...)")
         members = self._members(headers)
         left_out = [i for i, h in enumerate(headers) if i not in members and not h.get("absent")
                     and not h.get("joining")]

@@ -61,9 +61,12 @@ class Schedule:
         if self.settings.balance != "time":
             return self.planned_steps(self.round + 1)
         h = self.round_sync_every(self.round + 1) // self.settings.fragments
-        times = [max(float(hdr["step_seconds"]), 1e-9) for hdr in headers]
-        budget = h * max(times)
-        return max(1, min(8 * h, round(budget / times[self.island])))
+        timed = [hdr for hdr in headers if not hdr.get("absent") and not hdr.get("joining")]
+        mine = headers[self.island]
+        if not timed or mine.get("absent") or mine.get("joining"):  # a joiner's clock measured its wait, not steps
+            return self.planned_steps(self.round + 1)
+        budget = h * max(max(float(hdr["step_seconds"]), 1e-9) for hdr in timed)
+        return max(1, min(8 * h, round(budget / max(float(mine["step_seconds"]), 1e-9))))
 
     def in_last_round(self) -> bool:
         """Whether the current round is round ``max_rounds``, the last one allowed."""
@@ -101,11 +104,13 @@ class Schedule:
         self.round += 1
         self.round_steps = steps_since
         self.steps_per_round = self.planned_steps(self.round)
+        self.restart_clock()
 
     def rejoin(self, round_: int) -> None:
         """A restarted island enters the rounds at ``round_`` (the live islands' current round)."""
         self.round, self.round_steps, self.stopping = round_, 0, False
         self.steps_per_round = self.planned_steps(round_)
+        self.restart_clock()
 
     # ------------------------------------------------------------------ the clock
     def restart_clock(self, untimed_first_step: bool = False) -> None:
