@@ -29,6 +29,11 @@ import torch.distributed as dist
 POLL_S = 0.01
 
 
+def get_if_set(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting)."""
+    return store.get(key) if store.check([key]) else None
+
+
 class RoundLost(RuntimeError):
     """An island of the round was lost during it: the round runs again without it."""
 
@@ -138,13 +143,14 @@ class Membership:
         return self._k(f"alive/{island}")
 
     def _get(self, key: str) -> bytes | None:
-        return self.store.get(key) if self.store.check([key]) else None
+        return get_if_set(self.store, key)
 
     def _silent(self, islands: Sequence[int], now: float) -> dict[int, float]:
         return {i: self._watch.silent_for(i, self._get(self.alive_key(i)), now) for i in islands}
 
     def _beat_incarnation(self, island: int) -> int | None:
-        beat = self._get(self.alive_key(island))
+        """The incarnation in island ``island``'s beat as :meth:`_silent` last read it."""
+        beat = self._watch.seen.get(island, (None, 0.0))[0]
         try:
             return None if beat is None else int(beat.decode().split(":", 1)[0])
         except ValueError:
@@ -193,8 +199,7 @@ class Membership:
             try:
                 headers = self._headers(decision)
             except RoundLost:
-                self.fail(decision)
-                self._attempt[round_] = attempt + 1
+                self.retry(decision)
                 continue
             self._incs = {i: int(h.pop("_inc", 0)) for i, h in enumerate(headers) if h is not None}
             self._note(decision)
@@ -209,9 +214,7 @@ class Membership:
             found = self._get(self._k(f"{key}/members"))
             if found is not None:
                 return Decision.from_json(found)
-            ended = self._get(self._k("ended"))
-            if ended is not None and int(ended) < round_:
-                raise RunEnded(f"the other islands ended training after round {int(ended)}")
+            self._check_ended(round_)
             arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
             now = time.monotonic()
             # a joiner sends its header once the decision names it: it is waited for only if alive
@@ -221,7 +224,7 @@ class Membership:
             silent = self._silent(sorted(missing | joiners), now)
             gone = {i for i in missing | joiners if self._gone(i, silent[i])}
             alive = arrived | (missing - gone) | (joiners - gone)
-            waited_out = self.max_wait_s is not None and now - started > self.max_wait_s
+            waited_out = self._waited_out(started)
             if len(alive) < self.min_islands or (waited_out and len(arrived) < self.min_islands):
                 raise QuorumLost(
                     f"round {round_}: only islands {sorted(alive)} are alive, fewer than "
@@ -311,6 +314,12 @@ class Membership:
                                 "again without it")
             time.sleep(POLL_S)
 
+    def _check_ended(self, before: int | None = None) -> None:
+        """Raise :class:`RunEnded` when the run ended (with a round before ``before``, if given)."""
+        ended = self._get(self._k("ended"))
+        if ended is not None and (before is None or int(ended) < before):
+            raise RunEnded(f"the other islands ended training after round {int(ended)}")
+
     def end(self, round_: int) -> None:
         """Record that the run ended with round ``round_`` (an island still trying to get back in stops)."""
         self.store.set(self._k("ended"), str(round_))
@@ -333,9 +342,7 @@ class Membership:
         request is withdrawn, and :meth:`decide` of that round continues at its attempt)."""
         started, key = time.monotonic(), self._k(f"joined_at/{self.island}")
         while time.monotonic() - started < timeout_s:
-            ended = self._get(self._k("ended"))
-            if ended is not None:
-                raise RunEnded(f"the other islands ended training after round {int(ended)}")
+            self._check_ended()
             found = self._get(key)
             if found is not None:
                 decision = Decision.from_json(found)

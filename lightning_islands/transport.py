@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_islands.membership import Decision, LateForRound, Membership, RoundLost
+from lightning_islands.membership import Decision, LateForRound, Membership, RoundLost, get_if_set
 
 ENV_ISLAND = "LI_ISLAND"
 ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
@@ -97,10 +97,6 @@ def _status_key(run_id: str, island: int) -> str:
     return f"{run_id}/status/{island}"
 
 
-def _get_if_set(store: dist.Store, key: str) -> bytes | None:
-    return store.get(key) if store.check([key]) else None
-
-
 class Coordinator:
     """A standalone c10d TCPStore server that holds membership and rounds for every island.
 
@@ -120,7 +116,7 @@ class Coordinator:
 
     def status(self, num_islands: int, run_id: str) -> list[dict | None]:
         """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
-        raw = [_get_if_set(self.store, _status_key(run_id, i)) for i in range(num_islands)]
+        raw = [get_if_set(self.store, _status_key(run_id, i)) for i in range(num_islands)]
         return [json.loads(r) if r is not None else None for r in raw]
 
 
@@ -249,8 +245,9 @@ class IslandLink:
             self._alive_stop.wait(BEAT_S)
 
     def _aborted(self, island: int) -> str | None:
-        key = f"{self.run_id}/abort/{island}"
-        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else None
+        """Island ``island``'s failure report, or ``None``."""
+        raw = get_if_set(self.store, f"{self.run_id}/abort/{island}")
+        return None if raw is None else raw.decode(errors="replace")
 
     def open_lanes(self) -> None:
         """Build the gloo groups between every island (every island must call this after the
@@ -416,13 +413,13 @@ class IslandLink:
             thread.join(timeout=max(5.0, 2 * period))
 
     def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
-        return {i: _get_if_set(self.store, _status_key(self.run_id, i)) for i in islands}
+        return {i: get_if_set(self.store, _status_key(self.run_id, i)) for i in islands}
 
     def _check_aborts(self) -> None:
         for i in range(self.num_islands):
-            key = f"{self.run_id}/abort/{i}"
-            if i != self.island and self.store.check([key]):
-                raise IslandAborted(f"island {i} failed: {self.store.get(key).decode(errors='replace')}")
+            report = self._aborted(i) if i != self.island else None
+            if report is not None:
+                raise IslandAborted(f"island {i} failed: {report}")
 
     def gather_objects(self, key: str, obj: object) -> list:
         """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order.

@@ -420,17 +420,23 @@ class IslandEngine:
             header["joining"] = True  # its state is whatever it restarted with: it is repaired, not merged
         if background:
             return self._start_background(pending, sent, delta_sq, header)
-        for attempt in range(MAX_ATTEMPTS):
+        return self._attempts(header["round"], lambda: self._attempt(pending, sent, delta_sq, header, locals_),
+                              lambda why: self._left_behind(pending, why, 0), lambda: self._ended(pending))
+
+    def _attempts(self, round_: int, attempt: Callable[[], T], late: Callable[[str], T], ended: Callable[[], T]) -> T:
+        """Run ``attempt`` until one counts: again after it lost an island (:class:`RoundLost`);
+        ``late(why)`` when the round went on without this island, ``ended()`` when the run ended."""
+        for k in range(MAX_ATTEMPTS):
             try:
-                return self._attempt(pending, sent, delta_sq, header, locals_)
+                return attempt()
             except RoundLost as err:
                 if self.is_leader:
-                    log.warning("islands: %s (attempt %d)", err, attempt + 1)
+                    log.warning("islands: %s (attempt %d)", err, k + 1)
             except LateForRound as err:
-                return self._left_behind(pending, str(err), 0)
+                return late(str(err))
             except RunEnded:
-                return self._ended(pending)
-        raise IslandAborted(f"round {self.schedule.round} failed {MAX_ATTEMPTS} times in a row; see the warnings")
+                return ended()
+        raise IslandAborted(f"round {round_} failed {MAX_ATTEMPTS} times in a row; see the warnings")
 
     def _attempt(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: dict[str, Any],
                  locals_: Sequence[Tensor]) -> PendingRound:
@@ -543,16 +549,10 @@ class IslandEngine:
                                 keep_residual: bool) -> dict[str, Any]:
         """The leader's background work of an overlapped round: headers, then every chunk; a round
         that loses an island runs again without it."""
-        for attempt in range(MAX_ATTEMPTS):
-            try:
-                return self._background_attempt(flat, delta_sq, header, fragment, keep_residual)
-            except RoundLost as err:
-                log.warning("islands: %s (attempt %d)", err, attempt + 1)
-            except LateForRound as err:
-                return {"headers": [], "late": str(err)}
-            except RunEnded:
-                return {"headers": [dict(ABSENT, stop=True)], "ended": True}
-        raise IslandAborted(f"round {header['round']} failed {MAX_ATTEMPTS} times in a row; see the warnings")
+        return self._attempts(header["round"],
+                              lambda: self._background_attempt(flat, delta_sq, header, fragment, keep_residual),
+                              lambda why: {"headers": [], "late": why},
+                              lambda: {"headers": [dict(ABSENT, stop=True)], "ended": True})
 
     def _background_attempt(self, flat: Tensor, delta_sq: float, header: dict[str, Any], fragment: int,
                             keep_residual: bool) -> dict[str, Any]:
@@ -705,12 +705,12 @@ class IslandEngine:
             self.link.add_wait(time.perf_counter() - t0)
             for change in self.link.membership_changes() if hasattr(self.link, "membership_changes") else []:
                 log.warning("islands: island %d sees membership change: %s", self.island, change)
-        if not health.majority(headers):
-            raise RuntimeError(f"round {self.schedule.round}: every island present is rejoining, so none holds the "
-                               "global state; restart the run from the islands' last checkpoints (resume=...)")
         members = self._members(headers)
         left_out = [i for i, h in enumerate(headers) if i not in members and not h.get("absent")
                     and not h.get("joining")]
+        if not members and not health.majority(headers):
+            raise RuntimeError(f"round {self.schedule.round}: every island present is rejoining, so none holds the "
+                               "global state; restart the run from the islands' last checkpoints (resume=...)")
         if not members:
             raise RuntimeError(f"round {self.schedule.round}: every island's pseudo-gradient is non-finite (NaN or "
                                "inf): training diverged; resume from an earlier checkpoint with a lower learning rate")
