@@ -261,17 +261,14 @@ class AuthenticatedLink:
         key = f"round{round_}"
         text = json.dumps(header)
         sent = {"auth": SCHEME, "json": text, "mac": object_mac(self._key, key, self.island, text)}
-        got = self.link.meet_round(round_, sent)  # type: ignore[attr-defined]
+        got = self.link.meet_round(round_, sent)
         problems = [p for p in (self._object_problem(key, i, e) for i, e in enumerate(got) if e is not None) if p]
         if problems:
             raise self._reject(problems)
-        lanes = getattr(self.link, "lanes_key", None)
+        lanes = self.link.lanes_key
         if lanes is not None and lanes != self._epoch:
             self.restart_sequence(lanes)
         return [None if e is None else json.loads(e["json"]) for e in got]
-
-    def _present(self) -> list[int]:
-        return list(getattr(self.link, "present", range(self.num_islands)))
 
     def _object_problem(self, key: str, island: int, entry: object) -> str | None:
         """What is wrong with island ``island``'s entry under ``key``, or ``None``."""
@@ -346,7 +343,7 @@ class AuthenticatedLink:
         t1 = time.perf_counter()
         got = self.link.all_gather_bytes(signed)
         t2 = time.perf_counter()
-        others = [i for i in self._present() if i != self.island]
+        others = [i for i in self.link.present if i != self.island]
         what = f"all_gather_bytes call {seq}" + (f" of epoch {epoch!r}" if epoch else "")
         self._check(what, others, [got[i] for i in others],
                     [header(i, max(0, got[i].numel() - TAG_BYTES)) for i in others])

@@ -60,9 +60,26 @@ class MemoryLink:
         self.stats = LinkStats()
         self._calls = 0
         self.lanes_open = False
+        self.present = tuple(range(self.num_islands))  # every island, every round: no one is lost in memory
+        self.lanes_key = None
 
     def open_lanes(self) -> None:
         self.lanes_open = True
+
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        return self.gather_objects(f"round{round_}", header)
+
+    def settle_round(self) -> None:
+        pass
+
+    def end_run(self, round_: int) -> None:
+        pass
+
+    def rejoin(self, timeout_s: float) -> int:
+        raise NotImplementedError("islands in memory never restart")
+
+    def membership_changes(self) -> list[str]:
+        return []
 
     def gather_objects(self, key: str, obj: object) -> list:
         posts = self.hub.meet(f"obj/{key}", self.island, json.dumps(obj))

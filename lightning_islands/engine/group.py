@@ -62,9 +62,33 @@ class Link(Protocol):
 
     island: int
     num_islands: int
+    present: tuple[int, ...]  # the islands of the current round (all of them before the first)
+    lanes_key: str | None  # changes whenever the lanes are rebuilt for another member set
 
     def open_lanes(self) -> None:
         """Open the streams payloads travel on (after the fingerprints agreed)."""
+        ...
+
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        """Every island's header of round ``round_`` in island order (``None``: not present); the
+        member set is decided here (:mod:`lightning_islands.membership`)."""
+        ...
+
+    def settle_round(self) -> None:
+        """This island finished the round's exchange: return once the round counts for every
+        member, or raise :class:`~lightning_islands.membership.RoundLost` (run it again)."""
+        ...
+
+    def end_run(self, round_: int) -> None:
+        """Round ``round_`` was the run's last (an island still rejoining stops)."""
+        ...
+
+    def rejoin(self, timeout_s: float) -> int:
+        """A restarted island asks to be taken back; the round it is taken into."""
+        ...
+
+    def membership_changes(self) -> list[str]:
+        """The member-set changes seen since the last call (for the log)."""
         ...
 
     def gather_objects(self, key: str, obj: object) -> list:

@@ -459,12 +459,11 @@ class IslandEngine:
     def _settle(self, stop: bool) -> None:
         """Leader: wait until every member finished the round's exchange (it counts); a last round
         is recorded, so that an island still rejoining stops too."""
-        settle = getattr(self.link, "settle_round", None)
-        if settle is None:
+        if self.link is None:
             return
-        settle()
+        self.link.settle_round()
         if stop:
-            self.link.end_run(self.schedule.round)  # type: ignore[union-attr]
+            self.link.end_run(self.schedule.round)
 
     def _left_behind(self, pending: PendingRound, why: str, steps_since: int) -> PendingRound:
         """The round went on without this island (it came too late): it takes no outer step now and
@@ -699,11 +698,9 @@ class IslandEngine:
         headers = [header]
         if self.link is not None:
             t0 = time.perf_counter()
-            meet = getattr(self.link, "meet_round", None)
-            headers = ([ABSENT if h is None else h for h in meet(self.schedule.round, header)] if meet is not None
-                       else self.link.gather_objects(f"round{self.schedule.round}", header))
+            headers = [ABSENT if h is None else h for h in self.link.meet_round(self.schedule.round, header)]
             self.link.add_wait(time.perf_counter() - t0)
-            for change in self.link.membership_changes() if hasattr(self.link, "membership_changes") else []:
+            for change in self.link.membership_changes():
                 log.warning("islands: island %d sees membership change: %s", self.island, change)
         members = self._members(headers)
         left_out = [i for i, h in enumerate(headers) if i not in members and not h.get("absent")
@@ -786,7 +783,7 @@ class IslandEngine:
         metrics = stats.metrics(error_feedback=self.settings.use_error_feedback)
         metrics["islands/exchange_chunks"] = float(chunks)
         metrics["islands/islands_left_out"] = float(self.num_islands - len(exchange.members))
-        metrics["islands/islands_present"] = float(len(getattr(self.link, "present", range(self.num_islands))))
+        metrics["islands/islands_present"] = float(len(self.link.present) if self.link is not None else 1)
         if self.link is not None:
             for key, value in exchange.link_sums.items():
                 self.totals[key] += value
