@@ -1,9 +1,11 @@
-"""FSDP2 inside one world, for any LightningModule.
+"""FSDP2 inside one world, for any LightningModule, with tensor and expert parallelism on request.
 
 Lightning's ``ModelParallelStrategy`` runs FSDP2 on CPU (gloo) and CUDA (NCCL) but insists that the
 module shards itself in ``configure_model``. :class:`FSDP2Strategy` keeps everything else of it and,
 when the module has no ``configure_model``, applies :func:`~lightning_islands.fsdp_policy.apply_fully_shard`
-per block instead, so an unchanged module trains with ``strategy="fsdp2"``.
+per block instead, so an unchanged module trains with ``strategy="fsdp2"``. With
+``tensor_parallel_size`` or ``expert_parallel_size`` above 1 the module first parallelizes itself
+(its ``parallelize(tp_mesh, ep_mesh)``), then FSDP2 shards it over the data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: each rank writes its shard (a checkpoint folder) when ``True``.
         process_group_backend: ``"gloo"``/``"nccl"``; defaults by device.
         timeout: timeout of the world's collectives.
+        tensor_parallel_size: processes that split each layer (the world is a ``data_parallel`` x
+            ``tensor_parallel`` mesh, as Lightning's ``ModelParallelStrategy`` names them; they see
+            the same batches).
+        expert_parallel_size: processes that split a MoE layer's experts, each owning whole ones:
+            1, or all the data-parallel processes (with ``tensor_parallel_size=1``).
+
+    With either above 1 the module must parallelize itself: ``module.parallelize(tp_mesh, ep_mesh)``
+    (``None`` for a size of 1) applies the plan in place and returns the parameters FSDP2 must leave
+    alone (whole experts); the module may instead shard itself in ``configure_model``.
     """
 
     strategy_name = "fsdp2"
@@ -73,36 +84,67 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> None:
+        if tensor_parallel_size < 1 or expert_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} and expert_parallel_size="
+                             f"{expert_parallel_size} must be at least 1")
+        if tensor_parallel_size > 1 and expert_parallel_size > 1:
+            raise ValueError("tensor and expert parallelism in one island are not supported together: set "
+                             "tensor_parallel_size=1 or expert_parallel_size=1")
         super().__init__(
             data_parallel_size="auto",
-            tensor_parallel_size=1,
+            tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self.unit_classes = list(unit_classes) if unit_classes else None
         self.reshard_after_forward = reshard_after_forward
+        self.expert_parallel_size = expert_parallel_size
+
+    @property
+    def parallel_sizes(self) -> dict[str, int]:
+        """The world's mesh: ``{"dp": data parallel, "tp": tensor parallel, "ep": expert parallel}``."""
+        tp = int(self._tensor_parallel_size)
+        return {"dp": self.num_nodes * self.num_processes // tp, "tp": tp, "ep": self.expert_parallel_size}
 
     @override
     def setup_environment(self) -> None:
-        # One data-parallel dimension spanning the whole world (Lightning's "auto" would use nodes).
+        # The data-parallel dimension spans what tensor parallelism leaves of the whole world
+        # (Lightning's "auto" would use the nodes).
+        world, tp = self.num_nodes * self.num_processes, int(self._tensor_parallel_size)
+        if world % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the {world} processes of this world: "
+                             "give it a divisor of the island's devices x nodes")
+        if self.expert_parallel_size not in (1, world // tp):
+            raise ValueError(f"expert_parallel_size={self.expert_parallel_size} must be 1 or the {world // tp} "
+                             "data-parallel processes (experts are spread over all of them)")
         if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._data_parallel_size = world // tp
         super().setup_environment()
         if dist.is_initialized() and dist.get_backend() != "nccl":
             destroy_world_at_exit()
 
     def shard_module(self, module: pl.LightningModule) -> None:
-        """Apply the wrapping policy unless the module shards itself or is already sharded."""
+        """Apply the module's own parallel plan (tensor or expert parallel, if asked for), then the
+        wrapping policy, unless the module shards itself or is already sharded."""
         if is_fully_sharded(module):
             return
-        apply_fully_shard(
-            module,
-            self.device_mesh["data_parallel"],
-            unit_classes=self.unit_classes,
-            reshard_after_forward=self.reshard_after_forward,
-        )
+        mesh, sizes = self.device_mesh, self.parallel_sizes
+        ignored: set = set()
+        if sizes["tp"] > 1 or sizes["ep"] > 1:
+            plan = getattr(module, "parallelize", None)
+            if not callable(plan):
+                raise TypeError(
+                    f"tensor_parallel_size={sizes['tp']}, expert_parallel_size={sizes['ep']} need "
+                    f"{type(module).__name__} to parallelize itself: implement parallelize(tp_mesh, ep_mesh) "
+                    "(returning the parameters FSDP2 must leave alone), or shard it in configure_model")
+            ignored = set(plan(mesh["tensor_parallel"] if sizes["tp"] > 1 else None,
+                               mesh["data_parallel"] if sizes["ep"] > 1 else None) or ())
+        apply_fully_shard(module, mesh["data_parallel"], unit_classes=self.unit_classes,
+                          reshard_after_forward=self.reshard_after_forward, ignored_params=ignored)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

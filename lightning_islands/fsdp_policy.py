@@ -51,22 +51,25 @@ def apply_fully_shard(
     mesh: DeviceMesh,
     unit_classes: Iterable[str] | None = None,
     reshard_after_forward: bool = True,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place with FSDP2 ``fully_shard`` over ``mesh``.
 
     ``unit_classes`` names the module classes that become units (e.g. ``["Block"]``); ``None`` uses
     :func:`default_units`. Then every top-level child (other than module containers) that still owns
-    unsharded parameters becomes a unit, and ``module`` itself only if parameters remain. Returns
-    the module.
+    unsharded parameters becomes a unit, and ``module`` itself only if parameters remain.
+    ``ignored_params`` stay as they are (e.g. experts that expert parallelism already spread).
+    Returns the module.
     """
     from torch.distributed.fsdp import fully_shard
 
     names = list(unit_classes) if unit_classes else []
     units = _by_class_name(module, names) if names else default_units(module)
-    covered: set[int] = set()
+    ignored = set(ignored_params or ())
+    covered: set[int] = {id(p) for p in ignored}
 
     def shard(unit: nn.Module) -> None:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
         covered.update(id(p) for p in unit.parameters())
 
     for unit in units:
@@ -77,7 +80,7 @@ def apply_fully_shard(
         if any(id(p) not in covered for p in child.parameters()):
             shard(child)
     if any(id(p) not in covered for p in module.parameters()):
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
     return module
 
 

@@ -86,7 +86,9 @@ class IslandStrategy(FSDP2Strategy):
         secret_file: a file holding the islands' shared secret (mode 600); default ``LI_SECRET_FILE``,
             else ``LI_SECRET``, else none. With a secret, every payload and round header carries an
             HMAC (:class:`~lightning_islands.auth.AuthenticatedLink`, see SECURITY.md).
-        unit_classes, reshard_after_forward, process_group_backend: as :class:`FSDP2Strategy`.
+        unit_classes, reshard_after_forward, process_group_backend, tensor_parallel_size,
+            expert_parallel_size: as :class:`FSDP2Strategy`; islands may parallelize differently
+            (they meet in the canonical layout, whatever their DTensor placements).
     """
 
     strategy_name = "islands"
@@ -104,12 +106,14 @@ class IslandStrategy(FSDP2Strategy):
                  overlap_steps: int = 0, overlap_alpha: float = 0.0, min_islands: int = 1,
                  grace_s: float | None = None, secret_file: str | None = None,
                  unit_classes: Sequence[str] | None = None,
-                 reshard_after_forward: bool = True, process_group_backend: str | None = None) -> None:
+                 reshard_after_forward: bool = True, process_group_backend: str | None = None,
+                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
         # every argument that is a setting of the islands (the same names) goes to IslandSettings
         self.settings = IslandSettings(**{k: v for k, v in locals().items() if k in _SETTINGS})
         super().__init__(
             unit_classes=unit_classes, reshard_after_forward=reshard_after_forward, save_distributed_checkpoint=True,
-            process_group_backend=process_group_backend,
+            process_group_backend=process_group_backend, tensor_parallel_size=tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
             # the leader may wait up to max_wait_s for other islands while the other ranks wait for it
             timeout=max(default_pg_timeout, timedelta(seconds=max_wait_s + timeout_s)))
         self.island_index, self.num_islands, self.coordinator, self.run_id = island_identity(
@@ -224,9 +228,14 @@ class IslandStrategy(FSDP2Strategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._close_batch()
         super().on_train_batch_start(batch, batch_idx)
-        if self._ready():
+        if self._ready() and self._counts_tokens():
             self.engine.count_tokens(batch_weight(self.lightning_module, batch))  # type: ignore[union-attr,arg-type]
         self._publish_status()
+
+    def _counts_tokens(self) -> bool:
+        """Whether this rank's batches count for the island: one rank of each tensor-parallel group
+        (its ranks all see the same batch)."""
+        return self.parallel_sizes["tp"] == 1 or self.device_mesh["tensor_parallel"].get_local_rank() == 0
 
     def _close_batch(self) -> None:
         if not self._stepped_batch or not self._ready():
@@ -288,7 +297,10 @@ class IslandStrategy(FSDP2Strategy):
         module, engine = self.lightning_module, self.engine
         if not self.settings.expert_weighting or module is None or engine is None:
             return None
-        summed = engine.island_expert_counts(module.island_token_counts())  # type: ignore[operator]
+        counts = module.island_token_counts()  # type: ignore[operator]
+        if not self._counts_tokens():  # the same tokens as its tensor-parallel group's first rank
+            counts = {k: torch.zeros_like(v) for k, v in counts.items()}
+        summed = engine.island_expert_counts(counts)
         if summed:
             module.reset_island_token_counts()  # type: ignore[operator]
         return summed

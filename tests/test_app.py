@@ -267,3 +267,18 @@ def test_membership_settings_and_restarts_reach_the_strategy_and_the_launcher(tm
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restart_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
     assert restart_checkpoint(tmp_path / "none") is None, "restarted before its first checkpoint: from nothing"
+
+
+def test_a_members_parallelism_reaches_its_strategy_and_the_experiment_composes():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=mixed_parallel"])
+    assert [dict(m) for m in cfg.islands.members] == [{"devices": 2, "batch_size": 16, "tensor_parallel_size": 2},
+                                                      {"devices": 1, "batch_size": 16}]
+    os.environ.pop("LI_COORDINATOR", None)
+    cfg.islands.members = [cfg.islands.members[0]]
+    strategy = build_strategy(cfg, 0, island_member(cfg, 0))
+    assert (strategy._tensor_parallel_size, strategy.expert_parallel_size) == (2, 1)
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["strategy=fsdp", "strategy.expert_parallel_size=2"])
+    fsdp = build_strategy(cfg, 0, island_member(cfg, 0))
+    assert (fsdp._tensor_parallel_size, fsdp.expert_parallel_size) == (1, 2)

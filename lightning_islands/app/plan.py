@@ -138,7 +138,8 @@ def _tokens_per_step(cfg: Any, devices: list[int]) -> list[float]:
     out = []
     for member, d in zip(cfg.islands.members, devices):
         batch = int(member.get("batch_size", default_batch) or default_batch)
-        out.append(float(batch * seq_len * d))
+        data_parallel = d // int(member.get("tensor_parallel_size", 1) or 1)  # tensor-parallel ranks share a batch
+        out.append(float(batch * seq_len * data_parallel))
     if not all(out):
         raise PlanError("cannot derive tokens per step from the config: give --tokens-per-step")
     return out

@@ -32,6 +32,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         summary["rounds"] = first.get("rounds")
         summary["bytes_exchanged"] = sum(r["islands"].get("bytes_sent", 0.0) for r in results)
         summary["val_loss_per_island"] = [r["val_loss"] for r in results]
+        summary["mesh_per_island"] = [r.get("mesh") for r in results]
         total = (first.get("parameters") or {}).get("total")
         if total:
             summary.update(reference_bytes(int(total), len(results), int(summary["rounds"] or 0),
@@ -73,7 +74,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             extra = (f", sent {isl.get('bytes_sent', 0) / 1e6:.2f} MB,"
                      f" exchanging {isl.get('seconds_exchanging', 0):.2f} s,"
                      f" waiting {isl.get('seconds_waiting', 0):.2f} s")
-        lines.append(f"island {r['island']}: {r['world_size']} proc x batch {r['batch_size']}, "
+        mesh = r.get("mesh") or {}
+        layout = "".join(f" {k}={v}" for k, v in mesh.items() if k != "dp" and v > 1)
+        lines.append(f"island {r['island']}: {r['world_size']} proc{layout} x batch {r['batch_size']}, "
                      f"{r['global_step']} steps, val loss {r['val_loss']:.4f}{extra}")
     if "rounds" in summary:
         sent = summary["bytes_exchanged"]

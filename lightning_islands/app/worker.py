@@ -39,7 +39,9 @@ def island_identity() -> tuple[int, int]:
 def island_member(cfg: DictConfig, island: int) -> dict[str, Any]:
     """This island's entry of ``islands.members`` (devices, batch size, overrides)."""
     if cfg.strategy.name != "islands":
-        return {"devices": int(cfg.strategy.get("devices", 1))}
+        keys = ("tensor_parallel_size", "expert_parallel_size")
+        return {"devices": int(cfg.strategy.get("devices", 1)), **{k: int(cfg.strategy[k]) for k in keys
+                                                                     if cfg.strategy.get(k)}}
     members = cfg.islands.members
     if island >= len(members):
         raise ValueError(f"island {island} has no entry in islands.members (only {len(members)} given)")
@@ -53,9 +55,11 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
         return "auto"
     if name == "ddp":
         return "ddp"
+    parallel = {"tensor_parallel_size": int(member.get("tensor_parallel_size", 1)),
+                "expert_parallel_size": int(member.get("expert_parallel_size", 1))}
     if name == "fsdp":
         return FSDP2Strategy(unit_classes=cfg.strategy.get("unit_classes"),
-                             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True))
+                             reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel)
     if name == "islands":
         isl = cfg.islands
         return IslandStrategy(
@@ -75,7 +79,7 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             min_islands=int(isl.get("min_islands", 1)), grace_s=isl.get("grace_s"),
             steps_per_round=member.get("steps_per_round"),
             unit_classes=cfg.strategy.get("unit_classes"),
-            reshard_after_forward=cfg.strategy.get("reshard_after_forward", True),
+            reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel,
         )
     raise ValueError(f"unknown strategy {name!r}; choose single, ddp, fsdp or islands")
 
@@ -216,6 +220,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         * trainer.accumulate_grad_batches,
         "checkpoint_dir": str(ckpt_dir), "log_dir": str(run_dir),
     }
+    if isinstance(strategy, FSDP2Strategy):  # how the island laid the model over its processes
+        result["mesh"] = strategy.parallel_sizes
+        result["tokens"] = result["tokens"] // strategy.parallel_sizes["tp"]  # tensor-parallel ranks share batches
     if hasattr(model, "num_parameters"):
         result["parameters"] = model.num_parameters()
     if isinstance(strategy, IslandStrategy):

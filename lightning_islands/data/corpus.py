@@ -505,8 +505,10 @@ def _env_int(name: str) -> int | None:
 class ByteCorpusDataModule(pl.LightningDataModule):
     """LightningDataModule over a :class:`ByteCorpus`, sharded by island and rank.
 
-    Rank and world size come from the attached trainer (``global_rank``/``world_size``, i.e. within
-    the island's own process group), else 0/1. The island index and count come from the explicit
+    Rank and world size come from the attached trainer's strategy (its data-parallel rank and size,
+    ``distributed_sampler_kwargs``, so tensor-parallel ranks read the same batches), else the
+    trainer's ``global_rank``/``world_size`` (within the island's own process group), else 0/1.
+    The island index and count come from the explicit
     arguments, else the strategy's ``island_index``/``num_islands`` attributes, else the environment
     variables ``LI_ISLAND``/``LI_NUM_ISLANDS``, else 0/1.
 
@@ -569,6 +571,12 @@ class ByteCorpusDataModule(pl.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
+        try:  # data-parallel rank and size: the ranks of a tensor-parallel group read the same batches
+            kwargs = trainer.strategy.distributed_sampler_kwargs
+        except (AttributeError, AssertionError):
+            kwargs = None
+        if kwargs and "num_replicas" in kwargs and "rank" in kwargs:
+            return int(kwargs["rank"]), int(kwargs["num_replicas"])
         return int(trainer.global_rank), int(trainer.world_size)
 
     def _islands(self) -> tuple[int, int]:

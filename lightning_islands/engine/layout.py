@@ -1,85 +1,256 @@
 """The canonical layout: every parameter's full tensor, flattened, concatenated in module order.
 
-Islands shard the same parameters differently (2 ranks here, 1 there). They meet in this layout:
-each round gathers the island's local shards to its leader and scatters from it
-(:meth:`CanonicalLayout.gather_to_leader`, :meth:`CanonicalLayout.scatter_from_leader`), a range of
-the flat vector at a time, so that only the leader holds values beyond its own shards, and only
-those of the range. A sharded parameter is split along dim 0 as FSDP2 splits it (``torch.chunk``
-over the island's ranks); a plain one is whole on every rank. The ranks talk through an
+Islands shard the same parameters differently: FSDP2 over 2 ranks here, tensor parallel plus FSDP2
+on a 2-D mesh there, whole on 1 rank elsewhere. They meet in this layout: each round gathers the
+island's local shards to its leader and scatters from it (:meth:`CanonicalLayout.gather_to_leader`,
+:meth:`CanonicalLayout.scatter_from_leader`), a range of the flat vector at a time, so that only the
+leader holds values beyond its own shards, and only those of the range.
+
+What a rank holds of a parameter is the full tensor indexed, along each dimension, by a list of
+indices (:class:`Placing`): a DTensor's placements say which, on any mesh (``Shard`` on any
+dimension, FSDP2's strided shards over tensor-parallel ones, ``Replicate``), and a plain tensor is
+whole on every rank. Each rank works its own lists out from its own placements; the island shares
+them once. Copies held by several ranks (replicated, or plain) are gathered from the lowest of those
+ranks only, and scattered to all of them. The ranks talk through an
 :class:`~lightning_islands.engine.group.IslandGroup`.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_islands.engine.group import IslandGroup, SoloGroup
 
-_SHARD_FIX = ("Islands expect FSDP2's Shard(0) split of every parameter (torch.chunk along dim 0 over the "
-              "island's ranks); shard the module with fully_shard's default placement")
-
+_SHARD_FIX = ("An island's shards must be what each parameter's DTensor placements give (torch.chunk splits along "
+              "each sharded dimension, as FSDP2 and tensor parallelism cut them); shard the module with fully_shard "
+              "or parallelize_module, and do not resize or replace the local shards")
 
 _MIX = 2_654_435_761  # Knuth's multiplicative hash constant: the checksum's weights are MIX * index + 1
+_LOOP_MAX = 16  # runs copied one slice at a time up to this many; more go through one index per parameter
+
+Held = tuple[Tensor, ...] | None  # the index lists a rank holds along each dimension; None: the whole tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Placing:
+    """How a DTensor lies over an island's ranks: ``mesh``, the island ranks of its device mesh (an
+    integer tensor shaped like the mesh), and ``placements``, one per mesh dimension."""
+
+    mesh: Tensor
+    placements: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, param: Tensor) -> Placing:
+        """The placing of a DTensor (its mesh's ranks must be the island's, as in its own world)."""
+        return cls(param.device_mesh.mesh.detach().cpu(), tuple(param.placements))  # type: ignore[attr-defined]
+
+    def held(self, shape: Sequence[int], rank: int) -> tuple[Tensor, ...]:
+        """The indices ``rank`` holds along each dimension of a tensor of ``shape``: each mesh
+        dimension, in order, splits the list of the dimension its placement shards, as DTensor
+        splits the tensor (torch's own split, strided shards included)."""
+        where = (self.mesh == rank).nonzero()
+        if len(where) != 1:
+            raise ValueError(f"rank {rank} is not on the device mesh {self.mesh.tolist()}")
+        coord = where[0].tolist()
+        lists = [torch.arange(int(n), dtype=torch.int64) for n in shape]
+        for m, p in enumerate(self.placements):
+            if p.is_replicate():
+                continue
+            if not _splits(p):
+                raise NotImplementedError(f"a parameter placed as {p} (islands take Shard and Replicate placements)")
+            d = p.dim
+            column = lists[d].view([1] * d + [-1] + [1] * (len(shape) - d - 1))
+            chunks = p._split_tensor(column, int(self.mesh.shape[m]), with_padding=False)[0]
+            lists[d] = chunks[coord[m]].reshape(-1) if coord[m] < len(chunks) else lists[d][:0]
+        return tuple(lists)
+
+
+def _splits(placement: Any) -> bool:
+    """Whether a placement splits a dimension: ``Shard``, or FSDP2's strided shard over tensor parallel."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _runs(shape: tuple[int, ...], held: Held) -> tuple[Tensor, Tensor]:
+    """The flat offsets (in the parameter) and lengths of the contiguous runs of the part ``held``
+    of a tensor of ``shape``, in the part's own row-major order."""
+    numel = _numel(shape)
+    one = torch.zeros(1, dtype=torch.int64)
+    if held is None or not shape:
+        return one, one + numel
+    if any(len(h) == 0 for h in held):
+        return one[:0], one[:0]
+    strides = [_numel(shape[d + 1:]) for d in range(len(shape))]
+    d = len(shape)
+    while d and torch.equal(held[d - 1], torch.arange(shape[d - 1])):  # whole trailing dims: one block
+        d -= 1
+    if d == 0:
+        return one, one + numel
+    inner = strides[d - 1]
+    last = held[d - 1]
+    first = torch.cat([one, (last[1:] != last[:-1] + 1).nonzero().reshape(-1) + 1])  # where stretches start
+    seg_len = torch.diff(torch.cat([first, torch.tensor([len(last)])])) * inner
+    outer = one
+    for j in range(d - 1):
+        outer = (outer[:, None] + held[j][None, :] * strides[j]).reshape(-1)
+    return (outer[:, None] + (last[first] * inner)[None, :]).reshape(-1), seg_len.repeat(len(outer))
+
+
+def _expand(pos: Tensor, n: Tensor) -> Tensor:
+    """The positions of runs starting at ``pos`` with lengths ``n``, one after another."""
+    total = int(n.sum())
+    before = torch.cumsum(n, 0) - n
+    return torch.repeat_interleave(pos - before, n, output_size=total) + torch.arange(total)
+
+
+def _read(src: Tensor, pos: Tensor, n: Tensor, out: Tensor) -> None:
+    """``out`` (1-D) gets ``src``'s (1-D) runs ``(pos, n)``, one after another."""
+    if len(n) <= _LOOP_MAX:
+        at = 0
+        for p, k in zip(pos.tolist(), n.tolist()):
+            out[at : at + k].copy_(src[p : p + k])
+            at += k
+    else:
+        out.copy_(src.index_select(0, _expand(pos, n).to(src.device)))
+
+
+def _move(src: Tensor, spos: Tensor, dst: Tensor, dpos: Tensor, n: Tensor) -> None:
+    """``dst``'s (1-D) runs ``(dpos, n)`` get ``src``'s (1-D) runs ``(spos, n)``."""
+    if len(n) <= _LOOP_MAX:
+        for a, b, k in zip(spos.tolist(), dpos.tolist(), n.tolist()):
+            dst[b : b + k].copy_(src[a : a + k])
+    else:
+        dst.index_copy_(0, _expand(dpos, n).to(dst.device),
+                        src.index_select(0, _expand(spos, n).to(src.device)).to(dst.device, dst.dtype))
+
+
+def _write(dst: Tensor, pos: Tensor, n: Tensor, values: Tensor) -> None:
+    """``dst``'s (1-D) runs ``(pos, n)`` get ``values`` (1-D), one after another."""
+    if len(n) <= _LOOP_MAX:
+        at = 0
+        for p, k in zip(pos.tolist(), n.tolist()):
+            dst[p : p + k].copy_(values[at : at + k])
+            at += k
+    else:
+        dst.index_copy_(0, _expand(pos, n).to(dst.device), values.to(dst.dtype))
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter's place in the flat vector, and whether the island's ranks split it."""
+    """One parameter's place in the flat vector."""
 
     name: str
     shape: tuple[int, ...]
     offset: int
     numel: int
-    sharded: bool = False
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one rank holds of one parameter: its index lists, shape, runs and whether it sends them."""
+
+    held: Held
+    shape: tuple[int, ...]
+    starts: Tensor  # flat offsets in the parameter of the runs, in local order
+    lengths: Tensor
+    locs: Tensor  # where each run starts in the rank's local (flattened) tensor
+    owner: bool  # the lowest rank holding these values: it alone gathers them
+
+
+Rows = list[tuple[int, Tensor, Tensor, Tensor]]  # per parameter: (index, local positions, range positions, lengths)
 
 
 class CanonicalLayout:
     """Offsets of named parameters in the flat vector, and the gather/scatter between it and shards.
 
     Args:
-        params: ``(name, full shape, sharded)`` per parameter, in module order.
+        params: ``(name, full shape, placing)`` per parameter, in module order; the placing is
+            ``False`` (whole on every rank), ``True`` (FSDP2's ``Shard(0)`` over the island's ranks)
+            or a :class:`Placing`.
         group: the island's ranks (default: an island of one process).
+        held: what every rank holds (``held[rank][i]`` as :meth:`Placing.held` gives it, ``None``
+            for whole), in place of working it out from ``params``' placings (which then are not read).
     """
 
-    def __init__(self, params: Sequence[tuple[str, Sequence[int], bool]], group: IslandGroup | None = None) -> None:
+    def __init__(self, params: Sequence[tuple[str, Sequence[int], bool | Placing]], group: IslandGroup | None = None,
+                 held: Sequence[Sequence[Held]] | None = None) -> None:
         entries, offset = [], 0
-        for name, shape, sharded in params:
-            numel = 1
-            for d in shape:
-                numel *= int(d)
-            entries.append(Entry(name, tuple(int(d) for d in shape), offset, numel, bool(sharded)))
-            offset += numel
+        for name, shape, _ in params:
+            shape = tuple(int(d) for d in shape)
+            entries.append(Entry(name, shape, offset, _numel(shape)))
+            offset += entries[-1].numel
         self.entries: list[Entry] = entries
         self.numel = offset
         self.group: IslandGroup = group if group is not None else SoloGroup()
-        self._pieces_cache: dict[bool, list[list[tuple[int, int]]]] = {}
+        world = self.group.size
+        if held is None:
+            fsdp = Placing(torch.arange(world), (_shard0(),))
+            held = [[None if placing is False else (fsdp if placing is True else placing).held(e.shape, r)
+                     for e, (_, _, placing) in zip(entries, params)] for r in range(world)]
+        if len(held) != world or any(len(h) != len(entries) for h in held):
+            raise ValueError(f"held must give each of the {world} ranks a part of each of the {len(entries)} "
+                             "parameters")
+        self._parts: list[list[_Part]] = [[] for _ in range(world)]
+        for i, e in enumerate(entries):
+            seen: set = set()
+            for r in range(world):
+                h = held[r][i]
+                key = None if h is None else tuple(tuple(x.tolist()) for x in h)
+                starts, lengths = _runs(e.shape, h)
+                self._parts[r].append(_Part(h, e.shape if h is None else tuple(len(x) for x in h), starts, lengths,
+                                            torch.cumsum(lengths, 0) - lengths, key not in seen))
+                seen.add(key)
+            self._check_partition(i)
 
     @classmethod
     def from_parameters(cls, named: Sequence[tuple[str, Tensor]], group: IslandGroup | None = None
                         ) -> CanonicalLayout:
-        """The layout of a module's parameters (plain tensors, or FSDP2's DTensors sharded
-        ``Shard(0)`` over a 1-D mesh of the island). A collective of the island: every rank checks
-        that its shards are the ones the layout cuts for it, and all raise if any rank's are not."""
-        from torch.distributed.tensor import DTensor, Shard
+        """The layout of a module's parameters: plain tensors, or DTensors placed in any way
+        :class:`Placing` takes. A collective of the island: the ranks share what each holds, and
+        every rank checks that its shards have the shapes that gives; all raise if any rank's differ."""
+        from torch.distributed.tensor import DTensor
 
-        for name, p in named:
-            if isinstance(p, DTensor) and tuple(p.placements) != (Shard(0),):
-                raise NotImplementedError(
-                    f"parameter {name} is placed as {tuple(p.placements)}; islands support FSDP2's Shard(0) "
-                    "over a 1-D mesh (no tensor parallelism inside an island yet)")
-        layout = cls([(n, tuple(p.shape), isinstance(p, DTensor)) for n, p in named], group)
+        group = group if group is not None else SoloGroup()
+        own = [Placing.of(p).held(tuple(p.shape), group.rank) if isinstance(p, DTensor) else None for _, p in named]
+        held = group.all_gather_object(own) if group.size > 1 else [own]
+        layout = cls([(n, tuple(p.shape), False) for n, p in named], group, held=held)
         layout.check_local_shapes([tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
                                    for _, p in named])
         return layout
 
     def subset(self, indices: Sequence[int]) -> CanonicalLayout:
         """The layout of the parameters ``indices`` alone (a fragment), over the same ranks."""
-        return CanonicalLayout([(self.entries[i].name, self.entries[i].shape, self.entries[i].sharded)
-                                for i in indices], self.group)
+        return CanonicalLayout([(self.entries[i].name, self.entries[i].shape, False) for i in indices], self.group,
+                               held=[[parts[i].held for i in indices] for parts in self._parts])
+
+    def _check_partition(self, index: int) -> None:
+        """Raise unless the ranks that gather parameter ``index`` hold each of its values exactly once."""
+        e = self.entries[index]
+        owners = [parts[index] for parts in self._parts if parts[index].owner]
+        starts = torch.cat([p.starts for p in owners])
+        lengths = torch.cat([p.lengths for p in owners])
+        order = torch.argsort(starts)
+        starts, lengths = starts[order], lengths[order]
+        ends = starts + lengths
+        covered = (starts[0] == 0 and ends[-1] == e.numel and torch.equal(starts[1:], ends[:-1])) if len(starts) \
+            else e.numel == 0
+        if not covered:
+            raise ValueError(f"the island's ranks do not hold every value of {e.name} {e.shape} exactly once (their "
+                             f"parts overlap without being copies, or leave values out). {_SHARD_FIX}")
 
     def check_local_shapes(self, held: Sequence[Sequence[int]]) -> None:
         """Raise on every rank of the island unless every rank holds, of each parameter, the shape
@@ -89,49 +260,18 @@ class CanonicalLayout:
                           if tuple(shape) != self.local_shape(i)), None))
 
     def describe(self) -> list[list]:
-        """``[name, shape]`` pairs, the model part of a rendezvous fingerprint."""
+        """``[name, shape]`` pairs, the model part of a rendezvous fingerprint (how the island
+        shards the parameters is not part of it: islands that shard differently still meet)."""
         return [[e.name, list(e.shape)] for e in self.entries]
 
-    def is_sharded(self, index: int) -> bool:
-        """Whether parameter ``index`` is split over the island's ranks (else whole on every rank)."""
-        return self.entries[index].sharded
+    def owns(self, index: int, rank: int | None = None) -> bool:
+        """Whether ``rank`` (default: this rank) is the one that gathers its part of parameter
+        ``index``: the lowest rank holding those values (for a plain tensor, rank 0)."""
+        return self._parts[self.group.rank if rank is None else rank][index].owner
 
     def local_shape(self, index: int, rank: int | None = None) -> tuple[int, ...]:
         """The shape of ``rank``'s (default: this rank's) part of parameter ``index``."""
-        e = self.entries[index]
-        if not e.sharded or not e.shape:
-            return e.shape
-        start, stop = self._rows(e, self.group.rank if rank is None else rank)
-        return (stop - start, *e.shape[1:])
-
-    def _rows(self, e: Entry, rank: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of sharded parameter ``e`` that ``rank`` holds: FSDP2's split
-        along dim 0 (``torch.chunk``: chunks of ``ceil(rows / world)`` rows, the last ones shorter
-        or empty)."""
-        rows = e.shape[0] if e.shape else 1
-        chunk = -(-rows // self.group.size) if rows else 0
-        return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
-
-    def _pieces(self, replicated_to_all: bool) -> list[list[tuple[int, int]]]:
-        """Per rank of the island, the ``(flat offset, numel)`` of what it holds of each parameter, in
-        parameter order. A sharded parameter is split along dim 0 as FSDP2 splits it (:meth:`_rows`);
-        a plain one is whole on every rank (``replicated_to_all``) or counted once, on rank 0."""
-        if replicated_to_all in self._pieces_cache:
-            return self._pieces_cache[replicated_to_all]
-        world = self.group.size
-        pieces: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        for e in self.entries:
-            if not e.sharded:
-                for r in range(world if replicated_to_all else 1):
-                    pieces[r].append((e.offset, e.numel))
-                continue
-            rows = e.shape[0] if e.shape else 1
-            per_row = e.numel // rows if rows else 0
-            for r in range(world):
-                start, stop = self._rows(e, r)
-                pieces[r].append((e.offset + start * per_row, (stop - start) * per_row))
-        self._pieces_cache[replicated_to_all] = pieces
-        return pieces
+        return self._parts[self.group.rank if rank is None else rank][index].shape
 
     def _agree(self, problem: str | None) -> None:
         """Raise on every rank of the island if any rank found ``problem`` (None: this rank's shards
@@ -154,23 +294,43 @@ class CanonicalLayout:
             raise ValueError(f"range [{start}, {stop}) is outside the flat vector of {self.numel} values")
         return start, stop
 
+    def _rows(self, rank: int, start: int, stop: int, gathering: bool) -> Rows:
+        """What ``rank`` holds inside ``[start, stop)``, per parameter in order: its runs' positions
+        in the local tensor and in the range, and their lengths. ``gathering``: only what it owns."""
+        first = max(bisect.bisect_right([e.offset for e in self.entries], start) - 1, 0)
+        rows: Rows = []
+        for i in range(first, len(self.entries)):
+            e, part = self.entries[i], self._parts[rank][i]
+            if e.offset >= stop:
+                break
+            if (gathering and not part.owner) or e.offset + e.numel <= start or not len(part.starts):
+                continue
+            g = part.starts + e.offset
+            a, b = g.clamp(min=start), (g + part.lengths).clamp(max=stop)
+            keep = a < b
+            if keep.any():
+                rows.append((i, (part.locs + a - g)[keep], (a - start)[keep], (b - a)[keep]))
+        return rows
+
     @staticmethod
-    def _clip(pieces: Sequence[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int, int, int]]:
-        """The parts of one rank's pieces inside ``[start, stop)``: ``(piece index, offset into the
-        piece, offset into the range, numel)`` each, in order."""
-        out = []
-        for i, (offset, n) in enumerate(pieces):
-            a, b = max(offset, start), min(offset + n, stop)
-            if a < b:
-                out.append((i, a - offset, a - start, b - a))
-        return out
+    def _size(rows: Rows) -> int:
+        return sum(int(n.sum()) for *_, n in rows)
+
+    @staticmethod
+    def _pack(rows: Rows, tensors: Sequence[Tensor], out: Tensor) -> None:
+        """``out`` gets the values of ``rows`` from this rank's local ``tensors``, one after another."""
+        at = 0
+        for i, loc, _, n in rows:
+            k = int(n.sum())
+            _read(tensors[i].reshape(-1), loc, n, out[at : at + k])
+            at += k
 
     def gather_to_leader(self, locals_: Sequence[Tensor], device: torch.device,
                          out_device: torch.device | None = None, start: int = 0,
                          stop: int | None = None, into: Tensor | None = None) -> Tensor | None:
         """The fp32 values ``[start, stop)`` (default: all) of the flat vector on the island's rank 0
-        (on ``out_device``, default ``device``), ``None`` on the other ranks, which send only their
-        shards' values in the range (``locals_[i]``: this rank's part of parameter ``i``): one flat
+        (on ``out_device``, default ``device``), ``None`` on the other ranks, which send only the
+        values they own in the range (``locals_[i]``: this rank's part of parameter ``i``): one flat
         buffer each, on ``device`` (the GPU for NCCL), received by the leader one rank at a time into
         a reused buffer, so the leader holds the range and one rank's part of it at most. ``into``
         (leader, optional): a flat fp32 tensor of ``stop - start`` values on ``out_device`` to gather
@@ -178,29 +338,24 @@ class CanonicalLayout:
         it, with the same range."""
         start, stop = self._range(start, stop)
         world, rank = self.group.size, self.group.rank
-        pieces = self._pieces(replicated_to_all=False)
         out_device, device = out_device or device, self.group.transfer_device(device) if world > 1 else device
-        # what this rank holds, piece by piece: (parameter index, local tensor); rank 0 alone sends a plain tensor
-        held = [(i, local) for i, (local, e) in enumerate(zip(locals_, self.entries)) if e.sharded or rank == 0]
         if world > 1:
-            self._agree(next((f"holds {local.numel()} values of {self.entries[i].name}, the layout expects {n}"
-                              for (i, local), (_, n) in zip(held, pieces[rank]) if local.numel() != n), None))
-        parts = [self._clip(ps, start, stop) for ps in pieces]
-        sizes = [sum(n for *_, n in ps) for ps in parts]
+            self._agree(next((f"holds {t.numel()} values of {e.name}, the layout expects {_numel(self.local_shape(i))}"
+                              for i, (t, e) in enumerate(zip(locals_, self.entries))
+                              if self.owns(i) and t.numel() != _numel(self.local_shape(i))), None))
+        parts = [self._rows(r, start, stop, gathering=True) for r in range(world)]
+        sizes = [self._size(rows) for rows in parts]
         if rank != 0:
             mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
-            at = 0
-            for k, local_at, _, n in parts[rank]:
-                mine[at : at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
-                at += n
+            self._pack(parts[rank], locals_, mine)
             if sizes[rank]:  # every rank knows every size: nothing is sent for empty parts
                 self.group.send(mine, 0)
             return None
         if into is not None and (into.numel() != stop - start or into.dtype != torch.float32):
             raise ValueError(f"into holds {into.numel()} {into.dtype} values for the range [{start}, {stop})")
         full = torch.empty(stop - start, dtype=torch.float32, device=out_device) if into is None else into
-        for k, local_at, range_at, n in parts[0]:  # the leader's own part, straight into place
-            full[range_at : range_at + n].copy_(held[k][1].reshape(-1)[local_at : local_at + n])
+        for i, loc, pos, n in parts[0]:  # the leader's own part, straight into place
+            _move(locals_[i].reshape(-1), loc, full, pos, n)
         buf = torch.empty(max(sizes[1:], default=0), dtype=torch.float32, device=device)
         for r in range(1, world):
             if not sizes[r]:
@@ -208,9 +363,10 @@ class CanonicalLayout:
             src = buf[: sizes[r]]
             self.group.recv(src, r)
             at = 0
-            for _, _, range_at, n in parts[r]:
-                full[range_at : range_at + n].copy_(src[at : at + n])
-                at += n
+            for _, _, pos, n in parts[r]:
+                k = int(n.sum())
+                _write(full, pos, n, src[at : at + k])
+                at += k
         return full
 
     def scatter_from_leader(self, flat: Tensor | None, device: torch.device, start: int = 0,
@@ -218,7 +374,8 @@ class CanonicalLayout:
         """This rank's part of each parameter (shaped like its local shard, fp32, on ``device``; on
         the host over gloo) cut from the values ``[start, stop)`` (default: all) of the flat vector,
         ``flat``, that only the island's rank 0 holds (``None`` elsewhere). The leader sends each
-        rank only its own part, one rank at a time from a reused buffer.
+        rank only its own part (every copy of a replicated one), one rank at a time from a reused
+        buffer.
 
         ``into``: tensors shaped like this rank's shards (any device and float dtype) to write the
         range's values into, the rest left as it is; they are returned instead. Needed for a
@@ -230,13 +387,13 @@ class CanonicalLayout:
         if world == 1 and into is None:
             assert flat is not None
             return [self.shard_of(flat.to(device), i) for i in range(len(self.entries))]
-        pieces = self._pieces(replicated_to_all=True)
         device = self.group.transfer_device(device) if world > 1 else device
         if into is not None and world > 1:
-            self._agree(next((f"holds {tuple(t.shape)} of {e.name}, the layout gives it {n} values"
-                              for e, t, (_, n) in zip(self.entries, into, pieces[rank]) if t.numel() != n), None))
-        parts = [self._clip(ps, start, stop) for ps in pieces]
-        sizes = [sum(n for *_, n in ps) for ps in parts]
+            self._agree(next((f"holds {tuple(t.shape)} of {e.name}, the layout gives it {self.local_shape(i)}"
+                              for i, (e, t) in enumerate(zip(self.entries, into))
+                              if t.numel() != _numel(self.local_shape(i))), None))
+        parts = [self._rows(r, start, stop, gathering=False) for r in range(world)]
+        sizes = [self._size(rows) for rows in parts]
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         if rank == 0:
             assert flat is not None
@@ -246,38 +403,43 @@ class CanonicalLayout:
             for r in [*range(1, world), 0]:  # the leader's own part last, straight into ``mine``
                 dst = mine if r == 0 else buf[: sizes[r]]
                 at = 0
-                for _, _, range_at, n in parts[r]:
-                    dst[at : at + n].copy_(flat[range_at : range_at + n])
-                    at += n
+                for _, _, pos, n in parts[r]:
+                    k = int(n.sum())
+                    _read(flat, pos, n, dst[at : at + k])
+                    at += k
                 if r and sizes[r]:
                     self.group.send(dst, r)
         elif sizes[rank]:
             self.group.recv(mine, 0)
-        if into is None:  # the whole range: every piece, in order, is one view of ``mine``
+        if into is None:  # the whole range: each parameter's part, in local order, is one view of ``mine``
             out, at = [], 0
-            for i, (_, n) in enumerate(pieces[rank]):
-                out.append(mine[at : at + n].view(self.local_shape(i)))
-                at += n
+            for i in range(len(self.entries)):
+                k = _numel(self.local_shape(i))
+                out.append(mine[at : at + k].view(self.local_shape(i)))
+                at += k
             return out
         at = 0
-        for k, local_at, _, n in parts[rank]:
-            into[k].view(-1)[local_at : local_at + n].copy_(mine[at : at + n])
-            at += n
+        for i, loc, _, n in parts[rank]:
+            k = int(n.sum())
+            _write(into[i].view(-1), loc, n, mine[at : at + k])
+            at += k
         return list(into)
 
     def checksum(self, tensors: Sequence[Tensor]) -> int:
         """A checksum of fp32 tensors shaped like this rank's shards (the anchors, the momentum) that
         depends only on the canonical vector's bits, not on how the island shards it: each value's
         bits times an odd number made from its canonical index, summed modulo 2^64 (int64 arithmetic
-        wraps), so the island's sum over its ranks (:meth:`island_checksum`) is the same on every
-        island that holds the same global state. For spotting divergence, not for security."""
-        rank, total = self.group.rank, 0
-        held = [t for t, e in zip(tensors, self.entries) if e.sharded or rank == 0]
-        for t, (offset, n) in zip(held, self._pieces(replicated_to_all=False)[rank]):
-            if n:
-                bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
-                mix = torch.arange(offset, offset + n, dtype=torch.int64, device=bits.device).mul_(_MIX).add_(1)
-                total += int(bits.mul_(mix).sum())
+        wraps) over the values this rank owns, so the island's sum over its ranks
+        (:meth:`island_checksum`) is the same on every island that holds the same global state. For
+        spotting divergence, not for security."""
+        total = 0
+        for i, (t, e) in enumerate(zip(tensors, self.entries)):
+            part = self._parts[self.group.rank][i]
+            if not part.owner or not len(part.starts):
+                continue
+            bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
+            index = _expand(part.starts + e.offset, part.lengths).to(bits.device)
+            total += int(bits.mul_(index.mul_(_MIX).add_(1)).sum())
         return total % (1 << 64)
 
     def island_checksum(self, tensors: Sequence[Tensor]) -> int:
@@ -285,10 +447,20 @@ class CanonicalLayout:
         return sum(self.group.all_gather_object(self.checksum(tensors))) % (1 << 64)
 
     def shard_of(self, flat: Tensor, index: int) -> Tensor:
-        """This rank's part of parameter ``index`` cut out of the full flat vector (a view)."""
+        """This rank's part of parameter ``index`` cut out of the full flat vector (a view where the
+        part is a block of the tensor, else a copy)."""
         e = self.entries[index]
-        full = flat[e.offset : e.offset + e.numel].view(e.shape)
-        if not e.sharded or not e.shape:
-            return full
-        start, stop = self._rows(e, self.group.rank)
-        return full[start:stop]
+        part = flat[e.offset : e.offset + e.numel].view(e.shape)
+        held = self._parts[self.group.rank][index].held
+        for d, idx in enumerate(held or ()):
+            if len(idx) and torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + len(idx))):
+                part = part.narrow(d, int(idx[0]), len(idx))
+            else:
+                part = part.index_select(d, idx.to(part.device))
+        return part
+
+
+def _shard0() -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)

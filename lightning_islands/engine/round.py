@@ -398,7 +398,7 @@ class IslandEngine:
         idx, layout = state.indices(fragment), self.fragment_layouts[fragment]
         deltas = [outer.pseudo_gradient(state.anchors[i].to(locals_[i].device), locals_[i]) for i in idx]
         # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
-        own_sq = sum_sq([d for j, d in enumerate(deltas) if layout.is_sharded(j) or self.is_leader])
+        own_sq = sum_sq([d for j, d in enumerate(deltas) if layout.owns(j)])
         sent = deltas
         if s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
             if state.residual is None:

@@ -1,0 +1,71 @@
+"""Islands that parallelize differently (tensor parallel, expert parallel, FSDP2) train one model:
+real processes, the provided MoE, its own parallel plan."""
+
+from __future__ import annotations
+
+import json
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import launch, load_rounds
+
+from lightning_islands.fsdp import FSDP2Strategy
+
+
+def _islands_equal(out, rounds):
+    a, b = load_rounds(out, 0), load_rounds(out, 1)
+    assert sorted(a) == sorted(b) == list(range(1, rounds + 1))
+    for r in a:
+        for name, t in a[r]["params"].items():
+            assert torch.equal(t, b[r]["params"][name]), f"round {r}: {name} differs between islands"
+        assert a[r]["digest"] == b[r]["digest"]
+    return a
+
+
+@pytest.mark.parametrize("islands, args, meshes", [
+    ([2, 1], ["--tp", "2,1", "--batch-sizes", "8"], [{"dp": 1, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
+    ([2, 1], ["--ep", "2,1", "--batch-sizes", "4,8"], [{"dp": 2, "tp": 1, "ep": 2}, {"dp": 1, "tp": 1, "ep": 1}]),
+], ids=["tensor-vs-fsdp", "expert-vs-fsdp"])
+def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, islands, args, meshes):
+    launch(islands, ["mixed_parallel.py", "--out", tmp_path, "--steps", 8, "--H", 4, *args], tmp_path / "logs")
+    rounds = _islands_equal(tmp_path, 2)
+    records = [json.loads((tmp_path / f"island{i}_mesh.json").read_text()) for i in range(2)]
+    assert [r["mesh"] for r in records] == meshes
+    assert rounds[2]["metrics"]["islands/islands_present"] == 2
+    # every expert of the parallelized island received gradient
+    grads = records[0]["expert_grads"]
+    assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
+
+
+def test_a_mismatched_model_is_still_refused_across_layouts(tmp_path):
+    results, text = launch([2, 1], ["mixed_parallel.py", "--out", tmp_path, "--tp", "2,1", "--experts", "4,8"],
+                           tmp_path / "logs", expect_ok=False)
+    assert all(r.returncode != 0 for r in results)
+    assert "islands disagree before the first step" in text and "island 1 has parameters=" in text
+
+
+class _Plain(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(4, 2), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_bad_parallel_sizes_are_named_with_the_fix():
+    with pytest.raises(ValueError, match="not supported together"):
+        FSDP2Strategy(tensor_parallel_size=2, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        FSDP2Strategy(tensor_parallel_size=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(tensor_parallel_size=2), max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the 1 processes"):
+        trainer.fit(_Plain())
