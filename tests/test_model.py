@@ -178,7 +178,7 @@ def test_every_expert_receives_gradient():
 
 def test_parameter_counts_match_hand_count():
     d, ff, V, E, k = 16, 32, 256, 4, 2
-    attention = 4 * d * d  # qkv + out projection, no biases
+    attention = 4 * d * d  # wq, wk, wv + out projection, no biases
     norms = 2 * d  # two RMSNorms per block
     swiglu = 3 * d * ff
     router = d * E

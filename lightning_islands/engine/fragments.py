@@ -18,7 +18,7 @@ _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 def block_key(name: str) -> str | None:
-    """``"model.blocks.3.attn.qkv.weight"`` -> ``"model.blocks.3"``; ``None`` outside numbered blocks."""
+    """``"model.blocks.3.attn.wq.weight"`` -> ``"model.blocks.3"``; ``None`` outside numbered blocks."""
     found = _BLOCK.match(name)
     return found.group(1) if found else None
 

@@ -14,6 +14,7 @@ from lightning_islands.models.moe import (
     lr_schedule,
     rope_tables,
 )
+from lightning_islands.models.parallelize import parallelize_moe
 
 __all__ = [
     "PRESETS",
@@ -27,5 +28,6 @@ __all__ = [
     "apply_rope",
     "count_parameters",
     "lr_schedule",
+    "parallelize_moe",
     "rope_tables",
 ]

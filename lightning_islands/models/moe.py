@@ -7,6 +7,7 @@ Layout (read top to bottom):
     CausalSelfAttention  multi-head attention with RoPE, via scaled_dot_product_attention
     SwiGLU               the dense feed-forward (also used as the optional shared expert)
     MoELayer             router + batched expert weights, top-k token-choice routing
+                         (expert parallel once parallelize_moe gave it a device mesh)
     Block                pre-norm residual block: attention, then SwiGLU or MoE
     MoETransformer       embedding -> blocks (an nn.ModuleList) -> norm -> LM head
     count_parameters     total and per-token active parameter counts
@@ -26,9 +27,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import MeanMetric
+
+from lightning_islands.models.parallelize import parallelize_moe
 
 __all__ = [
     "PRESETS",
@@ -128,18 +134,22 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.head_dim = cfg.d_model // cfg.n_heads
+        # Separate q, k, v projections so that a column-wise tensor-parallel split keeps whole heads.
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(x).split(D, dim=-1)
-        # [B, T, D] -> [B, H, T, D/H]
-        q, k, v = (t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # [B, T, H*hd] -> [B, H, T, hd]; H is the local head count under tensor parallelism.
+        n_heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return self.proj(y.transpose(1, 2).reshape(B, T, n_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -179,6 +189,9 @@ class MoELayer(nn.Module):
         self.w_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, cfg.d_ff))
         self.w_down = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_ff, cfg.d_model))
         self.shared = SwiGLU(cfg.d_model, cfg.d_ff) if cfg.shared_expert else None
+        # Expert parallelism (set by parallelize_moe): the expert weights are DTensors sharded over
+        # this 1-D mesh, each rank owning whole experts.
+        self.ep_mesh: DeviceMesh | None = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         shape = x.shape
@@ -199,12 +212,11 @@ class MoELayer(nn.Module):
         weight_of = top_w.reshape(-1)[order]
         counts = torch.bincount(expert_of, minlength=E)  # [E]
 
-        # Each expert runs its SwiGLU on its own segment. unbind() (rather than indexing the
-        # parameter E times) keeps the backward pass to a single gradient buffer per weight.
-        w_gate, w_up, w_down = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
-        segments = torch.split(x[token_of], counts.tolist())
-        outputs = [(F.silu(seg @ w_gate[e]) * (seg @ w_up[e])) @ w_down[e] for e, seg in enumerate(segments)]
-        y = torch.cat(outputs) * weight_of.unsqueeze(-1)  # [N*k, D]
+        if self.ep_mesh is None:
+            h = _experts_swiglu(x[token_of], counts, self.w_gate, self.w_up, self.w_down)
+        else:
+            h = self._experts_parallel(x[token_of], counts)
+        y = h * weight_of.unsqueeze(-1)  # [N*k, D]
         out = x.new_zeros(x.shape).index_add(0, token_of, y.to(x.dtype))
         if self.shared is not None:
             out = out + self.shared(x)
@@ -219,6 +231,47 @@ class MoELayer(nn.Module):
             "counts": counts,
         }
         return out.reshape(shape), stats
+
+    def _experts_parallel(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """Expert-parallel :func:`_experts_swiglu`: each row goes to the rank owning its expert and
+        its result comes back. The expert gradients, which sum every rank's rows, are divided by
+        the group size so that they equal the data-parallel average of the ranks' gradients."""
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+        weights = [_ScaleGrad.apply(w.to_local(), 1.0 / ep) for w in (self.w_gate, self.w_up, self.w_down)]
+        n_local = weights[0].shape[0]  # experts owned here: rank r owns [r * n_local, (r + 1) * n_local)
+        received_counts = torch.empty_like(counts)  # [ep * n_local]: rows from rank r for local expert e
+        dist.all_to_all_single(received_counts, counts, group=group)
+        send = counts.view(ep, n_local).sum(1).tolist()
+        recv = received_counts.view(ep, n_local).sum(1).tolist()
+        received = all_to_all_single_autograd(rows, recv, send, group)
+        # The rows arrive by source rank, then expert; sort them by expert (and back afterwards).
+        local_expert = torch.arange(n_local, device=rows.device).repeat(ep).repeat_interleave(received_counts)
+        order = torch.argsort(local_expert, stable=True)
+        h = _experts_swiglu(received[order], received_counts.view(ep, n_local).sum(0), *weights)
+        return all_to_all_single_autograd(h[torch.argsort(order)], send, recv, group)
+
+
+def _experts_swiglu(rows: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """Each expert's SwiGLU on its own rows: ``rows`` [sum(counts), D] are sorted by expert,
+    ``counts[e]`` of them for expert ``e`` (weights [E, ...] as in :class:`MoELayer`)."""
+    # unbind() (rather than indexing the weights E times) keeps the backward pass to a single
+    # gradient buffer per weight.
+    w_gate, w_up, w_down = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    segments = torch.split(rows, counts.tolist())
+    return torch.cat([(F.silu(seg @ w_gate[e]) * (seg @ w_up[e])) @ w_down[e] for e, seg in enumerate(segments)])
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
 
 
 class Block(nn.Module):
@@ -437,6 +490,11 @@ class MoELanguageModel(pl.LightningModule):
 
     def forward(self, idx: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         return self.model(idx)
+
+    def parallelize(self, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> set[nn.Parameter]:
+        """Tensor and expert parallelism in place (:func:`parallelize_moe`); returns the expert
+        weights that data-parallel sharding (``fully_shard(..., ignored_params=...)``) must skip."""
+        return parallelize_moe(self.model, tp_mesh, ep_mesh)
 
     def num_parameters(self) -> dict[str, int]:
         """Total and per-token active parameter counts of the network."""
