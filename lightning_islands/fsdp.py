@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_islands.fsdp_policy import apply_fully_shard, is_fully_sharded
+from lightning_islands.fsdp_policy import apply_fully_shard, clip_grad_norm_across_meshes, is_fully_sharded
 
 _exit_hook_registered = False
 _EXIT_GRACE_S = 0.1  # seconds the exit hook releases the GIL after destroying the world
@@ -161,6 +161,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        if self.parallel_sizes["tp"] > 1:  # gradients on two meshes: torch's clip cannot stack their norms
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore
+                plugin.main_params(optimizer), clip_val)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 

@@ -98,6 +98,29 @@ def local_view(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def clip_grad_norm_across_meshes(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that live on different device meshes
+    (tensor-parallel weights on a 2-D mesh next to FSDP2's 1-D one), which torch's own cannot stack:
+    the norm of each mesh's gradients, as a plain tensor, then the total, then the clip, a mesh at
+    a time. Returns the total norm."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if not groups:
+        return torch.zeros(())
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def reshard_all(module: nn.Module | None) -> None:
     """Free every FSDP2 unit's unsharded parameters, so that writes to the local shards are what the
     next forward uses (after a no-grad forward, or with ``reshard_after_forward=False``, FSDP2 may

@@ -167,6 +167,7 @@ def test_real_dtensor_layouts_of_the_same_weights_meet_in_one_canonical_vector(t
     assert results["tp+fsdp"]["placements"]["up.weight"] == ["_S(0, 2)", "S(0)"]
     assert results["tp+fsdp"]["placements"]["down.weight"] == ["S(0)", "S(1)"]
     assert results["tp"]["placements"]["norm.weight"] is None
+    assert results["hsdp"]["placements"]["up.weight"] == ["R", "S(0)"]
     for kind, r in results.items():
         assert r["gathered"] and r["scattered"], kind
     assert len({r["checksum"] for r in results.values()}) == 1

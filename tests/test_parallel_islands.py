@@ -32,6 +32,10 @@ def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, is
     rounds = _islands_equal(tmp_path, 2)
     records = [json.loads((tmp_path / f"island{i}_mesh.json").read_text()) for i in range(2)]
     assert [r["mesh"] for r in records] == meshes
+    if meshes[0]["tp"] > 1:  # FSDP2 over tensor parallel on island 0, plain FSDP2 on island 1
+        assert records[0]["placements"]["model.blocks.0.attn.wq.weight"] == ["_S(0, 2)", "S(0)"]
+        assert records[0]["placements"]["model.blocks.0.attn.proj.weight"] == ["S(0)", "S(1)"]
+        assert records[1]["placements"]["model.blocks.0.attn.wq.weight"] == ["S(0)"]
     assert rounds[2]["metrics"]["islands/islands_present"] == 2
     # every expert of the parallelized island received gradient
     grads = records[0]["expert_grads"]

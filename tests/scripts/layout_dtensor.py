@@ -1,7 +1,7 @@
 """One rank of a 4-process world (tests/test_layout_placements.py): the canonical layout of the same
 weights under real DTensor layouts (FSDP2; tensor parallel; tensor parallel under FSDP2 on a 2 x 2
 mesh; tensor parallel on sub-meshes, copies across them). ``torchrun --nproc-per-node 4
-layout_dtensor.py OUT``; rank 0 writes OUT (JSON): per layout, whether the leader's gathered vector
+layout_dtensor.py OUT``; hybrid sharding too; rank 0 writes OUT (JSON): per layout, whether the leader's gathered vector
 is the parameters' full tensors, whether the scattered vector is what DTensor holds, the checksum,
 and each parameter's placements."""
 
@@ -47,6 +47,8 @@ def build(kind: str) -> Net:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         tp(net, mesh["tp"])
         fully_shard(net, mesh=mesh["dp"])
+    elif kind == "hsdp":  # hybrid sharding: replicated over the first mesh dimension, sharded over the second
+        fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     elif kind == "tp copies":  # two tensor-parallel groups holding the same values, no FSDP
         tp(net, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
     return net
@@ -56,7 +58,7 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 destroy_world_at_exit()
 rank = dist.get_rank()
 results = {}
-for kind in ("plain", "fsdp", "tp", "tp+fsdp", "tp copies"):
+for kind in ("plain", "fsdp", "tp", "tp+fsdp", "hsdp", "tp copies"):
     net = build(kind)
     named = list(net.named_parameters())
     fulls = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for _, p in named]

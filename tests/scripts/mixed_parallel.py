@@ -96,9 +96,10 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(model)
+    placements = {n: [str(x) for x in p.placements] for n, p in model.named_parameters() if hasattr(p, "placements")}
     if trainer.global_rank == 0:
         (out / f"island{island}_mesh.json").write_text(json.dumps({"mesh": strategy.parallel_sizes,
-                                                                   "expert_grads": grads}))
+                                                                   "expert_grads": grads, "placements": placements}))
 
 
 if __name__ == "__main__":
