@@ -113,3 +113,20 @@ def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
     for r in rows[1:]:
         assert abs(r["predicted_utilization"] - r["utilization"]) < 0.25, r
     assert (tmp_path / "utilization.md").read_text().count("\n|") >= 5
+
+
+def test_parallelism_benchmark_reports_each_island_of_a_variant(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128", "model.n_experts=4",
+            "model.seq_len=64", "data.max_bytes=300000", "data.val_windows=8", "data.val_batch_size=4",
+            "islands.sync_every=4"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "parallelism.py"), "--steps", "8", "--variants",
+         "tensor parallel", "--out", str(tmp_path), *tiny],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    rows = json.loads((tmp_path / "parallelism.json").read_text())["rows"]
+    assert [(r["island"], r["mesh"]["tp"]) for r in rows] == [(0, 2), (1, 1)]
+    assert rows[0]["val_loss"] == rows[1]["val_loss"] and rows[0]["round_bytes"] > 0
+    assert "| tensor parallel | 0 | 1, 2, 1 | 2 x 16 |" in (tmp_path / "table.md").read_text()

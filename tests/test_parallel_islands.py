@@ -42,6 +42,21 @@ def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, is
     assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
 
 
+def test_a_tensor_parallel_island_resumes_from_its_checkpoint_exactly(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["mixed_parallel.py", "--steps", 8, "--H", 4, "--tp", "2,1", "--batch-sizes", "8"]
+    launch([2, 1], [*common, "--out", full, "--ckpt-every", 4], tmp_path / "logs")
+    launch([2, 1], [*common, "--out", resumed, "--resume", str(full / "ckpt_island{island}" / "step=4.ckpt")],
+           tmp_path / "logs2")
+    a, b = load_rounds(full, 0), load_rounds(resumed, 0)
+    # the checkpoint after step 4 holds the batch that closes round 1: the resumed fit runs rounds 1 and 2
+    assert sorted(b) == [1, 2]
+    for r in (1, 2):
+        for name, t in a[r]["params"].items():
+            assert torch.equal(t, b[r]["params"][name]), (r, name)
+        assert a[r]["digest"] == b[r]["digest"] == load_rounds(resumed, 1)[r]["digest"]
+
+
 def test_a_mismatched_model_is_still_refused_across_layouts(tmp_path):
     results, text = launch([2, 1], ["mixed_parallel.py", "--out", tmp_path, "--tp", "2,1", "--experts", "4,8"],
                            tmp_path / "logs", expect_ok=False)

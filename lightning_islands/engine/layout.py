@@ -194,6 +194,7 @@ class CanonicalLayout:
             entries.append(Entry(name, shape, offset, _numel(shape)))
             offset += entries[-1].numel
         self.entries: list[Entry] = entries
+        self._offsets = [e.offset for e in entries]
         self.numel = offset
         self.group: IslandGroup = group if group is not None else SoloGroup()
         world = self.group.size
@@ -209,7 +210,7 @@ class CanonicalLayout:
             seen: set = set()
             for r in range(world):
                 h = held[r][i]
-                key = None if h is None else tuple(tuple(x.tolist()) for x in h)
+                key = None if h is None else tuple(x.numpy().tobytes() for x in h)
                 starts, lengths = _runs(e.shape, h)
                 self._parts[r].append(_Part(h, e.shape if h is None else tuple(len(x) for x in h), starts, lengths,
                                             torch.cumsum(lengths, 0) - lengths, key not in seen))
@@ -297,7 +298,7 @@ class CanonicalLayout:
     def _rows(self, rank: int, start: int, stop: int, gathering: bool) -> Rows:
         """What ``rank`` holds inside ``[start, stop)``, per parameter in order: its runs' positions
         in the local tensor and in the range, and their lengths. ``gathering``: only what it owns."""
-        first = max(bisect.bisect_right([e.offset for e in self.entries], start) - 1, 0)
+        first = max(bisect.bisect_right(self._offsets, start) - 1, 0)
         rows: Rows = []
         for i in range(first, len(self.entries)):
             e, part = self.entries[i], self._parts[rank][i]

@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="4", help="batch per data-parallel rank, per island (comma list)")
     p.add_argument("--codec", default="fp32")
     p.add_argument("--experts", default="4", help="n_experts per island (comma list) to provoke a mismatch")
+    p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (DIR/ckpt_island{i}/)")
+    p.add_argument("--resume", default=None, help="checkpoint path pattern with {island}")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     island = int(os.environ.get("LI_ISLAND", "0"))
@@ -91,11 +93,16 @@ def main() -> None:
                     for e, row in enumerate(g.abs().flatten(1).amax(1).tolist()):
                         grads[f"{name}[{e}]"] = max(grads.get(f"{name}[{e}]", 0.0), row)
 
+    callbacks: list[pl.Callback] = [ExpertGradients()]
+    if args.ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"), save_top_k=-1,
+                                                      every_n_train_steps=args.ckpt_every, filename="{step}"))
     trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-                         max_steps=args.steps, logger=False, enable_checkpointing=False, callbacks=[ExpertGradients()],
+                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_every),
+                         callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                          limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=args.resume.format(island=island) if args.resume else None)
     placements = {n: [str(x) for x in p.placements] for n, p in model.named_parameters() if hasattr(p, "placements")}
     if trainer.global_rank == 0:
         (out / f"island{island}_mesh.json").write_text(json.dumps({"mesh": strategy.parallel_sizes,
