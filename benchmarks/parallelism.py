@@ -5,7 +5,9 @@ batch 16) and the same job with island 0 as 2 processes of tensor parallelism re
 (`experiment=mixed_parallel`) and as 2 processes of expert parallelism with batch 8 each. Every
 variant trains 32 windows per step, so the final validation losses compare at equal tokens. Reports
 per island: its mesh, median step time, bytes sent per round, the last round's seconds (gather,
-exchange, merge and scatter), and the final validation loss of the global model.
+exchange, merge and scatter, without the wait for the other island), its fit time and mean step
+(fit / steps: under tensor parallelism a step's two processes wait for each other, so its median
+understates the mean), and the final validation loss of the global model.
 
     python benchmarks/parallelism.py [--quick] [--steps 300] [--out results/parallelism]
 """
@@ -13,7 +15,9 @@ exchange, merge and scatter), and the final validation loss of the global model.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +39,16 @@ def run(name: str, overrides: list[str], args: argparse.Namespace, workdir: Path
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     run_dir = Path(proc.stdout.split("run folder ", 1)[1].split()[0])
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def round_seconds(run_dir: Path, island: int) -> float | None:
+    """Mean seconds of a round on ``island`` without its wait for the others (from its CSV log)."""
+    log = run_dir / "logs" / f"island{island}" / "metrics.csv"
+    if not log.exists():
+        return None
+    rows = [r for r in csv.DictReader(log.open()) if r.get("islands/seconds_outer_step")]
+    own = [float(r["islands/seconds_outer_step"]) - float(r["islands/seconds_waiting"]) for r in rows]
+    return statistics.mean(own) if own else None
 
 
 def main() -> None:
@@ -59,15 +73,17 @@ def main() -> None:
             rows.append({"variant": name, "island": r["island"], "mesh": r.get("mesh"), "processes": r["world_size"],
                          "batch": r["batch_size"], "step_ms": 1e3 * (r["step_seconds_median"] or 0.0),
                          "round_bytes": isl["bytes_sent"] / max(1, r["rounds"]),
-                         "round_s": isl.get("last_seconds_outer_step"), "rounds": r["rounds"],
+                         "round_s": round_seconds(Path(r["log_dir"]), r["island"]), "rounds": r["rounds"],
+                         "fit_s": r["fit_seconds"], "mean_step_ms": 1e3 * r["fit_seconds"] / max(1, r["global_step"]),
                          "val_loss": r["val_loss"], "tokens": summary["tokens"], "job_s": time.time() - started})
-    table = ["| variant | island | mesh (dp, tp, ep) | processes x batch | median step (ms) | bytes sent per round | "
-             "last round (s) | val loss |", "|---|---|---|---|---|---|---|---|"]
+    table = ["| variant | island | mesh (dp, tp, ep) | processes x batch | median step (ms) | mean step (ms) | "
+             "fit (s) | bytes sent per round | round, own (s) | val loss |", "|---" * 10 + "|"]
     for r in rows:
         m = r["mesh"] or {}
         table.append(f"| {r['variant']} | {r['island']} | {m.get('dp')}, {m.get('tp')}, {m.get('ep')} | "
-                     f"{r['processes']} x {r['batch']} | {r['step_ms']:.0f} | {r['round_bytes'] / 1e6:.3f} MB | "
-                     f"{r['round_s']:.3f} | {r['val_loss']:.4f} |")
+                     f"{r['processes']} x {r['batch']} | {r['step_ms']:.0f} | {r['mean_step_ms']:.0f} | "
+                     f"{r['fit_s']:.1f} | {r['round_bytes'] / 1e6:.3f} MB | {r['round_s'] or 0.0:.3f} | "
+                     f"{r['val_loss']:.4f} |")
     print("\n".join(table))
     (out / "table.md").write_text("\n".join(table) + "\n")
     (out / "parallelism.json").write_text(json.dumps({"steps": args.steps, "seed": args.seed, "rows": rows}, indent=2))
