@@ -15,13 +15,13 @@ understates the mean), and the final validation loss of the global model.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from round_share import share  # benchmarks/round_share.py, beside this script
 
 VARIANTS = {
     "fsdp": [],
@@ -41,14 +41,10 @@ def run(name: str, overrides: list[str], args: argparse.Namespace, workdir: Path
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def round_seconds(run_dir: Path, island: int) -> float | None:
+def round_seconds(run_dir: Path, island: int) -> float:
     """Mean seconds of a round on ``island`` without its wait for the others (from its CSV log)."""
-    log = run_dir / "logs" / f"island{island}" / "metrics.csv"
-    if not log.exists():
-        return None
-    rows = [r for r in csv.DictReader(log.open()) if r.get("islands/seconds_outer_step")]
-    own = [float(r["islands/seconds_outer_step"]) - float(r["islands/seconds_waiting"]) for r in rows]
-    return statistics.mean(own) if own else None
+    row = share(run_dir, island)
+    return (row["outer_seconds"] - row["waiting_seconds"]) / max(1, row["rounds"] or 0)
 
 
 def main() -> None:

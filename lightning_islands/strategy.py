@@ -131,6 +131,7 @@ class IslandStrategy(FSDP2Strategy):
         self._resuming = False
         self._rejoining = False  # a restarted island: the live islands take it back at its first round
         self._secret: bytes | None = None
+        self._tp_rank: int | None = None  # this rank's place in its tensor-parallel group
 
     # ------------------------------------------------------------------ what the app reads
     @property
@@ -235,7 +236,9 @@ class IslandStrategy(FSDP2Strategy):
     def _counts_tokens(self) -> bool:
         """Whether this rank's batches count for the island: one rank of each tensor-parallel group
         (its ranks all see the same batch)."""
-        return self.parallel_sizes["tp"] == 1 or self.device_mesh["tensor_parallel"].get_local_rank() == 0
+        if self._tp_rank is None:
+            self._tp_rank = self.device_mesh["tensor_parallel"].get_local_rank() if self.parallel_sizes["tp"] > 1 else 0
+        return self._tp_rank == 0
 
     def _close_batch(self) -> None:
         if not self._stepped_batch or not self._ready():

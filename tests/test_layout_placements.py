@@ -147,7 +147,7 @@ def test_replicated_copies_are_gathered_once_and_scattered_to_every_holder():
 
 
 def layout_rows(param, rank):
-    return param[2].held(param[1], rank)[0].tolist()
+    return list(param[2].held(param[1], rank)[0])
 
 
 def test_parts_that_overlap_without_being_copies_are_refused():
@@ -171,3 +171,5 @@ def test_real_dtensor_layouts_of_the_same_weights_meet_in_one_canonical_vector(t
     for kind, r in results.items():
         assert r["gathered"] and r["scattered"], kind
     assert len({r["checksum"] for r in results.values()}) == 1
+    clip = results["tp+fsdp"]["clip"]  # gradients on the 2-D mesh and on the data-parallel sub-meshes
+    assert clip["total"] == pytest.approx(clip["want"], rel=1e-5) and clip["total"] > 1 and clip["scaled"]

@@ -37,9 +37,22 @@ def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, is
         assert records[0]["placements"]["model.blocks.0.attn.proj.weight"] == ["S(0)", "S(1)"]
         assert records[1]["placements"]["model.blocks.0.attn.wq.weight"] == ["S(0)"]
     assert rounds[2]["metrics"]["islands/islands_present"] == 2
+    # the island's tokens of a round: 4 steps of 8 windows of 16 tokens (tensor-parallel ranks count once)
+    assert rounds[2]["metrics"]["islands/round_tokens"] == load_rounds(tmp_path, 1)[2]["metrics"][
+        "islands/round_tokens"] == 4 * 8 * 16
     # every expert of the parallelized island received gradient
     grads = records[0]["expert_grads"]
     assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
+
+
+def test_a_tensor_parallel_island_trains_what_one_process_would(tmp_path):
+    tp, one = tmp_path / "tp", tmp_path / "one"
+    launch([2, 1], ["mixed_parallel.py", "--out", tp, "--tp", "2,1", "--batch-sizes", "8"], tmp_path / "logs")
+    launch([1, 1], ["mixed_parallel.py", "--out", one, "--batch-sizes", "8"], tmp_path / "logs1")
+    a, b = load_rounds(tp, 0), load_rounds(one, 0)
+    for name, t in b[2]["params"].items():  # the same data and start; only the order of sums differs
+        torch.testing.assert_close(a[2]["params"][name], t, rtol=1e-4, atol=1e-5, msg=name)
+    assert a[2]["metrics"]["islands/round_tokens"] == b[2]["metrics"]["islands/round_tokens"]
 
 
 def test_a_tensor_parallel_island_resumes_from_its_checkpoint_exactly(tmp_path):

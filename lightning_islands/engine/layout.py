@@ -34,7 +34,9 @@ _SHARD_FIX = ("An island's shards must be what each parameter's DTensor placemen
 _MIX = 2_654_435_761  # Knuth's multiplicative hash constant: the checksum's weights are MIX * index + 1
 _LOOP_MAX = 16  # runs copied one slice at a time up to this many; more go through one index per parameter
 
-Held = tuple[Tensor, ...] | None  # the index lists a rank holds along each dimension; None: the whole tensor
+Index = range | Tensor  # the indices held along one dimension: a range where they are contiguous
+Held = tuple[Index, ...] | None  # the index lists a rank holds along each dimension; None: the whole tensor
+_ROWS_CACHE = 256  # (rank, range) entries of a layout's row cache: a round's chunks, for every rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,10 +52,10 @@ class Placing:
         """The placing of a DTensor (its mesh's ranks must be the island's, as in its own world)."""
         return cls(param.device_mesh.mesh.detach().cpu(), tuple(param.placements))  # type: ignore[attr-defined]
 
-    def held(self, shape: Sequence[int], rank: int) -> tuple[Tensor, ...]:
-        """The indices ``rank`` holds along each dimension of a tensor of ``shape``: each mesh
-        dimension, in order, splits the list of the dimension its placement shards, as DTensor
-        splits the tensor (torch's own split, strided shards included)."""
+    def held(self, shape: Sequence[int], rank: int) -> tuple[Index, ...]:
+        """The indices ``rank`` holds along each dimension of a tensor of ``shape`` (a ``range``
+        where contiguous): each mesh dimension, in order, splits the list of the dimension its
+        placement shards, as DTensor splits the tensor (torch's own split, strided shards included)."""
         where = (self.mesh == rank).nonzero()
         if len(where) != 1:
             raise ValueError(f"rank {rank} is not on the device mesh {self.mesh.tolist()}")
@@ -68,7 +70,27 @@ class Placing:
             column = lists[d].view([1] * d + [-1] + [1] * (len(shape) - d - 1))
             chunks = p._split_tensor(column, int(self.mesh.shape[m]), with_padding=False)[0]
             lists[d] = chunks[coord[m]].reshape(-1) if coord[m] < len(chunks) else lists[d][:0]
-        return tuple(lists)
+        return tuple(_compact(x) for x in lists)
+
+
+def _compact(indices: Tensor) -> Index:
+    """``indices`` as a ``range`` when they are contiguous and increasing, else as they are."""
+    n = len(indices)
+    if n == 0:
+        return range(0)
+    first = int(indices[0])
+    if int(indices[-1]) == first + n - 1 and (n < 3 or torch.equal(indices, torch.arange(first, first + n))):
+        return range(first, first + n)
+    return indices
+
+
+def _tensor(indices: Index) -> Tensor:
+    return torch.arange(indices.start, indices.stop) if isinstance(indices, range) else indices
+
+
+def _key(held: Held) -> Any:
+    """A hashable key of what a rank holds: ranks with equal keys hold copies of the same values."""
+    return None if held is None else tuple(x if isinstance(x, range) else x.numpy().tobytes() for x in held)
 
 
 def _splits(placement: Any) -> bool:
@@ -96,25 +118,28 @@ def _runs(shape: tuple[int, ...], held: Held) -> tuple[Tensor, Tensor]:
         return one[:0], one[:0]
     strides = [_numel(shape[d + 1:]) for d in range(len(shape))]
     d = len(shape)
-    while d and torch.equal(held[d - 1], torch.arange(shape[d - 1])):  # whole trailing dims: one block
+    while d and held[d - 1] == range(shape[d - 1]):  # whole trailing dims: one block
         d -= 1
     if d == 0:
         return one, one + numel
     inner = strides[d - 1]
-    last = held[d - 1]
+    last = _tensor(held[d - 1])
     first = torch.cat([one, (last[1:] != last[:-1] + 1).nonzero().reshape(-1) + 1])  # where stretches start
     seg_len = torch.diff(torch.cat([first, torch.tensor([len(last)])])) * inner
     outer = one
     for j in range(d - 1):
-        outer = (outer[:, None] + held[j][None, :] * strides[j]).reshape(-1)
+        outer = (outer[:, None] + _tensor(held[j])[None, :] * strides[j]).reshape(-1)
     return (outer[:, None] + (last[first] * inner)[None, :]).reshape(-1), seg_len.repeat(len(outer))
 
 
-def _expand(pos: Tensor, n: Tensor) -> Tensor:
-    """The positions of runs starting at ``pos`` with lengths ``n``, one after another."""
+def _expand(pos: Tensor, n: Tensor, device: torch.device | None = None) -> Tensor:
+    """The positions of runs starting at ``pos`` with lengths ``n``, one after another (on ``device``)."""
+    if len(n) == 1:
+        return torch.arange(int(pos[0]), int(pos[0]) + int(n[0]), device=device)
+    pos, n = pos.to(device), n.to(device)
     total = int(n.sum())
     before = torch.cumsum(n, 0) - n
-    return torch.repeat_interleave(pos - before, n, output_size=total) + torch.arange(total)
+    return torch.repeat_interleave(pos - before, n, output_size=total) + torch.arange(total, device=device)
 
 
 def _read(src: Tensor, pos: Tensor, n: Tensor, out: Tensor) -> None:
@@ -125,7 +150,7 @@ def _read(src: Tensor, pos: Tensor, n: Tensor, out: Tensor) -> None:
             out[at : at + k].copy_(src[p : p + k])
             at += k
     else:
-        out.copy_(src.index_select(0, _expand(pos, n).to(src.device)))
+        out.copy_(src.index_select(0, _expand(pos, n, src.device)))
 
 
 def _move(src: Tensor, spos: Tensor, dst: Tensor, dpos: Tensor, n: Tensor) -> None:
@@ -134,8 +159,8 @@ def _move(src: Tensor, spos: Tensor, dst: Tensor, dpos: Tensor, n: Tensor) -> No
         for a, b, k in zip(spos.tolist(), dpos.tolist(), n.tolist()):
             dst[b : b + k].copy_(src[a : a + k])
     else:
-        dst.index_copy_(0, _expand(dpos, n).to(dst.device),
-                        src.index_select(0, _expand(spos, n).to(src.device)).to(dst.device, dst.dtype))
+        dst.index_copy_(0, _expand(dpos, n, dst.device),
+                        src.index_select(0, _expand(spos, n, src.device)).to(dst.device, dst.dtype))
 
 
 def _write(dst: Tensor, pos: Tensor, n: Tensor, values: Tensor) -> None:
@@ -146,7 +171,7 @@ def _write(dst: Tensor, pos: Tensor, n: Tensor, values: Tensor) -> None:
             dst[p : p + k].copy_(values[at : at + k])
             at += k
     else:
-        dst.index_copy_(0, _expand(pos, n).to(dst.device), values.to(dst.dtype))
+        dst.index_copy_(0, _expand(pos, n, dst.device), values.to(dst.device, dst.dtype))
 
 
 @dataclass(frozen=True)
@@ -159,16 +184,25 @@ class Entry:
     numel: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Part:
-    """What one rank holds of one parameter: its index lists, shape, runs and whether it sends them."""
+    """What one rank holds of one parameter: its index lists, shape, whether it gathers them, and
+    (worked out when first needed) their runs."""
 
     held: Held
     shape: tuple[int, ...]
-    starts: Tensor  # flat offsets in the parameter of the runs, in local order
-    lengths: Tensor
-    locs: Tensor  # where each run starts in the rank's local (flattened) tensor
     owner: bool  # the lowest rank holding these values: it alone gathers them
+    full: tuple[int, ...]  # the parameter's shape
+    _runs: tuple[Tensor, Tensor, Tensor] | None = None
+
+    @property
+    def runs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Flat offsets in the parameter of the runs (in local order), their lengths, and where
+        each starts in the rank's local (flattened) tensor."""
+        if self._runs is None:
+            starts, lengths = _runs(self.full, self.held)
+            self._runs = (starts, lengths, torch.cumsum(lengths, 0) - lengths)
+        return self._runs
 
 
 Rows = list[tuple[int, Tensor, Tensor, Tensor]]  # per parameter: (index, local positions, range positions, lengths)
@@ -206,14 +240,15 @@ class CanonicalLayout:
             raise ValueError(f"held must give each of the {world} ranks a part of each of the {len(entries)} "
                              "parameters")
         self._parts: list[list[_Part]] = [[] for _ in range(world)]
+        self._rows_cache: dict[tuple[int, int, int, bool], Rows] = {}
         for i, e in enumerate(entries):
             seen: set = set()
             for r in range(world):
                 h = held[r][i]
-                key = None if h is None else tuple(x.numpy().tobytes() for x in h)
-                starts, lengths = _runs(e.shape, h)
-                self._parts[r].append(_Part(h, e.shape if h is None else tuple(len(x) for x in h), starts, lengths,
-                                            torch.cumsum(lengths, 0) - lengths, key not in seen))
+                h = None if h is None else tuple(x if isinstance(x, range) else _compact(x) for x in h)
+                key = _key(h)
+                self._parts[r].append(_Part(h, e.shape if h is None else tuple(len(x) for x in h), key not in seen,
+                                            e.shape))
                 seen.add(key)
             self._check_partition(i)
 
@@ -242,8 +277,13 @@ class CanonicalLayout:
         """Raise unless the ranks that gather parameter ``index`` hold each of its values exactly once."""
         e = self.entries[index]
         owners = [parts[index] for parts in self._parts if parts[index].owner]
-        starts = torch.cat([p.starts for p in owners])
-        lengths = torch.cat([p.lengths for p in owners])
+        if len(owners) == 1 and owners[0].shape == e.shape:  # one rank holds it all (a plain tensor, or one rank)
+            return
+        if all(p.held is not None and all(isinstance(x, range) for x in p.held) for p in owners) and \
+                sum(_numel(p.shape) for p in owners) == e.numel and _disjoint_blocks([p.held for p in owners]):
+            return  # blocks of the tensor (any Shard split), disjoint and as many values as it has
+        starts = torch.cat([p.runs[0] for p in owners])
+        lengths = torch.cat([p.runs[1] for p in owners])
         order = torch.argsort(starts)
         starts, lengths = starts[order], lengths[order]
         ends = starts + lengths
@@ -252,6 +292,12 @@ class CanonicalLayout:
         if not covered:
             raise ValueError(f"the island's ranks do not hold every value of {e.name} {e.shape} exactly once (their "
                              f"parts overlap without being copies, or leave values out). {_SHARD_FIX}")
+
+    @property
+    def has_copies(self) -> bool:
+        """Whether some rank holds values another one gathers (plain or replicated parameters on an
+        island of several ranks): those copies only agree if something keeps them so."""
+        return any(not part.owner for parts in self._parts for part in parts)
 
     def check_local_shapes(self, held: Sequence[Sequence[int]]) -> None:
         """Raise on every rank of the island unless every rank holds, of each parameter, the shape
@@ -298,19 +344,26 @@ class CanonicalLayout:
     def _rows(self, rank: int, start: int, stop: int, gathering: bool) -> Rows:
         """What ``rank`` holds inside ``[start, stop)``, per parameter in order: its runs' positions
         in the local tensor and in the range, and their lengths. ``gathering``: only what it owns."""
+        cached = self._rows_cache.get((rank, start, stop, gathering))
+        if cached is not None:
+            return cached
         first = max(bisect.bisect_right(self._offsets, start) - 1, 0)
         rows: Rows = []
         for i in range(first, len(self.entries)):
             e, part = self.entries[i], self._parts[rank][i]
             if e.offset >= stop:
                 break
-            if (gathering and not part.owner) or e.offset + e.numel <= start or not len(part.starts):
+            if (gathering and not part.owner) or e.offset + e.numel <= start or not _numel(part.shape):
                 continue
-            g = part.starts + e.offset
-            a, b = g.clamp(min=start), (g + part.lengths).clamp(max=stop)
+            starts, lengths, locs = part.runs
+            g = starts + e.offset
+            a, b = g.clamp(min=start), (g + lengths).clamp(max=stop)
             keep = a < b
             if keep.any():
-                rows.append((i, (part.locs + a - g)[keep], (a - start)[keep], (b - a)[keep]))
+                rows.append((i, (locs + a - g)[keep], (a - start)[keep], (b - a)[keep]))
+        if len(self._rows_cache) >= _ROWS_CACHE:
+            self._rows_cache.clear()
+        self._rows_cache[rank, start, stop, gathering] = rows
         return rows
 
     @staticmethod
@@ -344,14 +397,15 @@ class CanonicalLayout:
             self._agree(next((f"holds {t.numel()} values of {e.name}, the layout expects {_numel(self.local_shape(i))}"
                               for i, (t, e) in enumerate(zip(locals_, self.entries))
                               if self.owns(i) and t.numel() != _numel(self.local_shape(i))), None))
-        parts = [self._rows(r, start, stop, gathering=True) for r in range(world)]
-        sizes = [self._size(rows) for rows in parts]
-        if rank != 0:
-            mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
-            self._pack(parts[rank], locals_, mine)
-            if sizes[rank]:  # every rank knows every size: nothing is sent for empty parts
+        if rank != 0:  # a rank works out its own part only; the leader, everyone's
+            rows = self._rows(rank, start, stop, gathering=True)
+            mine = torch.empty(self._size(rows), dtype=torch.float32, device=device)
+            self._pack(rows, locals_, mine)
+            if len(mine):  # the leader knows every size: nothing is sent for empty parts
                 self.group.send(mine, 0)
             return None
+        parts = [self._rows(r, start, stop, gathering=True) for r in range(world)]
+        sizes = [self._size(rows) for rows in parts]
         if into is not None and (into.numel() != stop - start or into.dtype != torch.float32):
             raise ValueError(f"into holds {into.numel()} {into.dtype} values for the range [{start}, {stop})")
         full = torch.empty(stop - start, dtype=torch.float32, device=out_device) if into is None else into
@@ -393,7 +447,7 @@ class CanonicalLayout:
             self._agree(next((f"holds {tuple(t.shape)} of {e.name}, the layout gives it {self.local_shape(i)}"
                               for i, (e, t) in enumerate(zip(self.entries, into))
                               if t.numel() != _numel(self.local_shape(i))), None))
-        parts = [self._rows(r, start, stop, gathering=False) for r in range(world)]
+        parts = [self._rows(r, start, stop, gathering=False) if r == rank or rank == 0 else [] for r in range(world)]
         sizes = [self._size(rows) for rows in parts]
         mine = torch.empty(sizes[rank], dtype=torch.float32, device=device)
         if rank == 0:
@@ -436,10 +490,11 @@ class CanonicalLayout:
         total = 0
         for i, (t, e) in enumerate(zip(tensors, self.entries)):
             part = self._parts[self.group.rank][i]
-            if not part.owner or not len(part.starts):
+            if not part.owner or not _numel(part.shape):
                 continue
             bits = t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
-            index = _expand(part.starts + e.offset, part.lengths).to(bits.device)
+            starts, lengths, _ = part.runs
+            index = _expand(starts + e.offset, lengths, bits.device)
             total += int(bits.mul_(index.mul_(_MIX).add_(1)).sum())
         return total % (1 << 64)
 
@@ -454,11 +509,22 @@ class CanonicalLayout:
         part = flat[e.offset : e.offset + e.numel].view(e.shape)
         held = self._parts[self.group.rank][index].held
         for d, idx in enumerate(held or ()):
-            if len(idx) and torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + len(idx))):
-                part = part.narrow(d, int(idx[0]), len(idx))
+            if isinstance(idx, range):
+                part = part.narrow(d, idx.start, len(idx))
             else:
                 part = part.index_select(d, idx.to(part.device))
         return part
+
+
+def _disjoint_blocks(blocks: Sequence[tuple[range, ...]]) -> bool:
+    """Whether no two non-empty blocks (a range per dimension) share a value, judged along one
+    dimension where their ranges do not overlap (False: not shown this way)."""
+    blocks = [b for b in blocks if all(len(x) for x in b)]
+    for d in range(len(blocks[0]) if blocks else 0):
+        spans = sorted((b[d].start, b[d].stop) for b in blocks)
+        if all(stop <= nxt for (_, stop), (nxt, _) in zip(spans, spans[1:])):
+            return True
+    return not blocks
 
 
 def _shard0() -> Any:

@@ -192,6 +192,9 @@ class IslandEngine:
             self.state.set_anchors(locals_)
             return
         mine = self.layout.gather_to_leader(locals_, self.device)
+        if self.layout.has_copies:  # copies on several ranks (replicated under tensor parallel) may differ
+            with torch.no_grad():  # every copy takes the one gathered
+                self.layout.scatter_from_leader(mine, self.device, into=list(locals_))
         self._state_exchanges += 1  # each call its own key
         key = f"initial_state/{self._state_exchanges}"
         found = self.agree(lambda: self.link.gather_objects(key, state_digest(mine, buffers)))  # type: ignore

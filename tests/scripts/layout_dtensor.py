@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_islands.engine import CanonicalLayout, TorchGroup
 from lightning_islands.fsdp import destroy_world_at_exit
+from lightning_islands.fsdp_policy import clip_grad_norm_across_meshes
 
 
 class Net(nn.Module):
@@ -31,6 +32,9 @@ class Net(nn.Module):
         self.up = nn.Linear(6, 14, bias=False)  # 14 rows over 4 ranks: uneven shards
         self.down = nn.Linear(14, 6)
         self.norm = nn.RMSNorm(6)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(self.up(self.emb(idx)))).square().sum()
 
 
 def tp(net: Net, mesh) -> None:
@@ -54,12 +58,25 @@ def build(kind: str) -> Net:
     return net
 
 
+def clip(net: Net) -> dict:
+    """Clip the gradients of the step just taken to norm 1 across the meshes: the total
+    norm against one computed from the full gradients (each counted once), and whether every
+    gradient was scaled by 1 / total."""
+    fulls = {n: p.grad.full_tensor().clone() for n, p in net.named_parameters()}
+    want = torch.sqrt(sum(g.square().sum() for g in fulls.values()))
+    total = clip_grad_norm_across_meshes(list(net.parameters()), 1.0)
+    scaled = all(torch.allclose(p.grad.full_tensor(), fulls[n] / (total + 1e-6)) for n, p in net.named_parameters())
+    return {"total": float(total), "want": float(want), "scaled": scaled}
+
+
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 destroy_world_at_exit()
 rank = dist.get_rank()
 results = {}
 for kind in ("plain", "fsdp", "tp", "tp+fsdp", "hsdp", "tp copies"):
     net = build(kind)
+    if kind == "tp+fsdp":
+        net(torch.arange(10).view(2, 5) % (3 + rank // 2)).backward()  # each data-parallel rank its own tokens
     named = list(net.named_parameters())
     fulls = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for _, p in named]
     locals_ = [p.to_local().detach() if isinstance(p, DTensor) else p.detach() for _, p in named]
@@ -75,7 +92,7 @@ for kind in ("plain", "fsdp", "tp", "tp+fsdp", "hsdp", "tp copies"):
     bad = torch.tensor([int(not torch.equal(after, flat))])
     dist.all_reduce(bad)
     results[kind] = {"gathered": bool(torch.equal(got, want)) if rank == 0 else None, "scattered": int(bad) == 0,
-                     "checksum": layout.island_checksum(locals_),
+                     "checksum": layout.island_checksum(locals_), "clip": clip(net) if kind == "tp+fsdp" else None,
                      "placements": {n: [str(x) for x in p.placements] if isinstance(p, DTensor) else None
                                     for n, p in named}}
 if rank == 0:
