@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,14 +17,18 @@ class InFlight:
     def __init__(self, work: Callable[[], dict[str, Any]], name: str) -> None:
         self.result: dict[str, Any] = {}
         self.error: BaseException | None = None
+        self.cpu_seconds = 0.0  # the thread's CPU time (time.thread_time), once it ended
         self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
         self.thread.start()
 
     def _run(self, work: Callable[[], dict[str, Any]]) -> None:
+        started = time.thread_time()
         try:
             self.result = work()
         except BaseException as err:  # noqa: BLE001 - raised again where the round lands
             self.error = err
+        finally:
+            self.cpu_seconds = time.thread_time() - started
 
     def join(self) -> dict[str, Any]:
         """Wait for the exchange; its result, or its error raised here."""

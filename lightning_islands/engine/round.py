@@ -73,6 +73,7 @@ class PendingRound:
     experts: dict[str, list[float]] | None = None  # the island's tokens per expert in this round
     repaired: int = 0  # islands whose global state differed and was replaced at this round
     inner_steps: int = 0  # the island's inner steps when the round started
+    blocking: float = 0.0  # seconds the training thread spent on an overlapped round (start and land)
 
     @property
     def stop(self) -> bool:
@@ -537,6 +538,7 @@ class IslandEngine:
                                                                            keep_residual),
                                       name=f"island{self.island}-round{self.schedule.round}")
         self.in_flight = pending
+        pending.blocking = time.perf_counter() - pending.started
         self.round_tokens = 0  # the steps taken while it flies count for the next round
         self.schedule.round_steps = 0
         self.schedule.restart_clock()
@@ -626,6 +628,7 @@ class IslandEngine:
         pending.metrics = dict(box.get("metrics", {}))
         if self.is_leader:
             pending.metrics["islands/seconds_waiting"] = waited
+            pending.metrics["islands/seconds_flight_cpu"] = flight.cpu_seconds  # type: ignore[union-attr]
             self.totals["seconds_waiting"] += waited
 
     @torch.no_grad()
@@ -634,6 +637,7 @@ class IslandEngine:
         (an overlapped round blends them with the local parameters, ``overlap_alpha``); returns the
         round's metrics (empty when no island stepped, and then nothing changes)."""
         overlapped = pending is self.in_flight
+        landing = time.perf_counter()
         if overlapped:
             self._complete(pending)
             pending.repaired = self._repair_counted(pending.headers, locals_)
@@ -659,6 +663,8 @@ class IslandEngine:
                         "islands/step_seconds": pending.step_seconds,
                         "islands/steps_per_round": float(sched.steps_per_round),
                         "islands/seconds_outer_step": time.perf_counter() - pending.started})
+        if overlapped:  # the training thread's share of the round, waiting included
+            metrics["islands/seconds_blocking"] = pending.blocking + time.perf_counter() - landing
         metrics.update({f"islands/total_{k}": v for k, v in self.totals.items()})
         self.last_round_metrics = metrics
         return metrics
