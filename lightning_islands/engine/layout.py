@@ -142,17 +142,6 @@ def _expand(pos: Tensor, n: Tensor, device: torch.device | None = None) -> Tenso
     return torch.repeat_interleave(pos - before, n, output_size=total) + torch.arange(total, device=device)
 
 
-def _read(src: Tensor, pos: Tensor, n: Tensor, out: Tensor) -> None:
-    """``out`` (1-D) gets ``src``'s (1-D) runs ``(pos, n)``, one after another."""
-    if len(n) <= _LOOP_MAX:
-        at = 0
-        for p, k in zip(pos.tolist(), n.tolist()):
-            out[at : at + k].copy_(src[p : p + k])
-            at += k
-    else:
-        out.copy_(src.index_select(0, _expand(pos, n, src.device)))
-
-
 def _move(src: Tensor, spos: Tensor, dst: Tensor, dpos: Tensor, n: Tensor) -> None:
     """``dst``'s (1-D) runs ``(dpos, n)`` get ``src``'s (1-D) runs ``(spos, n)``."""
     if len(n) <= _LOOP_MAX:
@@ -163,15 +152,14 @@ def _move(src: Tensor, spos: Tensor, dst: Tensor, dpos: Tensor, n: Tensor) -> No
                         src.index_select(0, _expand(spos, n, src.device)).to(dst.device, dst.dtype))
 
 
+def _read(src: Tensor, pos: Tensor, n: Tensor, out: Tensor) -> None:
+    """``out`` (1-D) gets ``src``'s (1-D) runs ``(pos, n)``, one after another."""
+    _move(src, pos, out, torch.cumsum(n, 0) - n, n)
+
+
 def _write(dst: Tensor, pos: Tensor, n: Tensor, values: Tensor) -> None:
     """``dst``'s (1-D) runs ``(pos, n)`` get ``values`` (1-D), one after another."""
-    if len(n) <= _LOOP_MAX:
-        at = 0
-        for p, k in zip(pos.tolist(), n.tolist()):
-            dst[p : p + k].copy_(values[at : at + k])
-            at += k
-    else:
-        dst.index_copy_(0, _expand(pos, n, dst.device), values.to(dst.device, dst.dtype))
+    _move(values, torch.cumsum(n, 0) - n, dst, pos, n)
 
 
 @dataclass(frozen=True)
