@@ -55,9 +55,11 @@ def test_a_tensor_parallel_island_trains_what_one_process_would(tmp_path):
     assert a[2]["metrics"]["islands/round_tokens"] == b[2]["metrics"]["islands/round_tokens"]
 
 
-def test_a_tensor_parallel_island_resumes_from_its_checkpoint_exactly(tmp_path):
+@pytest.mark.parametrize("layout", [["--tp", "2,1", "--batch-sizes", "8"], ["--ep", "2,1", "--batch-sizes", "4,8"]],
+                         ids=["tensor", "expert"])
+def test_a_parallel_island_resumes_from_its_checkpoint_exactly(tmp_path, layout):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["mixed_parallel.py", "--steps", 8, "--H", 4, "--tp", "2,1", "--batch-sizes", "8"]
+    common = ["mixed_parallel.py", "--steps", 8, "--H", 4, *layout]
     launch([2, 1], [*common, "--out", full, "--ckpt-every", 4], tmp_path / "logs")
     launch([2, 1], [*common, "--out", resumed, "--resume", str(full / "ckpt_island{island}" / "step=4.ckpt")],
            tmp_path / "logs2")
