@@ -97,7 +97,10 @@ def _tp_worker(rank):
                         (dense.w_up, 0), (dense.w_down, 1), (shared.w_gate, 0), (shared.w_down, 1)]:
         assert linear.weight.placements == (Shard(dim),)
         assert linear.weight.to_local().shape[dim] == linear.weight.shape[dim] // 2
-    for p in (model.tok_emb.weight, model.norm.weight, model.blocks[1].mlp.router.weight, model.blocks[1].mlp.w_up):
+    experts = model.blocks[1].mlp
+    for p, dim in ((experts.w_gate, 2), (experts.w_up, 2), (experts.w_down, 1)):  # every expert split along d_ff
+        assert p.placements == (Shard(dim),) and p.to_local().shape[dim] == p.shape[dim] // 2
+    for p in (model.tok_emb.weight, model.norm.weight, model.blocks[1].mlp.router.weight):
         assert not isinstance(p, DTensor)
     assert model.lm_head.weight is model.tok_emb.weight
     assert count_parameters(model) == count_parameters(reference)
@@ -264,7 +267,9 @@ def test_sizes_that_do_not_divide_are_rejected():
         check_parallel_sizes(cfg, tp=3, ep=1)
     with pytest.raises(ValueError, match=r"d_ff=66 is not divisible by 4: choose a tensor-parallel size"):
         check_parallel_sizes(MoEConfig(**{**TP_TINY, "d_ff": 66}), tp=4, ep=1)
-    check_parallel_sizes(MoEConfig(**{**TINY, "n_heads": 4, "d_ff": 66}), tp=4, ep=1)  # no dense SwiGLU to split
+    with pytest.raises(ValueError, match=r"d_ff=66 is not divisible by 4"):  # the experts are split along d_ff too
+        check_parallel_sizes(MoEConfig(**{**TINY, "n_heads": 4, "d_ff": 66}), tp=4, ep=1)
+    check_parallel_sizes(MoEConfig(**{**TINY, "n_heads": 4, "d_ff": 66, "n_experts": 0}), tp=1, ep=1)
     with pytest.raises(ValueError, match=r"n_experts=4 is not divisible by 3: choose an expert-parallel size"):
         check_parallel_sizes(cfg, tp=1, ep=3)
 

@@ -192,6 +192,8 @@ class MoELayer(nn.Module):
         # Expert parallelism (set by parallelize_moe): the expert weights are DTensors sharded over
         # this 1-D mesh, each rank owning whole experts.
         self.ep_mesh: DeviceMesh | None = None
+        # Tensor parallelism (set by parallelize_moe): every expert's weights split along d_ff.
+        self.tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         shape = x.shape
@@ -212,10 +214,12 @@ class MoELayer(nn.Module):
         weight_of = top_w.reshape(-1)[order]
         counts = torch.bincount(expert_of, minlength=E)  # [E]
 
-        if self.ep_mesh is None:
-            h = _experts_swiglu(x[token_of], counts, self.w_gate, self.w_up, self.w_down)
-        else:
+        if self.ep_mesh is not None:
             h = self._experts_parallel(x[token_of], counts)
+        elif self.tp_mesh is not None:
+            h = self._experts_tensor_parallel(x[token_of], counts)
+        else:
+            h = _experts_swiglu(x[token_of], counts, self.w_gate, self.w_up, self.w_down)
         y = h * weight_of.unsqueeze(-1)  # [N*k, D]
         out = x.new_zeros(x.shape).index_add(0, token_of, y.to(x.dtype))
         if self.shared is not None:
@@ -231,6 +235,16 @@ class MoELayer(nn.Module):
             "counts": counts,
         }
         return out.reshape(shape), stats
+
+    def _experts_tensor_parallel(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """Tensor-parallel :func:`_experts_swiglu`: each rank runs every expert on its slice of
+        d_ff and the partial outputs are summed over the group (the rows' gradients too)."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        mesh = self.tp_mesh
+        rows = DTensor.from_local(rows, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        part = _experts_swiglu(rows, counts, self.w_gate.to_local(), self.w_up.to_local(), self.w_down.to_local())
+        return DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
     def _experts_parallel(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Expert-parallel :func:`_experts_swiglu`: each row goes to the rank owning its expert and

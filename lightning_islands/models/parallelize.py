@@ -4,7 +4,8 @@
 1-D meshes:
 
 - tensor parallel (TP): the ranks see the same tokens; each holds a slice of every attention and
-  dense feed-forward projection (whole heads, a slice of d_ff) and the pieces meet in all-reduces;
+  feed-forward projection, experts included (whole heads, a slice of d_ff) and the pieces meet in
+  all-reduces;
 - expert parallel (EP): the ranks see their own tokens; each holds whole experts of every MoE
   layer, and the MoE layers send each token to the rank that owns its expert (all-to-all).
 
@@ -36,8 +37,10 @@ def parallelize_moe(model: MoETransformer, tp_mesh: DeviceMesh | None, ep_mesh: 
 
     TP splits attention ``wq``/``wk``/``wv`` by output columns (whole heads) and ``proj`` by input
     rows; likewise ``w_gate``/``w_up`` and ``w_down`` of the dense SwiGLU and of the MoE layers'
-    shared expert. Modules take and return plain tensors, replicated over the TP ranks. The
-    embedding, norms, LM head (tied to the embedding) and routers stay whole, as do the experts.
+    shared expert, and every expert's SwiGLU along d_ff (``w_gate``/``w_up`` [E, D, F] on dim 2,
+    ``w_down`` [E, F, D] on dim 1: each rank runs every expert on its slice, and the partial
+    outputs are summed). Modules take and return plain tensors, replicated over the TP ranks. The
+    embedding, norms, LM head (tied to the embedding) and routers stay whole.
 
     EP gives each rank ``n_experts / ep`` whole experts of every MoE layer (``w_gate``, ``w_up``,
     ``w_down`` become DTensors sharded on dim 0, scattered from the mesh's first rank: call this
@@ -59,6 +62,11 @@ def parallelize_moe(model: MoETransformer, tp_mesh: DeviceMesh | None, ep_mesh: 
             if dense is not None:
                 swiglu = {"w_gate": ColwiseParallel(), "w_up": ColwiseParallel(), "w_down": RowwiseParallel()}
                 parallelize_module(dense, tp_mesh, swiglu)
+            if block.is_moe:  # every expert split along d_ff, as the dense SwiGLU is
+                for name, dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+                    weight = getattr(block.mlp, name).detach()
+                    setattr(block.mlp, name, nn.Parameter(distribute_tensor(weight, tp_mesh, [Shard(dim)])))
+                block.mlp.tp_mesh = tp_mesh
 
     experts: set[nn.Parameter] = set()
     if ep > 1 and model.cfg.n_moe_layers > 0:
@@ -81,8 +89,7 @@ def check_parallel_sizes(cfg: MoEConfig, tp: int, ep: int) -> None:
             f"tensor parallelism over {tp} ranks splits whole attention heads, but n_heads={cfg.n_heads} "
             f"is not divisible by {tp}: choose a tensor-parallel size that divides n_heads"
         )
-    has_dense = cfg.shared_expert or cfg.n_moe_layers < cfg.n_layers
-    if has_dense and cfg.d_ff % tp:
+    if cfg.d_ff % tp:
         raise ValueError(
             f"tensor parallelism over {tp} ranks splits the SwiGLU width, but d_ff={cfg.d_ff} is not "
             f"divisible by {tp}: choose a tensor-parallel size that divides d_ff"
