@@ -26,7 +26,8 @@ def _islands_equal(out, rounds):
 @pytest.mark.parametrize("islands, args, meshes", [
     ([2, 1], ["--tp", "2,1", "--batch-sizes", "8"], [{"dp": 1, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
     ([2, 1], ["--ep", "2,1", "--batch-sizes", "4,8"], [{"dp": 2, "tp": 1, "ep": 2}, {"dp": 1, "tp": 1, "ep": 1}]),
-], ids=["tensor-vs-fsdp", "expert-vs-fsdp"])
+    ([4, 1], ["--tp", "2,1", "--batch-sizes", "4,8"], [{"dp": 2, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
+], ids=["tensor-vs-fsdp", "expert-vs-fsdp", "2d-mesh-vs-fsdp"])
 def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, islands, args, meshes):
     launch(islands, ["mixed_parallel.py", "--out", tmp_path, "--steps", 8, "--H", 4, *args], tmp_path / "logs")
     rounds = _islands_equal(tmp_path, 2)
