@@ -31,7 +31,9 @@ _exit_hook_registered = False
 _EXIT_GRACE_S = 0.1  # seconds the exit hook releases the GIL after destroying the world
 
 
-def _destroy_world_at_exit() -> None:
+def destroy_world() -> None:
+    """Destroy the default process group (every group), then give gloo's worker threads a moment
+    to let go of their last collectives (see :func:`destroy_world_at_exit`)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     # Release the GIL for a moment: a worker thread still holding a finished collective can take
@@ -50,7 +52,7 @@ def destroy_world_at_exit() -> None:
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
-        atexit.register(_destroy_world_at_exit)
+        atexit.register(destroy_world)
         _exit_hook_registered = True
 
 

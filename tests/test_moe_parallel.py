@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_islands.app.launch import free_port
+from lightning_islands.fsdp import destroy_world
 from lightning_islands.models import MoEConfig, MoELanguageModel, MoETransformer, count_parameters, parallelize_moe
 from lightning_islands.models.parallelize import check_parallel_sizes
 
@@ -38,7 +39,7 @@ def _entry(rank, worker, world, port):
     try:
         worker(rank)
     finally:
-        dist.destroy_process_group()  # gloo can abort at interpreter exit otherwise
+        destroy_world()  # gloo can abort at interpreter exit otherwise
 
 
 def tiny(**cfg) -> MoETransformer:
