@@ -282,3 +282,13 @@ def test_a_members_parallelism_reaches_its_strategy_and_the_experiment_composes(
         cfg = compose(config_name="config", overrides=["strategy=fsdp", "strategy.expert_parallel_size=2"])
     fsdp = build_strategy(cfg, 0, island_member(cfg, 0))
     assert (fsdp._tensor_parallel_size, fsdp.expert_parallel_size) == (1, 2)
+
+
+def test_a_free_port_lies_below_the_range_connections_take_their_source_ports_from():
+    from lightning_islands.app.launch import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(0 < p < 65536 for p in ports)
+    if low > 11024:  # Linux: outgoing connections cannot take these ports before the island binds them
+        assert all(low - 10000 <= p < low for p in ports), (low, ports)

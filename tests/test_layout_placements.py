@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +24,13 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_islands.app.launch import free_port
 from lightning_islands.engine import CanonicalLayout
 from lightning_islands.engine.layout import Placing
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def truth(full: torch.Tensor, placing: Placing | bool, rank: int, world: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,8 +38,26 @@ from lightning_islands.transport import (
 ENV_PROGRESS = "LI_PROGRESS_BAR"
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source port (0: unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range where
+    it can be: connections take their source ports from that range, so none of them can take the
+    port between this check and its server binding it (the island's rendezvous)."""
+    low = _ephemeral_low()
+    for _ in range(64 if low > 11024 else 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", random.randrange(low - 10000, low)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
