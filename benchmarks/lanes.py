@@ -5,17 +5,19 @@
 
 Two islands of one process each run in network namespaces joined by a link shaped with tc
 (``lightning-islands run --link``; root and iproute2 needed, see lightning_islands/app/netns.py):
-1 Gbit/s each way, and an RTT of 100 ms where the kernel has netem (else rate-only, and the output
-says so). For each lane count, each island's leader all-gathers one payload of ``--payload-mb`` MB
-with ``IslandLink.all_gather_bytes`` (what a round does per exchange chunk) after a small warm-up
-exchange; the time is from the start of the all-gather to its end on the slower island. ``ratio`` is
-the achieved payload rate over the shaped rate: at most ~0.956 with 1500-byte frames, since tbf
-counts every frame's 66 header bytes (Ethernet, IP, TCP with timestamps) against the rate. Beside
-it, the same bytes with gloo send/recv into buffers touched beforehand: on the lanes (duplex: with
-two islands each lane's connection carries both directions, as in the all-gather) and on one gloo
-group per lane and direction (split). Measured here (docs/BENCHMARKS.md): split 0.93-0.96, duplex
-~0.5 at any lane count (a gloo pair moving both ways under TCP back-pressure gets about half the
-rate each way), the all-gather a little below duplex (its copies).
+1 Gbit/s each way and an RTT of 100 ms (netem where the kernel has it, else the link's TUN delay
+line, lightning_islands/app/delayline.py). For each host TCP setting (``--tcp``: the namespaces'
+defaults, and ``tuned``: send buffers that may grow to 32 MiB and no slow start after idle, what an
+operator sets on a long-fat link) and each lane count, each island's leader all-gathers one payload
+of ``--payload-mb`` MB with ``IslandLink.all_gather_bytes`` (what a round does per exchange chunk)
+twice, a round's gap (1 s) apart: the first round on new connections, then the next round, which
+is what every later round of a training run meets. The time is from the start of the all-gather to
+its end on the slower island. ``ratio`` is the achieved payload rate over the shaped rate: at most
+~0.956 with 1500-byte frames, since tbf counts every frame's 66 header bytes (Ethernet, IP, TCP
+with timestamps) against the rate. Beside it, for the first setting, the same bytes with gloo
+send/recv into buffers touched beforehand: on the lanes (duplex: with two islands each lane's
+connection carries both directions, as in the all-gather) and on one gloo group per lane and
+direction (split). Measured here (docs/BENCHMARKS.md).
 
 What latency costs a round (read from lightning_islands/engine/round.py and transport.py; the
 counts are measured by this script, through a proxy that delays the coordinator's traffic):
@@ -127,8 +129,36 @@ def _send_recv(link: object, payload: object, split: bool) -> float:
     return max(link.gather_objects(f"seconds-{tag}", time.perf_counter() - t0))
 
 
+# what an operator sets on the leaders' hosts of a long-fat link: send buffers that may grow to the
+# bandwidth-delay product (32 MiB: 1 Gbit/s at 250 ms), and no return to slow start between rounds
+TUNED = {"net.ipv4.tcp_wmem": "4096 16384 33554432", "net.ipv4.tcp_rmem": "4096 131072 33554432",
+         "net.ipv4.tcp_slow_start_after_idle": "0"}
+SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.ipv4.tcp_congestion_control",
+           "net.ipv4.tcp_slow_start_after_idle")
+ROUND_GAP_S = 1.0  # between the two timed all-gathers: longer than TCP's idle restart (one RTO, >= 200 ms)
+
+
+def _timed_all_gather(link: object, payload: object, crcs: list[int], coordinator: str | None) -> dict:
+    """One all-gather of ``payload``: this island's seconds, whether every island's bytes arrived
+    intact, and its lanes' socket samples."""
+    sampled: dict = {}
+    stop = threading.Event()
+    skip = {coordinator.rsplit(":", 1)[0]} if coordinator else set()
+    sampler = threading.Thread(target=_sample_sockets, args=(skip, stop, sampled), daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    got = link.all_gather_bytes(payload)
+    seconds = time.perf_counter() - t0
+    stop.set()
+    sampler.join(timeout=5)
+    ok = all(zlib.crc32(g.numpy()) == c for g, c in zip(got, crcs))
+    del got
+    return {"seconds": seconds, "intact": ok, **sampled}
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One island's leader: for each lane count, one warm-up and one timed all-gather."""
+    """One island's leader: for each TCP setting and lane count, two timed all-gathers a round's
+    gap apart (a first round on new connections, then the next round)."""
     import torch
 
     from lightning_islands.transport import IslandLink, island_identity
@@ -137,35 +167,35 @@ def worker(args: argparse.Namespace) -> None:
     n = int(args.payload_mb * 1e6)
     payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(island))
     crc = zlib.crc32(payload.numpy())
-    rows = []
-    for lanes in args.lanes:
-        link = IslandLink(coordinator, island, num_islands, run_id=f"{run_id}-l{lanes}", lanes=lanes,
-                          timeout=timedelta(seconds=args.timeout))
-        crcs = link.gather_objects("crc", crc)
-        link.open_lanes()
-        link.all_gather_bytes(torch.zeros(64 * 1024, dtype=torch.uint8))  # every lane's connection is up
-        link.gather_objects("go", True)
-        sampled: dict = {}
-        stop = threading.Event()
-        skip = {coordinator.rsplit(":", 1)[0]} if coordinator else set()
-        sampler = threading.Thread(target=_sample_sockets, args=(skip, stop, sampled), daemon=True)
-        sampler.start()
-        t0 = time.perf_counter()
-        got = link.all_gather_bytes(payload)
-        seconds = time.perf_counter() - t0
-        stop.set()
-        sampler.join(timeout=5)
-        ok = all(zlib.crc32(g.numpy()) == c for g, c in zip(got, crcs))
-        del got
-        times = link.gather_objects("seconds", seconds)
-        row = {"lanes": lanes, "payload_bytes": n, "seconds": max(times), "intact": ok, **sampled}
-        if num_islands == 2:
-            row["duplex_seconds"] = _send_recv(link, payload, split=False)
-            row["split_seconds"] = _send_recv(link, payload, split=True)
-        rows.append(row)
-        link.close()
-    info = {name: _sysctl(name) for name in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem",
-                                             "net.ipv4.tcp_congestion_control", "net.ipv4.tcp_slow_start_after_idle")}
+    rows, info = [], {}
+    for tcp in args.tcp:
+        if tcp == "tuned":
+            if not os.environ.get("LI_LINK_IFNAME"):  # only ever inside the link's own namespace
+                raise SystemExit("--tcp tuned sets sysctls: it runs only inside a shaped link's namespaces")
+            for name, value in TUNED.items():  # this namespace's own (per network namespace)
+                Path("/proc/sys", *name.split(".")).write_text(value)
+        info[tcp] = {name: _sysctl(name) for name in SYSCTLS}
+        for lanes in args.lanes:
+            link = IslandLink(coordinator, island, num_islands, run_id=f"{run_id}-{tcp}-l{lanes}", lanes=lanes,
+                              timeout=timedelta(seconds=args.timeout))
+            crcs = link.gather_objects("crc", crc)
+            link.open_lanes()
+            link.all_gather_bytes(torch.zeros(64 * 1024, dtype=torch.uint8))  # every lane's connection is up
+            rounds = []
+            for r in range(2):
+                if r:
+                    time.sleep(ROUND_GAP_S)
+                link.gather_objects(f"go{r}", True)
+                rounds.append(_timed_all_gather(link, payload, crcs, coordinator))
+                rounds[-1]["seconds"] = max(link.gather_objects(f"seconds{r}", rounds[-1]["seconds"]))
+            first, nxt = rounds
+            row = {"tcp": tcp, "lanes": lanes, "payload_bytes": n, "first_seconds": first["seconds"],
+                   **nxt, "intact": first["intact"] and nxt["intact"]}
+            if num_islands == 2 and tcp == args.tcp[0]:
+                row["duplex_seconds"] = _send_recv(link, payload, split=False)
+                row["split_seconds"] = _send_recv(link, payload, split=True)
+            rows.append(row)
+            link.close()
     record = {"island": island, "rows": rows, "sysctl": info}
     Path(args.result_dir, f"island{island}.json").write_text(json.dumps(record))
 
@@ -329,15 +359,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="folder for lanes.json and the islands' logs")
     parser.add_argument("--quick", action="store_true", help="lanes 1,2, 8 MB, 200mbit: a smoke test")
     parser.add_argument("--rate", default=None, help="shaped rate (default 1gbit; --quick: 200mbit)")
-    parser.add_argument("--rtt", default="100ms", help="RTT between islands where netem exists (default 100ms)")
+    parser.add_argument("--rtt", default="100ms", help="RTT between islands (default 100ms)")
     parser.add_argument("--payload-mb", type=float, default=None, help="payload per island (default 300; --quick: 8)")
     parser.add_argument("--lanes", default=None, help="lane counts (default 1,2,4,8; --quick: 1,2)")
+    parser.add_argument("--tcp", default=None,
+                        help="host TCP settings to run, of default,tuned (default both; --quick: default)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a lane may stay silent")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.lanes = [int(x) for x in (args.lanes or ("1,2" if args.quick else "1,2,4,8")).split(",")]
     args.payload_mb = args.payload_mb or (8.0 if args.quick else 300.0)
+    args.tcp = (args.tcp or ("default" if args.quick else "default,tuned")).split(",")
+    if not args.tcp or any(t not in ("default", "tuned") for t in args.tcp):
+        parser.error(f"--tcp takes default, tuned or both, not {','.join(args.tcp)}")
     if args.worker:
         worker(args)
         return 0
@@ -356,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--payload-mb", str(args.payload_mb),
-               "--lanes", ",".join(map(str, args.lanes)), "--timeout", str(args.timeout), "--result-dir", str(out)]
+               "--lanes", ",".join(map(str, args.lanes)), "--tcp", ",".join(args.tcp), "--timeout", str(args.timeout),
+               "--result-dir", str(out)]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = run_islands([1, 1], command, log_dir=out / "logs", env=env, live=False, link=spec)
     if any(r.returncode for r in results):
@@ -369,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r0, r1 in zip(islands[0]["rows"], islands[1]["rows"]):
         achieved = r0["payload_bytes"] * 8 / r0["seconds"]
-        rows.append({"lanes": r0["lanes"], "payload_bytes": r0["payload_bytes"], "seconds": round(r0["seconds"], 3),
+        rows.append({"tcp": r0["tcp"], "lanes": r0["lanes"], "payload_bytes": r0["payload_bytes"],
+                     "seconds": round(r0["seconds"], 3), "first_seconds": round(r0["first_seconds"], 3),
                      "achieved_bps": round(achieved), "shaped_bps": spec.rate_bps,
-                     "ratio": round(achieved / spec.rate_bps, 3), "rtt_ms": rtt_ms,
+                     "ratio": round(achieved / spec.rate_bps, 3),
+                     "first_ratio": round(r0["payload_bytes"] * 8 / r0["first_seconds"] / spec.rate_bps, 3),
+                     "rtt_ms": rtt_ms,
                      "intact": r0["intact"] and r1["intact"],
                      **{f"{kind}_ratio": (round(r0["payload_bytes"] * 8 / r0[f"{kind}_seconds"] / spec.rate_bps, 3)
                                          if f"{kind}_seconds" in r0 else None) for kind in ("duplex", "split")},
@@ -379,21 +418,25 @@ def main(argv: list[str] | None = None) -> int:
                      "lane_cwnd_max": max(r0.get("cwnd_max", 0), r1.get("cwnd_max", 0)),
                      "lane_rtt_ms_max": max(r0.get("rtt_ms_max", 0.0), r1.get("rtt_ms_max", 0.0))})
     sysctl = islands[0]["sysctl"]
-    wmem_max = int(sysctl["net.ipv4.tcp_wmem"].split()[-1]) if sysctl.get("net.ipv4.tcp_wmem") else None
+    wmem = sysctl.get(args.tcp[0], {}).get("net.ipv4.tcp_wmem")
+    wmem_max = int(wmem.split()[-1]) if wmem else None
     latency = store_round_trips()
     windows = window_table(spec.rate_bps, spec.rtt_s or 0.1, args.lanes, wmem_max)
     print(f"link: {link['describe']}")
     print(f"island TCP: {sysctl}")
-    print("\n| lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | RTT ms | intact "
-          "| duplex send/recv | split send/recv |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("\n| host TCP | lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | first round "
+          "| RTT ms | intact | duplex send/recv | split send/recv |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         refs = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("duplex_ratio", "split_ratio"))
-        print(f"| {r['lanes']} | {r['payload_bytes'] / 1e6:g} | {r['seconds']:.2f} | {r['achieved_bps'] / 1e6:.0f} | "
-              f"{r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | {refs} |")
-    print("(ratio: IslandLink.all_gather_bytes, achieved / shaped rate. The same bytes with gloo send/recv into "
-          "touched buffers: duplex, on the lanes (each TCP connection carries both directions, as in the "
-          "all-gather); split, one gloo group per lane and direction (each connection carries one).)")
+        print(f"| {r['tcp']} | {r['lanes']} | {r['payload_bytes'] / 1e6:g} | {r['seconds']:.2f} | "
+              f"{r['achieved_bps'] / 1e6:.0f} | {r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | "
+              f"{r['first_ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | {refs} |")
+    print("(ratio: IslandLink.all_gather_bytes of the next round, a round's gap after the first, achieved / shaped "
+          "rate; first round: on new connections. host TCP: the island namespaces' sysctls as a new namespace has "
+          f"them, or tuned: {TUNED}. The same bytes with gloo send/recv into touched buffers: duplex, on the lanes "
+          "(each TCP connection carries both directions, as in the all-gather); split, one gloo group per lane and "
+          "direction (each connection carries one).)")
     rtt_target = spec.rtt_s or 0.1
     print(f"\nper-round cost of latency (measured through a proxy with the coordinator {latency['rtt_s'] * 1e3:g} ms "
           f"away): round trips per store op {latency['round_trips_per_op']}; one header gather between 2 islands "
@@ -405,9 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         cap = w["wmem_max_share_of_rate"]
         print(f"  {w['lanes']} lanes: {w['window_bytes_per_lane'] / 1e6:.2f} MB per lane"
               + (f", cap {min(cap, 1.0):.2f}" if cap is not None else ""))
-    if spec.rtt_s and not link["netem"]:
-        print(f"no delay: netem is missing in this kernel, so the table is rate-only; the {spec.rtt_s * 1e3:g} ms "
-              "rows need a kernel with netem")
+    if spec.rtt_s and not link["rtt_s"]:
+        print(f"no delay: the link could not add the {spec.rtt_s * 1e3:g} ms RTT, so the table is rate-only")
     (out / "lanes.json").write_text(json.dumps({
         "rows": rows, "link": link, "sysctl": sysctl, "latency": latency, "windows": windows,
         "command": " ".join(["python", "benchmarks/lanes.py", *(argv if argv is not None else sys.argv[1:])]),

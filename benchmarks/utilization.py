@@ -15,7 +15,8 @@ time of the config for the same steps (the slower island's fit, both ways).
 
 The link rate: ``--rate auto`` (default) sizes it from the ``none`` run's step time so that one
 synchronous exchange of the whole model takes about a third of a round's compute (the ratio of a
-1T-parameter model in int4 at 25 Gbit/s and H=100), which puts ``sync`` at or below ~0.8.
+1T-parameter model in int4 at 25 Gbit/s and H=100), which puts ``sync`` at or below ~0.8. ``--rtt
+100ms`` adds a round-trip time between the islands (netem, else the link's TUN delay line).
 
     python benchmarks/utilization.py [--quick] --out DIR
 
@@ -41,6 +42,7 @@ import threading
 import time
 from pathlib import Path
 
+from lightning_islands.app.netns import parse_link
 from lightning_islands.codecs import make_codec
 
 CONFIGS = ("none", "sync", "fragments", "fragments+overlap")
@@ -181,6 +183,9 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--rate", default="auto",
                         help="link rate (tc units, e.g. 40mbit) or auto; ',RTT' appends a delay (e.g. 40mbit,100ms)")
+    parser.add_argument("--rtt", default=None,
+                        help="a round-trip time between the islands for --rate auto (e.g. 100ms; netem, else the "
+                             "link's delay line)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
                         help="which of sync,fragments,fragments+overlap to run (none always runs)")
@@ -192,7 +197,11 @@ def main() -> None:
     started = time.time()
     none = run_config(args, "none", None, out)
     rate = auto_rate(args, none) if args.rate == "auto" else args.rate
-    rtt_ms = float(rate.split(",")[1].strip().removesuffix("ms")) if "," in rate else 0.0
+    if args.rtt:
+        if "," in rate:
+            parser.error(f"--rtt {args.rtt} and a --rate with an RTT ({rate}): give the RTT once")
+        rate = f"{rate},{args.rtt}"
+    rtt_ms = parse_link(rate).rtt_s * 1e3
     print(f"none: {none['wall_seconds']:.1f} s, {none['step_seconds'] * 1e3:.0f} ms/step; link {rate}", flush=True)
     rows = [none]
     for config in [c for c in CONFIGS[1:] if c in args.configs.split(",")]:

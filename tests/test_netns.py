@@ -100,10 +100,23 @@ def _fake_tc(monkeypatch, netem: bool) -> list[list[str]]:
 @pytest.mark.parametrize("netem", [True, False])
 def test_the_delay_sits_on_the_hub_ends_only_and_the_rate_on_both(monkeypatch, netem):
     """Where netem exists (not on this project's kernel, hence the recorded commands): half the RTT
-    before the tbf on each hub end, none on the island ends, whose qdiscs belong to the senders."""
+    before the tbf on each hub end, none on the island ends, whose qdiscs belong to the senders.
+    Where it does not: a TUN per island and a rule that sends the island's own packets through it."""
     calls = _fake_tc(monkeypatch, netem)
+    sysctls: list[tuple[str, dict]] = []
+    monkeypatch.setattr(netns, "run_in_namespace", lambda ns, fn: sysctls.append(ns))
     link = netns._build("li-1-0", 2, netns.parse_link("1gbit,100ms"), seed=0)
-    assert link.netem is netem and link.rtt_s == (0.1 if netem else 0.0)
+    assert link.netem is netem and link.rtt_s == 0.1
+    assert link.delay == ("netem" if netem else "delay line")
+    assert link.delay_line == (() if netem else ("li-1-0-i0:li-d0", "li-1-0-i1:li-d1"))
+    assert sysctls == ([] if netem else ["li-1-0-i0", "li-1-0-i1"])
+    if not netem:
+        for i in range(2):
+            ns = [c for c in calls if c[:3] == ["ip", "-n", f"li-1-0-i{i}"]]
+            assert ["tuntap", "add", "dev", f"li-d{i}", "mode", "tun", "vnet_hdr"] == ns[-4][3:]
+            assert ns[-3][3:] == ["link", "set", "dev", f"li-d{i}", "up"]
+            assert ns[-2][3:7] == ["route", "add", link.subnet, "dev"] and ns[-2][-2:] == ["table", "100"]
+            assert ns[-1][3:] == ["rule", "add", "iif", "lo", "lookup", "100", "pref", "100"]
     qdiscs = [c for c in calls if c[0] == "tc" and "add" in c]
     for i in range(2):
         island = [c for c in qdiscs if c[2] == f"li-1-0-i{i}"]
@@ -115,7 +128,7 @@ def test_the_delay_sits_on_the_hub_ends_only_and_the_rate_on_both(monkeypatch, n
             (delay,) = [c for c in hub if "netem" in c]
             assert delay[delay.index("delay") + 1] == "50000us" and delay[7:9] == ["root", "handle"]
             assert tbf[0][7:10] == ["parent", "1:1", "handle"]
-    if not netem:  # tried once, then rate-only everywhere
+    if not netem:  # tried once, then the delay line for every island
         assert sum("netem" in c for c in calls) == 1
 
 
@@ -205,28 +218,74 @@ def test_traffic_inside_an_island_is_not_shaped():
         assert bps > 10 * rate, f"{where}: {bps / 1e6:.0f} Mbit/s inside an island looks shaped"
 
 
+def _connect_times(src_ns: str, dst_ns: str, dst: str, port: int, times: int = 5) -> list[float]:
+    """Seconds each of ``times`` TCP connects takes (SYN, SYN-ACK: one round trip)."""
+    with netns.entered(dst_ns):
+        server = socket.create_server((dst, port))
+    server.settimeout(10)
+    out = []
+    for _ in range(times):
+        with netns.entered(src_ns):
+            client = socket.socket()
+        client.settimeout(10)
+        t0 = time.perf_counter()
+        client.connect((dst, port))
+        out.append(time.perf_counter() - t0)
+        client.close()
+        server.accept()[0].close()
+    server.close()
+    return out
+
+
+def _delay_lines() -> list[int]:
+    """Pids of delay line processes this test process started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"lightning_islands.app.delayline" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
 @needs_root
-def test_the_rtt_is_the_asked_one_where_netem_exists():
-    with netns.shaped_link("100mbit,40ms", 2) as link:
-        if not link.netem:
-            assert "no delay: netem missing" in link.describe()
-            pytest.skip("this kernel has no netem: the link is rate-only (and says so)")
+@pytest.mark.parametrize("delay", ["auto", "tun"])
+def test_the_rtt_is_the_asked_one_and_the_rate_holds_under_it(delay):
+    """netem where the kernel has it (auto), else, and always with delay="tun", the delay line: the
+    islands are the RTT apart, the coordinator half of it, and a long stream still gets the rate."""
+    rate = 60 * 10**6
+    with netns.shaped_link(f"{rate}bit,40ms", 2, delay=delay) as link:
         a, b = link.islands
-        with netns.entered(b.namespace):
-            server = socket.create_server((b.address, 5005))
-        server.settimeout(10)
-        times = []
-        for _ in range(5):
-            with netns.entered(a.namespace):
-                client = socket.socket()
-            client.settimeout(10)
-            t0 = time.perf_counter()
-            client.connect((b.address, 5005))  # SYN, SYN-ACK: one round trip
-            times.append(time.perf_counter() - t0)
-            client.close()
-            server.accept()[0].close()
-        server.close()
-    assert statistics.median(times) == pytest.approx(0.040, rel=0.1, abs=0.002)
+        assert link.rtt_s == 0.04 and "RTT 40 ms between islands" in link.describe()
+        assert link.delay == ("delay line" if delay == "tun" or not link.netem else "netem")
+        assert len(_delay_lines()) == (1 if link.delay_line else 0)
+        between = _connect_times(a.namespace, b.namespace, b.address, 5005)
+        to_hub = _connect_times(a.namespace, link.hub_namespace, link.hub_address, 5006)
+        inside = _connect_times(a.namespace, a.namespace, a.address, 5007)
+        got: dict[str, float] = {}
+        _stream(a.namespace, b.namespace, b.address, 5008, 3.0, got, "0->1")
+    assert statistics.median(between) == pytest.approx(0.040, rel=0.1, abs=0.002)
+    assert statistics.median(to_hub) == pytest.approx(0.020, rel=0.1, abs=0.002)
+    assert statistics.median(inside) < 0.002  # an island's own traffic never meets the delay
+    assert 0.9 * rate <= got["0->1"] <= 1.0 * rate, f"{got['0->1'] / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
+    assert _ours() == [] and _delay_lines() == []
+
+
+@needs_root
+def test_netem_asked_where_the_kernel_lacks_it_says_so_and_leaves_nothing():
+    try:
+        with netns.shaped_link("10mbit,40ms", 1, delay="netem") as link:
+            assert link.netem  # a kernel with netem
+    except netns.LinkUnavailable as err:
+        assert "no netem" in str(err) and "delay='tun'" in str(err)
+    assert _ours() == [] and _delay_lines() == []
+    with pytest.raises(ValueError, match="one of auto, netem, tun"):
+        with netns.shaped_link("10mbit,40ms", 1, delay="sleep"):
+            pass
 
 
 @needs_root
@@ -257,6 +316,10 @@ def test_the_namespaces_are_gone_after_an_island_fails():
                           link="10mbit")
     assert results[1].returncode != 0 and results[0].stopped
     assert _ours() == []
+    results = run_islands([1, 1], ["sh", "-c", 'test "$LI_ISLAND" = 1 && exit 3; sleep 20'], live=False, out=buf,
+                          link="10mbit,20ms")  # with a delay line
+    assert results[1].returncode != 0 and results[0].stopped
+    assert _ours() == [] and _delay_lines() == []
 
 
 @needs_root

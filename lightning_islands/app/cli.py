@@ -39,7 +39,7 @@ def _run(argv: list[str]) -> int:
                         help="one live status line per island (default: when attached to a terminal)")
     parser.add_argument("--link", default=None, metavar="RATE[,RTT]",
                         help="put each island in its own network namespace behind a link shaped by tc, e.g. "
-                             "1gbit,100ms (the RTT needs netem in the kernel); needs root and iproute2")
+                             "1gbit,100ms (the RTT: netem, else a TUN delay line); needs root and iproute2")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart an island whose process died up to N times (as torchrun does) while the others "
                              "train on; it rejoins them (default 0: a failed island ends the run)")

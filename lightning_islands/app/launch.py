@@ -205,7 +205,8 @@ def run_islands(
 def link_record(shaped: ShapedLink) -> dict[str, Any]:
     """What a run records about its shaped link (``link.json``; the summary shows ``describe``)."""
     return {"spec": str(shaped.spec), "rate_bps": shaped.spec.rate_bps, "rtt_s_asked": shaped.spec.rtt_s,
-            "rtt_s": shaped.rtt_s, "netem": shaped.netem, "describe": shaped.describe(),
+            "rtt_s": shaped.rtt_s, "netem": shaped.netem, "delay": shaped.delay,
+            "describe": shaped.describe(),
             "hub": shaped.hub_address, "islands": [p.address for p in shaped.islands]}
 
 

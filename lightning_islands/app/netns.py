@@ -32,8 +32,16 @@ Topology, for a run of N islands::
   (about 1 ms of its pacing rate), which would throttle the sender to that budget per delay; past
   the veth it no longer does (measured: with 1.9 MB queued at a hub end, the sending socket's
   ``sk_wmem_alloc`` was 0). netem is the root qdisc there and tbf its child (the order
-  ``tc-netem(8)`` gives for delay plus rate). Where netem is missing the link is rate-only and
-  :meth:`ShapedLink.describe` says so.
+  ``tc-netem(8)`` gives for delay plus rate).
+- **Delay where it is missing: a delay line** (:mod:`lightning_islands.app.delayline`): each island
+  namespace gets a TUN device ``li-dN`` and a policy rule (``iif lo lookup 100``) whose table sends
+  every packet the island's own processes address to the hub subnet through it; a process started
+  with the link holds each packet ``RTT / 2`` and writes it back, and the kernel forwards it out of
+  the veth and its tbf (``ip_forward`` and ``accept_local`` on in the island namespace). So the
+  delay sits on the island ends here, before the same shaper: islands are ``RTT`` apart, the
+  coordinator ``RTT / 2`` from each, as with netem; packets, not connections, are delayed, so TCP's
+  own windows and congestion control meet the RTT. ``shaped_link(..., delay="tun")`` asks for it
+  where netem exists too; :meth:`ShapedLink.describe` says which one is in effect.
 - **tbf sizing**: ``burst`` (the token bucket) is the larger of 10 ms at the rate and 64 KiB + 2 KiB,
   so a 64 KiB GSO packet passes whole (tbf would otherwise cut it into MTU-sized segments, costing CPU
   on a small machine), and a dequeue that a busy machine delays by up to 10 ms loses no tokens (on
@@ -58,9 +66,11 @@ import ipaddress
 import itertools
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,6 +96,10 @@ _RATE_UNITS = {  # as tc(8) reads them; the *bps units are bytes per second
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
                "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
 _FORM = "RATE[,RTT] with tc units, e.g. 1gbit,100ms or 200mbit"
+
+
+DELAYS = ("auto", "netem", "tun")  # how the RTT is made: netem where the kernel has it, else the delay line
+DELAY_TABLE = "100"  # the routing table of an island namespace that leads through its delay line
 
 
 class LinkUnavailable(RuntimeError):
@@ -315,12 +329,18 @@ class ShapedLink:
     hub_address: str
     subnet: str
     islands: tuple[IslandPort, ...]
-    netem: bool  # whether the asked RTT is in effect (False: none asked, or the kernel lacks netem)
+    netem: bool  # whether netem makes the asked RTT
+    delay_line: tuple[str, ...] = ()  # else NAMESPACE:DEVICE of each island's TUN, when a delay line makes it
 
     @property
     def rtt_s(self) -> float:
-        """The RTT between islands that the link adds (0 without netem)."""
-        return self.spec.rtt_s if self.netem else 0.0
+        """The RTT between islands that the link adds (0 when none was asked)."""
+        return self.spec.rtt_s if self.netem or self.delay_line else 0.0
+
+    @property
+    def delay(self) -> str:
+        """What makes the RTT: ``"netem"``, ``"delay line"`` or ``"none"``."""
+        return "netem" if self.netem else "delay line" if self.delay_line else "none"
 
     def exec_prefix(self, island: int) -> list[str]:
         """Prefix a command with this to run it inside island ``island``'s namespace."""
@@ -331,12 +351,10 @@ class ShapedLink:
         rate = f"{format_rate(self.spec.rate_bps)} each way (tbf)"
         if not self.spec.rtt_s:
             delay = "no added delay (none asked)"
-        elif self.netem:
-            delay = (f"RTT {self.spec.rtt_s * 1e3:g} ms between islands (netem), "
-                     f"{self.spec.rtt_s * 500:g} ms to the coordinator")
         else:
-            delay = (f"no delay: netem missing in this kernel, running rate-only "
-                     f"(asked for RTT {self.spec.rtt_s * 1e3:g} ms)")
+            how = "netem" if self.netem else "a TUN delay line per island: this kernel has no netem"
+            delay = (f"RTT {self.spec.rtt_s * 1e3:g} ms between islands ({how}), "
+                     f"{self.spec.rtt_s * 500:g} ms to the coordinator")
         return (f"link {self.spec}: {rate}, {delay}; islands in namespaces {self.tag}-i0..{len(self.islands) - 1}, "
                 f"coordinator at {self.hub_address} in {self.hub_namespace} ({self.subnet})")
 
@@ -361,7 +379,28 @@ def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool
     return False
 
 
-def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int) -> ShapedLink:
+def _write_sysctls(values: dict[str, str]) -> None:
+    for key, value in values.items():
+        with open(f"/proc/sys/{key.replace('.', '/')}", "w") as f:
+            f.write(value)
+
+
+def _route_through_delay_line(port: IslandPort, subnet: str) -> str:
+    """Give island ``port`` a TUN that every packet its processes send off the island crosses;
+    returns ``NAMESPACE:DEVICE`` for the delay line (see the module docstring)."""
+    ns, dev = port.namespace, f"li-d{port.island}"
+    _run(["ip", "-n", ns, "tuntap", "add", "dev", dev, "mode", "tun", "vnet_hdr"])
+    _run(["ip", "-n", ns, "link", "set", "dev", dev, "up"])
+    # packets come back from the TUN with the island's own source address, to be forwarded
+    run_in_namespace(ns, lambda: _write_sysctls({
+        "net.ipv4.ip_forward": "1", "net.ipv4.conf.all.rp_filter": "0", f"net.ipv4.conf.{dev}.rp_filter": "0",
+        f"net.ipv4.conf.{dev}.accept_local": "1"}))
+    _run(["ip", "-n", ns, "route", "add", subnet, "dev", dev, "src", port.address, "table", DELAY_TABLE])
+    _run(["ip", "-n", ns, "rule", "add", "iif", "lo", "lookup", DELAY_TABLE, "pref", "100"])
+    return f"{ns}:{dev}"
+
+
+def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "auto") -> ShapedLink:
     subnet = pick_subnet(seed)
     hosts = list(subnet.hosts())
     hub, hub_addr = f"{tag}-hub", str(hosts[0])
@@ -370,7 +409,7 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int) -> ShapedLink:
     _run(["ip", "-n", hub, "link", "add", "name", BRIDGE, "type", "bridge"])
     _run(["ip", "-n", hub, "addr", "add", f"{hub_addr}/{subnet.prefixlen}", "dev", BRIDGE])
     _run(["ip", "-n", hub, "link", "set", "dev", BRIDGE, "up"])
-    ports, netem = [], bool(spec.rtt_s)
+    ports, netem = [], bool(spec.rtt_s) and delay != "tun"
     for i in range(num_islands):
         ns, inner, outer, addr = f"{tag}-i{i}", f"li-i{i}", f"li-h{i}", str(hosts[i + 1])
         _run(["ip", "netns", "add", ns])
@@ -383,8 +422,49 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int) -> ShapedLink:
         _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
         _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
         netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
+        if delay == "netem" and spec.rtt_s and not netem:
+            raise LinkUnavailable("delay='netem' asked, but this kernel has no netem qdisc; use delay='auto' or "
+                                  "delay='tun' (a delay line), or a kernel with sch_netem")
         ports.append(IslandPort(i, ns, inner, addr))
-    return ShapedLink(spec, tag, hub, hub_addr, str(subnet), tuple(ports), netem=bool(spec.rtt_s) and netem)
+    tuns = ()
+    if spec.rtt_s and not netem:
+        tuns = tuple(_route_through_delay_line(port, str(subnet)) for port in ports)
+    return ShapedLink(spec, tag, hub, hub_addr, str(subnet), tuple(ports), netem=bool(spec.rtt_s) and netem,
+                      delay_line=tuns)
+
+
+def delay_line_limit(spec: LinkSpec) -> int:
+    """Bytes the delay line may hold per island: eight times what the delay holds at the rate, at
+    least 64 MiB (the bottleneck's drops belong to tbf's queue, not to the delay)."""
+    return max(64 << 20, int(8 * spec.rate_bps / 8 * spec.rtt_s / 2))
+
+
+@contextmanager
+def _delay_line(link: ShapedLink) -> Iterator[None]:
+    """Run the delay line process for ``link`` (when it has one) for the body."""
+    if not link.delay_line:
+        yield
+        return
+    cmd = [sys.executable, "-m", "lightning_islands.app.delayline", "--delay-s", repr(link.spec.rtt_s / 2),
+           "--limit-bytes", str(delay_line_limit(link.spec)), *link.delay_line]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], CALL_TIMEOUT_S)
+        if not ready or proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            raise RuntimeError(f"the delay line for link {link.spec} did not start: "
+                               f"{proc.communicate(timeout=CALL_TIMEOUT_S)[1].strip()[-2000:] or 'no message'}")
+        yield
+    finally:
+        if proc.poll() is None:
+            try:  # closing its stdin (communicate does) is its signal to end
+                out, err = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            if proc.returncode not in (0, -signal.SIGKILL):
+                print(f"the delay line of link {link.spec} ended with {proc.returncode}: {err.strip()[-2000:]}",
+                      file=sys.stderr)
 
 
 def _kill_inside(namespace: str) -> None:
@@ -448,14 +528,19 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 @contextmanager
-def shaped_link(spec: str | LinkSpec, num_islands: int) -> Iterator[ShapedLink]:
+def shaped_link(spec: str | LinkSpec, num_islands: int, delay: str = "auto") -> Iterator[ShapedLink]:
     """Make the namespaces, veths and qdiscs of a link between ``num_islands`` islands for the body;
     remove them after it, however it ends. Raises :class:`LinkUnavailable` without root or iproute2.
+
+    ``delay`` says what makes the RTT: ``"auto"`` (netem where the kernel has it, else a delay line),
+    ``"netem"`` (else :class:`LinkUnavailable`) or ``"tun"`` (the delay line).
 
     Run a command in island ``i`` with :meth:`ShapedLink.exec_prefix`, serve the coordinator with
     :func:`run_in_namespace` on :attr:`ShapedLink.hub_namespace` at :attr:`ShapedLink.hub_address`.
     """
     spec = parse_link(spec)
+    if delay not in DELAYS:
+        raise ValueError(f"delay {delay!r} is not one of {', '.join(DELAYS)}")
     if not 1 <= num_islands <= 250:
         raise ValueError(f"a shaped link joins 1 to 250 islands, not {num_islands}")
     check_link_support()
@@ -465,7 +550,9 @@ def shaped_link(spec: str | LinkSpec, num_islands: int) -> Iterator[ShapedLink]:
     tag = f"{PREFIX}{os.getpid()}-{seq}"
     with _sigterm_raises():
         try:
-            yield _build(tag, num_islands, spec, seed=os.getpid() * 31 + seq)
+            link = _build(tag, num_islands, spec, seed=os.getpid() * 31 + seq, delay=delay)
+            with _delay_line(link):
+                yield link
         finally:
             with _signals_deferred():
                 remove(tag, num_islands)
