@@ -65,7 +65,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-RTT_OPS = ("set", "check", "get", "add")
+RTT_OPS = ("set", "check", "get", "add", "compare_set", "multi_get")
 
 
 # ------------------------------------------------------------------------------------------ island side
@@ -279,6 +279,38 @@ class _CountingStore:
         return attr
 
 
+def _membership_round_trips(links: list, per_op: dict, rtt: float, rounds: int = 3) -> dict:
+    """The store requests of a round's membership (``decide``, then ``settle``) on each of
+    ``links``' islands when they arrive together, timed and counted; ``rounds`` rounds, the last
+    one's counts kept."""
+    from lightning_islands.membership import Membership
+
+    islands = len(links)
+    counts: list[dict[str, int]] = [{} for _ in links]
+    members = [Membership(_CountingStore(link.store._store, counts[i]), "rtm", i, islands, 1, 10.0, None,
+                          lambda j: None) for i, link in enumerate(links)]
+    timed = [[0.0, 0.0] for _ in links]
+    barrier = threading.Barrier(islands)
+
+    def run(i: int) -> None:
+        for r in range(rounds):
+            barrier.wait()
+            counts[i].clear()
+            t0 = time.perf_counter()
+            decision, _ = members[i].decide(r, {"tokens": 1})
+            t1 = time.perf_counter()
+            members[i].settle(decision)
+            timed[i] = [round((t1 - t0) / rtt, 1), round((time.perf_counter() - t1) / rtt, 1)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(islands)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"ops": counts, "round_trips_decide_settle": timed,
+            "round_trips_counted": [sum(round(per_op.get(k, 0)) * v for k, v in c.items()) for c in counts]}
+
+
 def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
     """Measured: round trips each store op costs, and the ops and time of one header gather between
     ``islands`` islands (threads here) when every island arrives at once, over a coordinator ``rtt``
@@ -294,7 +326,9 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
     client.set("k", "v")
     per_op = {}
     for name, op in (("set", lambda: client.set("k", "v")), ("check", lambda: client.check(["k"])),
-                     ("get", lambda: client.get("k")), ("add", lambda: client.add("n", 1))):
+                     ("get", lambda: client.get("k")), ("add", lambda: client.add("n", 1)),
+                     ("compare_set", lambda: client.compare_set("k", "v", "v")),
+                     ("multi_get", lambda: client.multi_get(["k", "k"]))):
         t0 = time.perf_counter()
         for _ in range(5):
             op()
@@ -326,8 +360,9 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
         t.start()
     for t in threads:
         t.join()
+    membership = _membership_round_trips(links, per_op, rtt)
     proxy.close()
-    return {"rtt_s": rtt, "round_trips_per_op": per_op, "header_gather_ops": counts,
+    return {"rtt_s": rtt, "round_trips_per_op": per_op, "header_gather_ops": counts, "round": membership,
             "header_gather_round_trips": [round(s / rtt, 1) for s in seconds],
             # each op costs a whole number of round trips; its timing above also holds the host's overhead
             "header_gather_round_trips_counted": [sum(round(per_op.get(k, 0)) * v for k, v in c.items())
@@ -441,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nper-round cost of latency (measured through a proxy with the coordinator {latency['rtt_s'] * 1e3:g} ms "
           f"away): round trips per store op {latency['round_trips_per_op']}; one header gather between 2 islands "
           f"arriving together: ops {latency['header_gather_ops']}, {latency['header_gather_round_trips']} round trips "
-          f"(timed), {latency['header_gather_round_trips_counted']} (counted)")
+          f"(timed), {latency['header_gather_round_trips_counted']} (counted); a round's membership (decide, "
+          f"settle): ops {latency['round']['ops']}, {latency['round']['round_trips_decide_settle']} round trips "
+          f"(timed), {latency['round']['round_trips_counted']} (counted)")
     print(f"window each lane needs at {format_rate(spec.rate_bps)} and {rtt_target * 1e3:g} ms (BDP / lanes), "
           f"and the share of the rate a {wmem_max} B send buffer cap allows:")
     for w in windows:

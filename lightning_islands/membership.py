@@ -25,8 +25,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-# how often a waiting island polls the store
+# how often a waiting island polls the store: one request for the keys it waits for, and every
+# SCAN_S the full scan (liveness, joiners, failures), a request per key; over a WAN each request is a
+# round trip to the coordinator, so the poll must stay one
 POLL_S = 0.01
+SCAN_S = 0.25
 
 
 def get_if_set(store: dist.Store, key: str) -> bytes | None:
@@ -128,6 +131,7 @@ class Membership:
         self.committed: Decision | None = None  # the last attempt that counted
         self._watch = _Watch()
         self._attempt: dict[int, int] = {}  # round -> the attempt this island is at
+        self._seen_all: str | None = None  # the last attempt whose headers this island saw all there
         self.changes: list[str] = []  # membership changes seen, for the log
 
     @property
@@ -210,7 +214,21 @@ class Membership:
         self.store.set(self._k(f"{key}/h/{self.island}"), json.dumps(header))
         expected = set(self.previous.present if self.previous else range(self.num_islands)) | {self.island}
         started = time.monotonic()
+        waited_for = [self._k(f"{key}/h/{i}") for i in sorted(expected)]
+        next_scan = started + SCAN_S
         while True:
+            if self.store.check(waited_for):
+                if len(expected) == self.num_islands:
+                    # every island is here (a round's usual case, one round trip): the scan below
+                    # would find no one missing and no joiner (a joiner sends its header only once a
+                    # decision names it), so it would propose them all; compare_set returns an
+                    # earlier decision where there is one
+                    self._seen_all = key
+                    return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ())
+            elif time.monotonic() < next_scan:
+                time.sleep(POLL_S)
+                continue
+            next_scan = time.monotonic() + SCAN_S
             found = self._get(self._k(f"{key}/members"))
             if found is not None:
                 return Decision.from_json(found)
@@ -252,6 +270,9 @@ class Membership:
     def _headers(self, decision: Decision) -> list[dict[str, Any] | None]:
         """Every present island's header (a joiner publishes its own once it sees the decision)."""
         keys = {i: self._k(f"{decision.key}/h/{i}") for i in decision.present}
+        if self._seen_all == decision.key or self.store.check(list(keys.values())):
+            got = dict(zip(keys, self.store.multi_get(list(keys.values()))))  # all there: one request
+            return [json.loads(got[i]) if i in got else None for i in range(self.num_islands)]
         incs = dict(zip(decision.joining, decision.joining_incs))
         started = time.monotonic()
         while True:
@@ -292,8 +313,18 @@ class Membership:
         self.store.set(self._k(f"{decision.key}/done/{self.island}"), "1")
         keys = {i: self._k(f"{decision.key}/done/{i}") for i in decision.present}
         started = time.monotonic()
+        next_scan = started + SCAN_S
         while True:
-            outcome = self._outcome(decision)
+            outcome: str | None = None
+            if self.store.check(list(keys.values())):
+                # every member finished (the usual case): write "ok" unless "fail" is there already
+                outcome = self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "ok").decode()
+            elif time.monotonic() < next_scan:
+                time.sleep(POLL_S)
+                continue
+            else:
+                next_scan = time.monotonic() + SCAN_S
+                outcome = self._outcome(decision)
             if outcome is None:
                 missing = [i for i, k in keys.items() if not self.store.check([k])]
                 if not missing:
@@ -302,6 +333,7 @@ class Membership:
                     silent = self._silent(missing, time.monotonic())
                     if self._waited_out(started) or any(self._gone(i, silent[i], self._incs.get(i)) for i in missing):
                         self.fail(decision)
+                        next_scan = 0.0  # read the outcome at once
                         continue
             if outcome == "ok":
                 self.committed = decision
