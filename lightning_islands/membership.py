@@ -30,6 +30,7 @@ import torch.distributed as dist
 # round trip to the coordinator, so the poll must stay one
 POLL_S = 0.01
 SCAN_S = 0.25
+START_LANES = "lanes"  # the key of the lanes every island opens when the run starts (IslandLink.open_lanes)
 
 
 def get_if_set(store: dist.Store, key: str) -> bytes | None:
@@ -261,7 +262,10 @@ class Membership:
         done = self.committed
         keep = (attempt == 0 and done is not None and done.round == round_ - 1 and done.present == present
                 and not joining)
-        lanes = done.lanes if keep else f"round{round_}/a{attempt}"  # type: ignore[union-attr]
+        # the run's first round with every island: the lanes they all opened at the start (a restarted
+        # island opens none and is a joiner, so this never names lanes an island lacks)
+        first = attempt == 0 and done is None and present == tuple(range(self.num_islands)) and not joining
+        lanes = done.lanes if keep else START_LANES if first else f"round{round_}/a{attempt}"  # type: ignore
         mine = Decision(round_, attempt, present, lanes, joining, joining_incs)
         key = self._k(f"round{round_}/a{attempt}/members")
         won = self.store.compare_set(key, "", mine.to_json())

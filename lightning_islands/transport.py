@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_islands.membership import Decision, LateForRound, Membership, RoundLost, get_if_set
+from lightning_islands.membership import START_LANES, Decision, LateForRound, Membership, RoundLost, get_if_set
 
 ENV_ISLAND = "LI_ISLAND"
 ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
@@ -258,7 +258,7 @@ class IslandLink:
         moved only about half the link's rate each way on a shaped link (docs/BENCHMARKS.md, lanes),
         two of them 0.95 each way. With more islands the ring all-gather sends one way per connection.
         """
-        self._build_lanes("lanes", tuple(range(self.num_islands)))
+        self._build_lanes(START_LANES, tuple(range(self.num_islands)))
 
     def _build_lanes(self, key: str, present: tuple[int, ...]) -> None:
         if self.lanes:

@@ -43,6 +43,7 @@ def test_the_member_set_is_decided_once_for_everyone():
     ms = [Membership(store, "m", i, 2, 1, GRACE, None, lambda i: None) for i in range(2)]
     got = run_threads([lambda m=m: m.decide(0, {"i": m.island}) for m in ms])
     assert got[0][0] == got[1][0] and got[0][0].present == (0, 1)
+    assert got[0][0].lanes == "lanes", "the first round with everyone keeps the lanes opened at the start"
     assert got[0][1] == [{"i": 0}, {"i": 1}]
     for m in ms:
         m.committed = m.previous  # as if settled
@@ -104,6 +105,7 @@ def test_a_silent_island_is_left_out_after_the_grace_window_and_the_quorum_holds
     decision, headers = m0.decide(0, {"i": 0})
     waited = time.monotonic() - t0
     assert decision.present == (0,) and headers == [{"i": 0}, None]
+    assert decision.lanes == "round0/a0", "without every island the start's lanes are not the round's"
     assert GRACE <= waited < GRACE + 1.0, f"waited {waited:.2f} s for a silent island"
     strict = Membership(store, "q2", 0, 2, 2, GRACE, None, lambda i: None)
     with pytest.raises(QuorumLost, match=r"fewer than min_islands=2.*islands.min_islands"):
