@@ -150,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("devices", nargs="+", help="NAMESPACE:DEVICE of each TUN to serve")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the link's owner ends it
     try:
         os.nice(-10)  # late packets are jitter; root may ask for the CPU first
     except OSError:
