@@ -71,7 +71,7 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "lanes.py"), "--quick", "--payload-mb", "2", "--rate", "100mbit",
-         "--out", str(tmp_path)],
+         "--rtt", "20ms", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
         assert r["intact"] and r["payload_bytes"] == 2_000_000 and r["shaped_bps"] == 100_000_000
         # 2 MB is short: tbf's full bucket (125 kB at 100 Mbit/s) passes at once, up to ~6 % over the rate
         assert all(0 < r[k] <= 1.1 for k in ("ratio", "duplex_ratio", "split_ratio")), r
-        assert r["rtt_ms"] == 100.0 and data["link"]["delay"] in ("netem", "delay line")
+        assert r["rtt_ms"] == 20.0 and data["link"]["delay"] in ("netem", "delay line")
     latency = data["latency"]
     assert latency["round_trips_per_op"]["set"] < 0.5 and 1.5 < latency["round_trips_per_op"]["get"] < 2.5
     # a header gather between two islands that arrive together: 5N + 1 round trips to the coordinator, and

@@ -14,6 +14,13 @@ import pytest
 from lightning_islands.app.delayline import DelayLine
 
 
+def _device() -> tuple[socket.socket, socket.socket]:
+    """A packet socket pair: the user's end, and the line's non-blocking end (as a TUN's fd)."""
+    user, line = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    line.setblocking(False)
+    return user, line
+
+
 def _serve(line: DelayLine) -> tuple[threading.Thread, int]:
     stop_r, stop_w = os.pipe()
     thread = threading.Thread(target=line.run, args=(stop_r,), daemon=True)
@@ -31,10 +38,7 @@ def _recv_all(sock: socket.socket, n: int, timeout: float = 5.0) -> list[tuple[f
 
 
 def test_every_packet_comes_back_whole_in_order_after_the_delay_on_its_own_device():
-    a_user, a_line = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    b_user, b_line = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    for s in (a_line, b_line):
-        s.setblocking(False)
+    (a_user, a_line), (b_user, b_line) = _device(), _device()
     line = DelayLine([a_line.fileno(), b_line.fileno()], delay_s=0.05, limit_bytes=10 << 20)
     thread, stop = _serve(line)
     try:
@@ -56,8 +60,7 @@ def test_every_packet_comes_back_whole_in_order_after_the_delay_on_its_own_devic
 
 
 def test_more_than_the_limit_held_is_dropped_and_the_line_goes_on():
-    user, end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    end.setblocking(False)
+    user, end = _device()
     line = DelayLine([end.fileno()], delay_s=0.2, limit_bytes=3000)
     thread, stop = _serve(line)
     try:
@@ -79,10 +82,7 @@ def test_a_delay_line_needs_a_delay_and_a_limit():
 
 
 def test_a_device_that_goes_away_ends_its_queue_and_the_last_one_ends_the_line():
-    a_user, a_line = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    b_user, b_line = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    for s in (a_line, b_line):
-        s.setblocking(False)
+    (a_user, a_line), (b_user, b_line) = _device(), _device()
     line = DelayLine([a_line.fileno(), b_line.fileno()], delay_s=0.02, limit_bytes=1 << 20)
     thread, stop = _serve(line)
     try:
