@@ -279,17 +279,17 @@ class _CountingStore:
         return attr
 
 
-def _membership_round_trips(links: list, per_op: dict, rtt: float, rounds: int = 3) -> dict:
-    """The store requests of a round's membership (``decide``, then ``settle``) on each of
-    ``links``' islands when they arrive together, timed and counted; ``rounds`` rounds, the last
+def _membership_round_trips(stores: list, per_op: dict, rtt: float, rounds: int = 3) -> dict:
+    """The store requests of a round's membership (``decide``, then ``settle``) of one island per
+    client in ``stores`` when they arrive together, timed and counted; ``rounds`` rounds, the last
     one's counts kept."""
     from lightning_islands.membership import Membership
 
-    islands = len(links)
-    counts: list[dict[str, int]] = [{} for _ in links]
-    members = [Membership(_CountingStore(link.store._store, counts[i]), "rtm", i, islands, 1, 10.0, None,
-                          lambda j: None) for i, link in enumerate(links)]
-    timed = [[0.0, 0.0] for _ in links]
+    islands = len(stores)
+    counts: list[dict[str, int]] = [{} for _ in stores]
+    members = [Membership(_CountingStore(store, counts[i]), "rtm", i, islands, 1, 10.0, None, lambda j: None)
+               for i, store in enumerate(stores)]
+    timed = [[0.0, 0.0] for _ in stores]
     barrier = threading.Barrier(islands)
 
     def run(i: int) -> None:
@@ -336,6 +336,7 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
     links = [IslandLink(address, i, islands, run_id="rt", lanes=1, timeout=timedelta(seconds=30))
              for i in range(islands)]
     counts: list[dict[str, int]] = [{} for _ in links]
+    stores = [link.store for link in links]
     for link, c in zip(links, counts):
         link.store = _CountingStore(link.store, c)  # type: ignore[assignment]
     seconds = [0.0] * islands
@@ -360,7 +361,7 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
         t.start()
     for t in threads:
         t.join()
-    membership = _membership_round_trips(links, per_op, rtt)
+    membership = _membership_round_trips(stores, per_op, rtt)
     proxy.close()
     return {"rtt_s": rtt, "round_trips_per_op": per_op, "header_gather_ops": counts, "round": membership,
             "header_gather_round_trips": [round(s / rtt, 1) for s in seconds],

@@ -132,7 +132,6 @@ class Membership:
         self.committed: Decision | None = None  # the last attempt that counted
         self._watch = _Watch()
         self._attempt: dict[int, int] = {}  # round -> the attempt this island is at
-        self._seen_all: str | None = None  # the last attempt whose headers this island saw all there
         self.changes: list[str] = []  # membership changes seen, for the log
 
     @property
@@ -192,7 +191,7 @@ class Membership:
         """
         while True:
             attempt = self._attempt.setdefault(round_, 0)
-            decision = self._decision_of(round_, attempt, {**header, "_inc": self.incarnation})
+            decision, all_there = self._decision_of(round_, attempt, {**header, "_inc": self.incarnation})
             for j in decision.joining:  # where a restarted joiner learns which round takes it in
                 if j != self.island:
                     self.store.set(self._k(f"joined_at/{j}"), decision.to_json())
@@ -202,7 +201,7 @@ class Membership:
                 raise LateForRound(f"round {round_} was decided without island {self.island} (members "
                                    f"{list(decision.present)}): it arrived after the grace window")
             try:
-                headers = self._headers(decision)
+                headers = self._headers(decision, all_there)
             except RoundLost:
                 self.retry(decision)
                 continue
@@ -210,7 +209,9 @@ class Membership:
             self._note(decision)
             return decision, headers
 
-    def _decision_of(self, round_: int, attempt: int, header: dict[str, Any]) -> Decision:
+    def _decision_of(self, round_: int, attempt: int, header: dict[str, Any]) -> tuple[Decision, bool]:
+        """Publish ``header`` and return the attempt's decision, and whether every island's header was
+        seen there (then :meth:`_headers` need not look again)."""
         key = f"round{round_}/a{attempt}"
         self.store.set(self._k(f"{key}/h/{self.island}"), json.dumps(header))
         expected = set(self.previous.present if self.previous else range(self.num_islands)) | {self.island}
@@ -224,15 +225,14 @@ class Membership:
                     # would find no one missing and no joiner (a joiner sends its header only once a
                     # decision names it), so it would propose them all; compare_set returns an
                     # earlier decision where there is one
-                    self._seen_all = key
-                    return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ())
+                    return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ()), True
             elif time.monotonic() < next_scan:
                 time.sleep(POLL_S)
                 continue
             next_scan = time.monotonic() + SCAN_S
             found = self._get(self._k(f"{key}/members"))
             if found is not None:
-                return Decision.from_json(found)
+                return Decision.from_json(found), False
             self._check_ended(round_)
             arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
             now = time.monotonic()
@@ -253,7 +253,7 @@ class Membership:
                 present = tuple(sorted(arrived | (joiners - gone)))
                 if len(present) >= self.min_islands:
                     joining = tuple(sorted(joiners - gone))
-                    return self._propose(round_, attempt, present, joining, tuple(asking[j] for j in joining))
+                    return self._propose(round_, attempt, present, joining, tuple(asking[j] for j in joining)), False
             time.sleep(POLL_S)
 
     def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],
@@ -271,18 +271,23 @@ class Membership:
         won = self.store.compare_set(key, "", mine.to_json())
         return Decision.from_json(won)
 
-    def _headers(self, decision: Decision) -> list[dict[str, Any] | None]:
-        """Every present island's header (a joiner publishes its own once it sees the decision)."""
+    def _headers(self, decision: Decision, all_there: bool) -> list[dict[str, Any] | None]:
+        """Every present island's header (a joiner publishes its own once it sees the decision);
+        ``all_there``: every island's header is known to be there."""
         keys = {i: self._k(f"{decision.key}/h/{i}") for i in decision.present}
-        if self._seen_all == decision.key or self.store.check(list(keys.values())):
-            got = dict(zip(keys, self.store.multi_get(list(keys.values()))))  # all there: one request
-            return [json.loads(got[i]) if i in got else None for i in range(self.num_islands)]
+        if not all_there and not self.store.check(list(keys.values())):
+            self._await_headers(decision, keys)
+        got = dict(zip(keys, self.store.multi_get(list(keys.values()))))  # all there: one request
+        return [json.loads(got[i]) if i in got else None for i in range(self.num_islands)]
+
+    def _await_headers(self, decision: Decision, keys: dict[int, str]) -> None:
+        """Wait until every header in ``keys`` is there; :class:`RoundLost` when an island is lost."""
         incs = dict(zip(decision.joining, decision.joining_incs))
         started = time.monotonic()
         while True:
             missing = [i for i, k in keys.items() if not self.store.check([k])]
             if not missing:
-                break
+                return
             if self._outcome(decision) == "fail":
                 raise RoundLost(f"round {decision.round} attempt {decision.attempt} failed on another island")
             silent = self._silent(missing, time.monotonic())
@@ -291,7 +296,6 @@ class Membership:
                 raise RoundLost(f"islands {lost or missing} were lost before sending their round {decision.round} "
                                 f"header (silent for {self.grace_s:g} s, restarted, or not there within max_wait_s)")
             time.sleep(POLL_S)
-        return [json.loads(self.store.get(keys[i])) if i in keys else None for i in range(self.num_islands)]
 
     def _note(self, decision: Decision) -> None:
         prev = self.previous

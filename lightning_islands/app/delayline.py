@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import os
 import select
 import signal
@@ -163,7 +162,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     line = DelayLine(fds, args.delay_s, args.limit_bytes)
     print("ready", flush=True)
     line.run(sys.stdin.fileno())
-    print(json.dumps(line.counts()), flush=True)
     return 0
 
 

@@ -436,7 +436,8 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "
 def delay_line_limit(spec: LinkSpec) -> int:
     """Bytes the delay line may hold per island: eight times what the delay holds at the rate, at
     least 64 MiB (the bottleneck's drops belong to tbf's queue, not to the delay)."""
-    return max(64 << 20, int(8 * spec.rate_bps / 8 * spec.rtt_s / 2))
+    held = spec.rate_bps / 8 * spec.rtt_s / 2  # bytes in flight through one delay of RTT / 2
+    return max(64 << 20, int(8 * held))
 
 
 @contextmanager
@@ -458,10 +459,10 @@ def _delay_line(link: ShapedLink) -> Iterator[None]:
     finally:
         if proc.poll() is None:
             try:  # closing its stdin (communicate does) is its signal to end
-                out, err = proc.communicate(timeout=5)
+                _, err = proc.communicate(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, err = proc.communicate()
+                _, err = proc.communicate()
             if proc.returncode not in (0, -signal.SIGKILL):
                 print(f"the delay line of link {link.spec} ended with {proc.returncode}: {err.strip()[-2000:]}",
                       file=sys.stderr)
