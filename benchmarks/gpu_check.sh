@@ -8,7 +8,8 @@
 # Every step has its own time limit and all share a deadline (BUDGET_S, default 540 s), so a step
 # that hangs still leaves the others' logs in $OUT. WHEELS=folder installs wheels from that folder
 # first (no index), and the package with them (for a machine that cannot reach a registry).
-# PYTHON picks the interpreter (default python3). QUALITY_STEPS=N (default 0: skipped) adds the
+# PYTHON picks the interpreter (default python3). SKIP="bench_cpu train_gpu" leaves those steps out.
+# QUALITY_STEPS=N (default 0: skipped) adds the
 # quality benchmark's GPU setting (`benchmarks/quality.py --gpu`) at N steps, limited to QUALITY_LIMIT_S.
 # docs/BENCHMARKS.md, "GPU (H200)", has what it printed on an H200.
 OUT=${OUT:-results/gpu_check}
@@ -20,6 +21,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 LOG=$OUT/log.txt
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "=== SKIP $name (SKIP)" | tee -a "$LOG"; return;; esac
   local left=$((DEADLINE - $(date +%s) - 5))
   if [ "$left" -lt 20 ]; then echo "=== SKIP $name (only ${left}s left)" | tee -a "$LOG"; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
