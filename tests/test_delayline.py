@@ -59,6 +59,33 @@ def test_every_packet_comes_back_whole_in_order_after_the_delay_on_its_own_devic
     assert not thread.is_alive() and line.counts() == {"passed": 10, "dropped": 0}
 
 
+def test_a_busy_line_wakes_once_a_quantum_not_twice_a_packet():
+    """400 packets in 0.2 s (one per 0.5 ms) through a line with a 2 ms quantum: it wakes at most
+    about once per quantum while they flow, and still returns each one in order, never early."""
+    user, end = _device()
+    line = DelayLine([end.fileno()], delay_s=0.03, limit_bytes=10 << 20, quantum_s=0.002)
+    thread, stop = _serve(line)
+    got: list[tuple[float, bytes]] = []
+    receiver = threading.Thread(target=lambda: got.extend(_recv_all(user, 400)))
+    receiver.start()  # as it comes back: a full socket queue would drop what the line writes
+    try:
+        sent = []
+        t0 = time.monotonic()
+        for i in range(400):
+            time.sleep(max(0.0, t0 + i * 5e-4 - time.monotonic()))
+            sent.append(time.monotonic())
+            user.send(i.to_bytes(2, "big") * 50)
+        receiver.join(10)
+    finally:
+        os.close(stop)
+        thread.join(5)
+    assert [int.from_bytes(p[:2], "big") for _, p in got] == list(range(400))
+    early = min(t_got - t_sent for t_sent, (t_got, _) in zip(sent, got))
+    assert early >= 0.03, early
+    busy = got[-1][0] - sent[0]  # from the first packet in to the last one out
+    assert line.wakeups <= busy / 0.002 + 20, (line.wakeups, busy)  # without the quantum: ~800
+
+
 def test_more_than_the_limit_held_is_dropped_and_the_line_goes_on():
     user, end = _device()
     line = DelayLine([end.fileno()], delay_s=0.2, limit_bytes=3000)
