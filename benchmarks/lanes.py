@@ -62,6 +62,8 @@ import zlib
 from datetime import timedelta
 from pathlib import Path
 
+from lightning_islands.app import netns
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -129,10 +131,7 @@ def _send_recv(link: object, payload: object, split: bool) -> float:
     return max(link.gather_objects(f"seconds-{tag}", time.perf_counter() - t0))
 
 
-# what an operator sets on the leaders' hosts of a long-fat link: send buffers that may grow to the
-# bandwidth-delay product (32 MiB: 1 Gbit/s at 250 ms), and no return to slow start between rounds
-TUNED = {"net.ipv4.tcp_wmem": "4096 16384 33554432", "net.ipv4.tcp_rmem": "4096 131072 33554432",
-         "net.ipv4.tcp_slow_start_after_idle": "0"}
+TUNED = netns.TUNED_TCP  # what `--link RATE,RTT,tuned` sets in the island namespaces
 SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.ipv4.tcp_congestion_control",
            "net.ipv4.tcp_slow_start_after_idle")
 ROUND_GAP_S = 1.0  # between the two timed all-gathers: longer than TCP's idle restart (one RTO, >= 200 ms)

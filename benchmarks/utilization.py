@@ -186,6 +186,9 @@ def main() -> None:
     parser.add_argument("--rtt", default=None,
                         help="a round-trip time between the islands for --rate auto (e.g. 100ms; netem, else the "
                              "link's delay line)")
+    parser.add_argument("--tcp", choices=["default", "tuned"], default="default",
+                        help="the islands' host TCP: a new namespace's, or tuned for a long-fat link (32 MiB "
+                             "buffers, no slow start after idle; `--link RATE,RTT,tuned`)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
                         help="which of sync,fragments,fragments+overlap to run (none always runs)")
@@ -201,7 +204,10 @@ def main() -> None:
         if "," in rate:
             parser.error(f"--rtt {args.rtt} and a --rate with an RTT ({rate}): give the RTT once")
         rate = f"{rate},{args.rtt}"
-    rtt_ms = parse_link(rate).rtt_s * 1e3
+    if args.tcp == "tuned":
+        rate = f"{rate},tuned"
+    spec = parse_link(rate)
+    rtt_ms = spec.rtt_s * 1e3
     print(f"none: {none['wall_seconds']:.1f} s, {none['step_seconds'] * 1e3:.0f} ms/step; link {rate}", flush=True)
     rows = [none]
     for config in [c for c in CONFIGS[1:] if c in args.configs.split(",")]:
@@ -210,7 +216,7 @@ def main() -> None:
         print(f"{config}: {row['wall_seconds']:.1f} s", flush=True)
     for row in rows:
         row.update({"utilization": none["wall_seconds"] / row["wall_seconds"], "link_rate_bps": parse_rate_bps(rate),
-                    "rtt_ms": rtt_ms, "steps": args.steps, "H": args.H, "codec": args.codec,
+                    "rtt_ms": rtt_ms, "tcp": spec.tcp, "steps": args.steps, "H": args.H, "codec": args.codec,
                     "fragments": args.fragments if "fragments" in row["config"] else 1,
                     "overlap_steps": args.tau if "overlap" in row["config"] else 0})
     for row in rows[1:]:

@@ -32,25 +32,30 @@ needs_root = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------------------------------- parsing
-@pytest.mark.parametrize("text, rate, rtt", [
-    ("1gbit,100ms", 10**9, 0.1), ("200mbit", 200 * 10**6, 0.0), ("12.5mbps", 10**8, 0.0),
-    (" 1GBit , 0.25s ", 10**9, 0.25), ("100kbit,500us", 10**5, 0.0005), ("1mibit", 2**20, 0.0),
+@pytest.mark.parametrize("text, rate, rtt, tcp", [
+    ("1gbit,100ms", 10**9, 0.1, "default"), ("200mbit", 200 * 10**6, 0.0, "default"),
+    ("12.5mbps", 10**8, 0.0, "default"), (" 1GBit , 0.25s ", 10**9, 0.25, "default"),
+    ("100kbit,500us", 10**5, 0.0005, "default"), ("1mibit", 2**20, 0.0, "default"),
+    ("1gbit,100ms,tuned", 10**9, 0.1, "tuned"), ("1gbit, Tuned", 10**9, 0.0, "tuned"),
+    ("1gbit,100ms,default", 10**9, 0.1, "default"),
 ])
-def test_a_link_is_a_rate_and_an_optional_rtt(text, rate, rtt):
+def test_a_link_is_a_rate_an_optional_rtt_and_the_hosts_tcp(text, rate, rtt, tcp):
     spec = netns.parse_link(text)
-    assert spec.rate_bps == rate and spec.rtt_s == pytest.approx(rtt)
+    assert spec.rate_bps == rate and spec.rtt_s == pytest.approx(rtt) and spec.tcp == tcp
     assert netns.parse_link(str(spec)) == spec
     assert str(netns.parse_link("1000mbit,100ms")) == "1gbit,100ms"
+    assert str(netns.parse_link("1000mbit,100ms,tuned")) == "1gbit,100ms,tuned"
 
 
 @pytest.mark.parametrize("text, says", [
-    ("1gbit,100ms,1", "more than two parts"), ("", "empty"), ("1000", "tc unit"), ("fast", "tc unit"),
+    ("1gbit,100ms,1", "too many parts"), ("1gbit,tuned,100ms", "too many parts"), ("tuned", "tc unit"),
+    ("", "empty"), ("1000", "tc unit"), ("fast", "tc unit"),
     ("1gbit,100", "time unit"), ("1gbit,100mb", "time unit"), ("1bit", "below 8kbit"), ("1gbit,20s", "above 10 s"),
 ])
 def test_a_bad_link_names_the_accepted_form(text, says):
     with pytest.raises(ValueError, match=says) as err:
         netns.parse_link(text)
-    assert "RATE[,RTT]" in str(err.value) and "1gbit,100ms" in str(err.value)
+    assert "RATE[,RTT][,tuned]" in str(err.value) and "1gbit,100ms" in str(err.value)
 
 
 def test_without_root_or_iproute2_the_message_says_what_is_needed(monkeypatch):
@@ -203,6 +208,27 @@ def test_a_long_transfer_arrives_at_the_shaped_rate_both_ways_and_nothing_else_i
             assert 0.9 * rate <= bps <= 1.0 * rate, f"{direction}: {bps / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
         assert len(got) == 2
     assert _ours() == []
+
+
+def _sysctl_in(namespace: str | None, name: str) -> str:
+    def read() -> str:
+        return " ".join(Path("/proc/sys", *name.split(".")).read_text().split())
+    return netns.run_in_namespace(namespace, read) if namespace else read()
+
+
+@needs_root
+def test_a_tuned_link_tunes_tcp_in_the_island_namespaces_only():
+    name = "net.ipv4.tcp_slow_start_after_idle"
+    before = {key: _sysctl_in(None, key) for key in netns.TUNED_TCP}
+    with netns.shaped_link("100mbit,tuned", 2) as link:
+        assert "island TCP tuned" in link.describe()
+        for port in link.islands:
+            assert {key: _sysctl_in(port.namespace, key) for key in netns.TUNED_TCP} == {
+                key: " ".join(value.split()) for key, value in netns.TUNED_TCP.items()}
+        assert _sysctl_in(link.hub_namespace, name) == "1"  # a new namespace's default
+    assert {key: _sysctl_in(None, key) for key in netns.TUNED_TCP} == before
+    with netns.shaped_link("100mbit", 1) as link:
+        assert _sysctl_in(link.islands[0].namespace, name) == "1"
 
 
 @needs_root

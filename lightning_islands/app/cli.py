@@ -37,9 +37,10 @@ def _run(argv: list[str]) -> int:
     parser.add_argument("--run-id", default=None, help="namespace of this run on the coordinator")
     parser.add_argument("--live", choices=["auto", "on", "off"], default="auto",
                         help="one live status line per island (default: when attached to a terminal)")
-    parser.add_argument("--link", default=None, metavar="RATE[,RTT]",
+    parser.add_argument("--link", default=None, metavar="RATE[,RTT][,tuned]",
                         help="put each island in its own network namespace behind a link shaped by tc, e.g. "
-                             "1gbit,100ms (the RTT: netem, else a TUN delay line); needs root and iproute2")
+                             "1gbit,100ms (the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
+                             "for a long-fat link); needs root and iproute2")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart an island whose process died up to N times (as torchrun does) while the others "
                              "train on; it rejoins them (default 0: a failed island ends the run)")

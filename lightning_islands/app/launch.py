@@ -171,7 +171,7 @@ def run_islands(
     share of this machine's cores
     (:func:`cpu_threads_per_process`).
 
-    ``link`` (``"RATE[,RTT]"``, e.g. ``"1gbit,100ms"``; ``None``: none) runs each island in its own
+    ``link`` (``"RATE[,RTT][,tuned]"``, e.g. ``"1gbit,100ms"``; ``None``: none) runs each island in its own
     network namespace behind a shaped veth (:mod:`lightning_islands.app.netns`; needs root and
     iproute2): the coordinator then listens at the hub's address (``coordinator_host`` is not
     used), each island's lanes bind to its veth (``LI_LINK_IFNAME``) and its own process group to
@@ -205,7 +205,7 @@ def run_islands(
 def link_record(shaped: ShapedLink) -> dict[str, Any]:
     """What a run records about its shaped link (``link.json``; the summary shows ``describe``)."""
     return {"spec": str(shaped.spec), "rate_bps": shaped.spec.rate_bps, "rtt_s_asked": shaped.spec.rtt_s,
-            "rtt_s": shaped.rtt_s, "netem": shaped.netem, "delay": shaped.delay,
+            "rtt_s": shaped.rtt_s, "netem": shaped.netem, "delay": shaped.delay, "tcp": shaped.spec.tcp,
             "describe": shaped.describe(),
             "hub": shaped.hub_address, "islands": [p.address for p in shaped.islands]}
 

@@ -95,7 +95,12 @@ _RATE_UNITS = {  # as tc(8) reads them; the *bps units are bytes per second
 }
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
                "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
-_FORM = "RATE[,RTT] with tc units, e.g. 1gbit,100ms or 200mbit"
+_FORM = "RATE[,RTT][,tuned] with tc units, e.g. 1gbit,100ms or 200mbit or 1gbit,100ms,tuned"
+TCP_HOSTS = ("default", "tuned")  # the island namespaces' TCP: as a new namespace has it, or TUNED_TCP
+# what an operator sets on the leaders' hosts of a long-fat link: send buffers that may grow to the
+# bandwidth-delay product (32 MiB: 1 Gbit/s at 250 ms), and no return to slow start between rounds
+TUNED_TCP = {"net.ipv4.tcp_wmem": "4096 16384 33554432", "net.ipv4.tcp_rmem": "4096 131072 33554432",
+             "net.ipv4.tcp_slow_start_after_idle": "0"}
 
 
 DELAYS = ("auto", "netem", "tun")  # how the RTT is made: netem where the kernel has it, else the delay line
@@ -142,29 +147,34 @@ def format_rate(bps: float) -> str:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """What the link between islands should be: a rate each way and a round-trip time (0: none)."""
+    """What the link between islands should be: a rate each way, a round-trip time (0: none) and
+    the islands' host TCP (``"default"``, or ``"tuned"``: :data:`TUNED_TCP` in their namespaces)."""
 
     rate_bps: int
     rtt_s: float = 0.0
+    tcp: str = "default"
 
     def __str__(self) -> str:
         unit = next(u for u in ("tbit", "gbit", "mbit", "kbit", "bit") if self.rate_bps % _RATE_UNITS[u] == 0)
         rtt = f",{self.rtt_s * 1e3:g}ms" if self.rtt_s else ""
-        return f"{self.rate_bps // _RATE_UNITS[unit]}{unit}{rtt}"
+        tcp = f",{self.tcp}" if self.tcp != "default" else ""
+        return f"{self.rate_bps // _RATE_UNITS[unit]}{unit}{rtt}{tcp}"
 
 
 def parse_link(spec: str | LinkSpec) -> LinkSpec:
-    """``"1gbit,100ms"`` or ``"200mbit"`` -> :class:`LinkSpec`; a ValueError names the accepted form."""
+    """``"1gbit,100ms"``, ``"200mbit"`` or ``"1gbit,100ms,tuned"`` -> :class:`LinkSpec`; a ValueError
+    names the accepted form."""
     if isinstance(spec, LinkSpec):
         return spec
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"link {spec!r} is empty; give it as {_FORM}")
-    parts = spec.split(",")
+    parts = [p.strip() for p in spec.split(",")]
+    tcp = parts.pop() if len(parts) > 1 and parts[-1].lower() in TCP_HOSTS else "default"
     if len(parts) > 2:
-        raise ValueError(f"link {spec!r} has more than two parts; give it as {_FORM}")
+        raise ValueError(f"link {spec!r} has too many parts; give it as {_FORM}")
     rate = parse_rate(parts[0])
     rtt = parse_duration(parts[1]) if len(parts) == 2 else 0.0
-    return LinkSpec(rate, rtt)
+    return LinkSpec(rate, rtt, tcp.lower())
 
 
 def tbf_sizes(rate_bps: int, rtt_s: float = 0.0) -> tuple[int, int]:
@@ -355,8 +365,10 @@ class ShapedLink:
             how = "netem" if self.netem else "a TUN delay line per island: this kernel has no netem"
             delay = (f"RTT {self.spec.rtt_s * 1e3:g} ms between islands ({how}), "
                      f"{self.spec.rtt_s * 500:g} ms to the coordinator")
-        return (f"link {self.spec}: {rate}, {delay}; islands in namespaces {self.tag}-i0..{len(self.islands) - 1}, "
-                f"coordinator at {self.hub_address} in {self.hub_namespace} ({self.subnet})")
+        tcp = "; island TCP tuned (32 MiB buffers, no slow start after idle)" if self.spec.tcp == "tuned" else ""
+        return (f"link {self.spec}: {rate}, {delay}{tcp}; islands in namespaces "
+                f"{self.tag}-i0..{len(self.islands) - 1}, coordinator at {self.hub_address} in {self.hub_namespace} "
+                f"({self.subnet})")
 
 
 def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool:
@@ -420,6 +432,8 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "
         _run(["ip", "-n", hub, "link", "set", "dev", outer, "up"])
         _run(["ip", "-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", inner])
         _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
+        if spec.tcp == "tuned":  # per network namespace: the machine's own TCP is untouched
+            run_in_namespace(ns, lambda: _write_sysctls(TUNED_TCP))
         _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
         netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
         if delay == "netem" and spec.rtt_s and not netem:

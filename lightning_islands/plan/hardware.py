@@ -31,7 +31,7 @@ class Accelerator:
     source: str
 
 
-_CODEC = "codec: int4 encode 330 GB/s, decode 490 GB/s on an H200 (docs/BENCHMARKS.md), taken as 300 GB/s a pass"
+_CODEC = "codec: int4 encode 399 GB/s, decode 457 GB/s on an H200 (docs/BENCHMARKS.md), taken as 300 GB/s a pass"
 
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator("H100 SXM", 989e12, 450e9, 300e9, 80e9,
