@@ -11,7 +11,10 @@ shaped link on one machine"; needs root and ``ip``/``tc``) three ways:
 
 and once with no cross-island exchange at all (``none``: each island trains as a lone island, both
 at once, so they share the cores as the others do). ``utilization`` = wall time of ``none`` / wall
-time of the config for the same steps (the slower island's fit, both ways).
+time of the config for the same steps (the slower island's fit, both ways); ``loop`` is the same
+ratio over the training loop alone (first batch start to last batch end: without meeting the other
+islands, opening the lanes, the start agreement and the last, synchronous round), which is what a
+run of many rounds converges to.
 
 The link rate: ``--rate auto`` (default) sizes it from the ``none`` run's step time so that one
 synchronous exchange of the whole model takes about a third of a round's compute (the ratio of a
@@ -20,7 +23,7 @@ synchronous exchange of the whole model takes about a third of a round's compute
 
     python benchmarks/utilization.py [--quick] --out DIR
 
-writes ``DIR/utilization.json`` (rows: ``config``, ``utilization``, ``link_rate_bps``, ``rtt_ms``,
+writes ``DIR/utilization.json`` (rows: ``config``, ``utilization``, ``loop_utilization``, ``link_rate_bps``, ``rtt_ms``,
 ``bytes``, ``peak_bps``, ``mean_bps``, ``val_loss``, ...) and ``DIR/utilization.md``. ``peak_bps`` is
 the highest rate any round moved its bytes at (bytes / seconds exchanging; on a shaped link about
 the link rate while a round's bytes are on it), ``mean_bps`` the bytes over the wall time: the
@@ -91,6 +94,11 @@ def _step_seconds(result: dict, steps: int) -> float:
     return result.get("step_seconds_median") or result["fit_seconds"] / steps
 
 
+def _loop_seconds(result: dict) -> float:
+    """An island's training loop: first batch start to last batch end (its fit when not recorded)."""
+    return result.get("loop_seconds") or result["fit_seconds"]
+
+
 def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Path) -> dict:
     """One row: the config's wall time, bytes, rates and loss."""
     work = out / config.replace("+", "_")
@@ -117,6 +125,7 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
             raise errors[0]
         results = [json.loads((r / "island0" / "result.json").read_text()) for r in runs]
         return {"config": config, "wall_seconds": max(r["fit_seconds"] for r in results),
+                "loop_seconds": max(_loop_seconds(r) for r in results),
                 "step_seconds": max(_step_seconds(r, args.steps) for r in results),
                 "val_loss": sum(r["val_loss"] for r in results) / len(results), "bytes": 0.0, "rounds": 0,
                 "peak_bps": 0.0, "mean_bps": 0.0, "seconds_waiting": 0.0,
@@ -129,7 +138,8 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
              / m["islands/seconds_exchanging"] * 8
              for i in range(len(islands)) for m in _rounds(run_dir, i) if m.get("islands/seconds_exchanging")]
     total = summary["bytes_exchanged"]
-    return {"config": config, "wall_seconds": wall, "step_seconds": max(_step_seconds(r, args.steps) for r in islands),
+    return {"config": config, "wall_seconds": wall, "loop_seconds": max(_loop_seconds(r) for r in islands),
+            "step_seconds": max(_step_seconds(r, args.steps) for r in islands),
             "val_loss": summary["val_loss"], "bytes": total, "rounds": summary["rounds"],
             "peak_bps": max(rates, default=0.0) / 2,  # per direction: each round's bytes went both ways
             "mean_bps": total * 8 / wall / len(islands),  # per island's uplink
@@ -215,16 +225,19 @@ def main() -> None:
         rows.append(row)
         print(f"{config}: {row['wall_seconds']:.1f} s", flush=True)
     for row in rows:
-        row.update({"utilization": none["wall_seconds"] / row["wall_seconds"], "link_rate_bps": parse_rate_bps(rate),
-                    "rtt_ms": rtt_ms, "tcp": spec.tcp, "steps": args.steps, "H": args.H, "codec": args.codec,
+        row.update({"utilization": none["wall_seconds"] / row["wall_seconds"],
+                    "loop_utilization": none["loop_seconds"] / row["loop_seconds"],
+                    "link_rate_bps": parse_rate_bps(rate), "rtt_ms": rtt_ms, "tcp": spec.tcp, "steps": args.steps,
+                    "H": args.H, "codec": args.codec,
                     "fragments": args.fragments if "fragments" in row["config"] else 1,
                     "overlap_steps": args.tau if "overlap" in row["config"] else 0})
     for row in rows[1:]:
         row.update(predict(args, row, none, parse_rate_bps(rate), rtt_ms))
-    table = ["| config | utilization | predicted | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) "
-             "| waiting (s) | val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    table += [f"| {r['config']} | {r['utilization']:.3f} | {r.get('predicted_utilization', 1.0):.3f} | "
-              f"{r['wall_seconds']:.1f} | {r['rounds']} | {r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | "
+    table = ["| config | utilization | loop | predicted | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) "
+             "| waiting (s) | val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    table += [f"| {r['config']} | {r['utilization']:.3f} | {r['loop_utilization']:.3f} | "
+              f"{r.get('predicted_utilization', 1.0):.3f} | {r['wall_seconds']:.1f} | {r['rounds']} | "
+              f"{r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | "
               f"{r['mean_bps'] / 1e6:.2f} | {r['seconds_waiting']:.1f} | {r['val_loss']:.4f} |" for r in rows]
     head = (f"link {rate} (shaped with tc between network namespaces), H={args.H}, codec {args.codec}, "
             f"F={args.fragments}, tau={args.tau}, {args.steps} steps, two islands of 1 process x batch 16; "

@@ -171,7 +171,10 @@ def test_main_job_runs_and_prints_its_summary(fsdp_then_islands):
 def test_a_plain_fsdp_checkpoint_seeds_the_islands(fsdp_then_islands):
     _, run = fsdp_then_islands["islands"]
     for island in (0, 1):
-        assert _json(run / f"island{island}" / "result.json")["global_step"] == 22
+        result = _json(run / f"island{island}" / "result.json")
+        assert result["global_step"] == 22
+        # the training loop (6 batches, their rounds) is within the fit, which also meets and validates
+        assert 0 < result["loop_seconds"] < result["fit_seconds"]
     assert _json(run / "summary.json")["rounds"] == 2, "only the 6 steps after the checkpoint's 16 are trained"
     fsdp_val = _json(fsdp_then_islands["fsdp"][1] / "summary.json")["val_loss"]
     seeded = _json(run / "summary.json")["val_loss_per_island"][0]

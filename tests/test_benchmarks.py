@@ -113,6 +113,7 @@ def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
     assert [r["config"] for r in rows] == ["none", "sync", "fragments+overlap"]  # CI time: "fragments" as these
     for r in rows:
         assert r["link_rate_bps"] == 20e6 and r["rtt_ms"] == 0.0 and 0 < r["utilization"] <= 2.0
+        assert 0 < r["loop_utilization"] <= 2.0 and r["tcp"] == "default"
         for key in ("bytes", "peak_bps", "mean_bps", "val_loss"):
             assert key in r
     assert [r["rounds"] for r in rows] == [0, 2, 4]

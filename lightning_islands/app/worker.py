@@ -150,13 +150,22 @@ class StepDelay(pl.Callback):
 
 
 class StepTimer(pl.Callback):
-    """Wall time of every training batch (start to start), for steady-state step times."""
+    """Wall time of every training batch (start to start), for steady-state step times, and of the
+    training loop (first batch start to last batch end: no setup, no work after the last step)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.last_end: float | None = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.last_end = time.perf_counter()
+
+    def loop_seconds(self) -> float | None:
+        """Seconds from the first batch's start to the last batch's end (None: no batch ran)."""
+        return self.last_end - self.times[0] if self.times and self.last_end is not None else None
 
     def median_step_seconds(self, skip: int = 10) -> float | None:
         """Median of the batch-to-batch intervals after the first ``skip`` batches."""
@@ -215,6 +224,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         # optimizer steps of this fit (global_step also counts those of a checkpoint resumed from)
         "fit_steps": len(timer.times) // max(1, trainer.accumulate_grad_batches),
         "step_seconds_median": timer.median_step_seconds(),
+        "loop_seconds": timer.loop_seconds(),
         "val_loss": float(metrics["val/loss"]), "val_ppl": float(metrics["val/ppl"]),
         "tokens": int(trainer.global_step) * datamodule.batch_size * model.hparams.seq_len * trainer.world_size
         * trainer.accumulate_grad_batches,
