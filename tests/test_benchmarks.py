@@ -136,5 +136,6 @@ def test_parallelism_benchmark_reports_each_island_of_a_variant(tmp_path):
     assert proc.returncode == 0, proc.stderr + proc.stdout
     rows = json.loads((tmp_path / "parallelism.json").read_text())["rows"]
     assert [(r["island"], r["mesh"]["tp"]) for r in rows] == [(0, 2), (1, 1)]
-    assert rows[0]["val_loss"] == rows[1]["val_loss"] and rows[0]["round_bytes"] > 0
+    # one global model, validated through two layouts (TP's split matmuls round differently)
+    assert rows[0]["val_loss"] == pytest.approx(rows[1]["val_loss"], rel=1e-6) and rows[0]["round_bytes"] > 0
     assert "| tensor parallel | 0 | 1, 2, 1 | 2 x 16 |" in (tmp_path / "table.md").read_text()

@@ -201,7 +201,9 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
 def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
     """tests/fixtures/checkpoint_0.1.0 holds the step-4 checkpoints of both islands and the global
     state of rounds 3 and 4 of the same run, written by release 0.1.0 (commit 7b36b34, before the
-    engine left the strategy) with `--steps 8 --H 2 --codec int4 --inner adamw --ckpt-every 4`."""
+    engine left the strategy) with `--steps 8 --H 2 --codec int4 --inner adamw --ckpt-every 4`:
+    resumed today, the run continues bit for bit on a machine with the recording one's CPU kernels,
+    and to float32 rounding on others."""
     import shutil
 
     fixture = SCRIPTS.parent / "fixtures" / "checkpoint_0.1.0"
@@ -215,9 +217,14 @@ def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
     got, other = load_rounds(out, 0), load_rounds(out, 1)
     assert sorted(got) == sorted(other) == [2, 3, 4]  # the step-4 checkpoint precedes round 2's outer step
     for r in (3, 4):
-        assert got[r]["digest"] == other[r]["digest"] == want[r]["digest"], f"round {r} differs from 0.1.0's"
+        assert got[r]["digest"] == other[r]["digest"], f"round {r}: the islands differ"
+        if got[r]["digest"] == want[r]["digest"]:
+            continue  # this machine's CPU kernels are the recording machine's: bit for bit
+        # Another CPU's kernels (an AMD EPYC with AVX-512 here) round matmuls differently in the last
+        # bit: the continuation then agrees to float32 rounding (2-6e-8 seen), where a checkpoint read
+        # wrongly (outer momentum, anchors, the step) moves parameters by 1e-4 or more.
         for name, t in want[r]["params"].items():
-            assert torch.equal(got[r]["params"][name], t), f"round {r}: {name}"
+            torch.testing.assert_close(got[r]["params"][name], t, rtol=1e-6, atol=1e-6, msg=f"round {r}: {name}")
 
 
 def test_streaming_islands_stay_bit_identical_and_resume_exactly(tmp_path):
