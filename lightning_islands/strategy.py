@@ -6,7 +6,8 @@ The round itself lives in :mod:`lightning_islands.engine` (no Lightning there). 
 - ``setup``: shard the module, then meet the other islands (fingerprint check, initial parameters
   from island 0, anchors taken from them before any inner step);
 - ``optimizer_step``: marks that the current batch stepped; the batch is closed at the next
-  boundary (next batch, validation, end of training), and when the schedule says so the round runs;
+  boundary (next batch, validation, end of training) and reported to the
+  :class:`~lightning_islands.engine.RoundDriver`, which lands and runs the rounds;
 - ``on_validation_start``/``end``: validation sees the global parameters;
 - ``save_checkpoint``/``load_checkpoint``: the outer state travels with the checkpoint.
 """
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_islands.auth import SCHEME, AuthenticatedLink, load_secret
-from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
 from lightning_islands.engine.checkpoint import (
     discard,
     explain_unreadable,
@@ -120,6 +121,7 @@ class IslandStrategy(FSDP2Strategy):
             island, num_islands, coordinator, run_id)
         self.secret_file = secret_file
         self.engine: IslandEngine | None = None  # from setup on (it needs the sharded module)
+        self.driver: RoundDriver | None = None  # lands and runs the engine's rounds, from setup on
         self.round_callbacks: list[Callable[[IslandStrategy], None]] = []
         self._params: list[Tensor] = []
         self._stash: list[Tensor] | None = None
@@ -195,6 +197,8 @@ class IslandStrategy(FSDP2Strategy):
                                                           self.root_device, self._exchange_device())
         if previous is not None:  # a second fit with this strategy continues its rounds and outer state
             self.engine.continue_from(previous)
+        self.driver = RoundDriver(self.engine, self._locals, experts=self._expert_counts, on_round=self._after_round,
+                                  last=self._wants_stop)
         if self.num_islands > 1:
             self._secret = load_secret(self.secret_file)
             # whether payloads are signed must agree (never the secret itself, nor where it is kept)
@@ -244,18 +248,14 @@ class IslandStrategy(FSDP2Strategy):
         if not self._stepped_batch or not self._ready():
             return
         self._stepped_batch = False
-        due = self.engine.schedule.close_step()  # type: ignore[union-attr]
-        if self.engine.landing_due():  # type: ignore[union-attr]
-            self._land()
-        if due:
-            self.outer_step()
+        self.driver.step_closed()  # type: ignore[union-attr]
 
-    def _wants_stop(self, final: bool) -> bool:
-        """Whether this round is this island's last: it is ending training (``final``, ``max_steps``
-        reached, or a callback asked the trainer to stop) or ``max_rounds`` is reached. Any island's
-        last round is everyone's."""
+    def _wants_stop(self) -> bool:
+        """Whether the round about to start is this island's last: it is ending training
+        (``max_steps`` reached, or a callback asked the trainer to stop) or ``max_rounds`` is
+        reached. Any island's last round is everyone's."""
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if final or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
+        if trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step:
             return True
         return self.engine.schedule.in_last_round()  # type: ignore[union-attr]
 
@@ -263,37 +263,21 @@ class IslandStrategy(FSDP2Strategy):
         """Run one round's exchange and outer step now (every rank of every island must call it).
 
         ``final``: this island is ending training (its last, possibly partial or empty, round); the
-        others learn it through the round header and stop after this round too.
+        others learn it through the round header and stop after this round too. The round in
+        flight, if any, lands first; an overlapped round only starts here (no metrics then: they
+        are logged when it lands).
         """
-        assert self.engine is not None
-        self._land()  # the round in flight lands before the next one starts
-        started = time.perf_counter()  # the round's clock includes gathering its inputs, as the step time excludes it
-        last = self._wants_stop(final)
-        if self.settings.overlap_steps and not last:  # it flies while the next inner steps run; the last never does
-            self.engine.start(self._locals(), self._expert_counts(), False, started, background=True)
-            return {}
-        metrics = self._after_round(*self.engine.run_round(self._locals(), self._expert_counts(), last, started))
-        if metrics:
-            self.engine.schedule.restart_clock()
-        return metrics
+        assert self.driver is not None
+        return self.driver.run_round(final)
 
-    def _land(self) -> None:
-        """Land the round in flight (every rank): its outer step, blended into the local parameters."""
-        assert self.engine is not None
-        if self.engine.in_flight is None:
-            return
-        started = time.perf_counter()
-        self._after_round(*self.engine.land(self._locals()))
-        self.engine.schedule.exclude(time.perf_counter() - started)  # waiting (and its callbacks) is not step time
-
-    def _after_round(self, metrics: dict[str, float], stop: bool) -> dict[str, float]:
+    def _after_round(self, metrics: dict[str, float], stop: bool) -> None:
+        """A round ended (landed or run): stop with the islands, log its metrics, run the callbacks."""
         if stop:
             self.lightning_module.trainer.should_stop = True  # type: ignore[union-attr]
         if metrics:
             self._log(metrics)
             for callback in self.round_callbacks:
                 callback(self)
-        return metrics
 
     def _expert_counts(self) -> dict[str, list[float]] | None:
         """This island's tokens per expert in the round, per expert parameter (island collective)."""
@@ -389,12 +373,9 @@ class IslandStrategy(FSDP2Strategy):
     def on_train_end(self) -> None:
         if self._ready():
             self._close_batch()
-            self._land()
-            if not self.engine.schedule.stopping:  # type: ignore[union-attr]
-                # The islands have not agreed to stop yet: this island's last (possibly partial or
-                # empty) round tells the others to stop after it, so nobody waits for a missing round.
-                self.outer_step(final=True)
-            else:
+            # Unless the islands agreed to stop, this island's last (possibly partial or empty) round
+            # tells the others to stop after it, so nobody waits for a missing round.
+            if self.driver.end():  # type: ignore[union-attr]
                 # Steps after the agreed last round are not merged anywhere: end on the global model.
                 self._swap_in_global()
                 self._stash = None
@@ -450,7 +431,7 @@ class IslandStrategy(FSDP2Strategy):
         if self._ready() and self.engine.in_flight is not None:  # type: ignore[union-attr]
             validating = self._stash is not None
             self._swap_out_global()
-            self._land()
+            self.driver.land()  # type: ignore[union-attr]
             if validating:
                 self._swap_in_global()
         # A checkpoint taken while validation has the global model swapped in must still hold the

@@ -16,7 +16,7 @@ import torch
 from doubles import run_threads
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
-from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver
 from lightning_islands.membership import Decision, Membership, QuorumLost
 from lightning_islands.transport import Coordinator, IslandLink
 
@@ -128,33 +128,27 @@ def test_a_failed_attempt_counts_for_no_island():
 
 def _train(engine: IslandEngine, locals_: list[torch.Tensor], i: int, until: int, out: dict[int, torch.Tensor],
            pause: float = 0.0, end: bool = True) -> None:
-    """Inner steps and rounds as the strategy drives them (overlapped rounds land ``overlap_steps``
-    later, the last one is synchronous) until round ``until`` is done (the end of training, when
-    ``end``) or the islands stop; the global state after each round into ``out``."""
+    """Inner steps and rounds as the strategy drives them (a :class:`RoundDriver`: overlapped rounds
+    land ``overlap_steps`` later) until round ``until`` is done or the islands stop; the global state
+    after each round into ``out``. ``end``: round ``until`` is the end of training (synchronous, it
+    stops the islands); else the island pauses once it has landed round ``until``."""
+    stopped: list[bool] = []
 
-    def landed(metrics: dict[str, float], stop: bool) -> bool:
+    def landed(metrics: dict[str, float], stop: bool) -> None:
         if metrics:
             out[engine.schedule.round] = engine.global_flat().clone()
-        return stop
+        if stop:
+            stopped.append(stop)
 
-    while True:
+    driver = RoundDriver(engine, lambda: locals_, on_round=landed,
+                         last=lambda: end and engine.schedule.round + 1 >= until)
+    while not stopped and engine.schedule.round < until:
         goal = target(i, engine.schedule.inner_steps)
         for k, loc in enumerate(locals_):
             loc.sub_(torch.mul(torch.sub(loc, engine.layout.shard_of(goal, k)), INNER_LR))
         engine.count_tokens(4 + i)
-        due = engine.schedule.close_step()
         time.sleep(pause)
-        if engine.landing_due() and landed(*engine.land(locals_)):
-            return
-        if not due:
-            continue
-        if landed(*engine.land(locals_)):
-            return
-        last = engine.schedule.round + 1 >= until
-        if engine.settings.overlap_steps and not last:
-            engine.start(locals_, background=True)
-        elif landed(*engine.run_round(locals_, stop=last and end)) or last:
-            return
+        driver.step_closed()
 
 
 @pytest.mark.parametrize("overlap", [0, 1], ids=["sync", "overlap"])

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
-from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver
 from lightning_islands.engine.fragments import block_key, split_fragments
 from lightning_islands.models.moe import MoELanguageModel
 
@@ -56,9 +56,9 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
                  mode: str = "auto", gates: list[threading.Event] | None = None,
                  experts: bool = False, poison: tuple[int, int, float] | None = None,
                  corrupt: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Train ``steps`` inner steps and run the rounds the schedule asks for. ``mode``: ``auto`` (the
-    settings decide: overlap when ``overlap_steps`` > 0), ``sync`` (run_round), ``land_at_once``
-    (the background path, landed right after it starts)."""
+    """Train ``steps`` inner steps and run the rounds the schedule asks for; a round due at the last
+    step is synchronous and ends the run. ``mode``: ``auto`` (a :class:`RoundDriver`: the settings decide, overlap when
+    ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts)."""
     settings = IslandSettings(**{**BASE, **kw})
     layout = CanonicalLayout(SPECS, group)
     engine = IslandEngine(settings, layout, island, len(sizes), torch.device("cpu"), torch.device("cpu"))
@@ -77,7 +77,7 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
         mine = [float(1 + island * e + engine.schedule.round) if group.rank == 0 else 0.0 for e in range(4)]
         return {"experts": group.sum(mine)}
 
-    def landed(m: dict[str, float]) -> None:
+    def landed(m: dict[str, float], stop: bool) -> None:
         flat = engine.global_flat()
         if m:
             metrics.append(m)
@@ -85,6 +85,9 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
             if corrupt == (island, len(metrics)) and group.rank == 0:  # (island, round): one bit of its anchors flips
                 first = engine.state.anchors[0].view(-1)[:1]
                 first.view(torch.int32).bitwise_xor_(1)
+
+    driver = RoundDriver(engine, lambda: locals_, experts=counts, on_round=landed,
+                         last=lambda: engine.schedule.inner_steps == steps)
 
     for step in range(steps):
         goal = target(island, engine.schedule.inner_steps)
@@ -95,21 +98,16 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
                 anchor, value = engine.state.anchors[i], poison[2]
                 loc.copy_(torch.full_like(loc, value) if math.isnan(value) else anchor + (loc - anchor) * value)
         engine.count_tokens(7)
-        due = engine.schedule.close_step()
-        if engine.landing_due():
-            if gate is not None:
-                gate.set()
-            landed(engine.land(locals_)[0])
-        if not due:
-            continue
-        landed(engine.land(locals_)[0])
-        last = step == steps - 1
-        if mode == "sync" or last or (mode == "auto" and not settings.overlap_steps):
-            landed(engine.run_round(locals_, counts())[0])
-        else:
-            engine.start(locals_, counts(), background=True)
-            if mode == "land_at_once":
-                landed(engine.land(locals_)[0])
+        if gate is not None and engine.in_flight is not None:
+            gate.set()  # an inner step has written the parameters since the round in flight started
+        if mode == "auto":
+            driver.step_closed()
+        elif engine.schedule.close_step():  # land_at_once: no round overlaps, so none is in flight here
+            if step == steps - 1:
+                landed(*engine.run_round(locals_, counts(), stop=True))
+            else:
+                engine.start(locals_, counts(), background=True)
+                landed(*engine.land(locals_))
     return {"globals": globals_, "metrics": metrics, "digest": engine.global_state_digest(),
             "headers": getattr(engine.link, "sent", []), "residual": engine.state.residual,
             "locals": [t.clone() for t in locals_], "leader": group.rank == 0}
@@ -255,7 +253,7 @@ def test_a_fragment_merges_by_what_each_island_trained_since_it_last_synced():
 
 def test_the_background_path_landed_at_once_is_the_synchronous_round_bit_for_bit():
     sizes, steps, kw = [2, 1], 12, {"codec": "int4", "exchange_chunk_mib": 0.004}  # several chunks, error feedback
-    sync = run(sizes, kw, steps, mode="sync")
+    sync = run(sizes, kw, steps)  # no overlap_steps: the driver runs every round synchronously
     background = run(sizes, kw, steps, mode="land_at_once")
     for a, b in zip(sync, background):
         assert len(a["globals"]) == len(b["globals"]) == 3

@@ -6,6 +6,7 @@ One module an idea:
     schedule   H per round, its warm-up, time balancing, max_rounds, the round's clock
     state      OuterState: anchors, outer momentum, error-feedback residual (state_dict)
     round      IslandEngine: rendezvous, the round's two halves (start / finish), the start agreement
+    driver     RoundDriver: when a training loop's rounds land and start, and the end of training
     fragments  which parameters sync together (Streaming DiLoCo)
     flight     an overlapped round's exchange in the leader's background thread
     health     the per-round state checksum, the majority, and the repair of a drifted island
@@ -19,6 +20,7 @@ One module an idea:
 It imports torch, the codecs and the transport, never Lightning (a test enforces it).
 """
 
+from lightning_islands.engine.driver import RoundDriver
 from lightning_islands.engine.group import IslandGroup, Link, SoloGroup, TorchGroup
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.round import IslandEngine, PendingRound
@@ -27,4 +29,4 @@ from lightning_islands.engine.settings import IslandSettings, compare_fingerprin
 from lightning_islands.engine.state import OuterState
 
 __all__ = ["CanonicalLayout", "IslandEngine", "IslandGroup", "IslandSettings", "Link", "OuterState",
-           "PendingRound", "Schedule", "SoloGroup", "TorchGroup", "compare_fingerprints"]
+           "PendingRound", "RoundDriver", "Schedule", "SoloGroup", "TorchGroup", "compare_fingerprints"]
