@@ -62,8 +62,6 @@ import zlib
 from datetime import timedelta
 from pathlib import Path
 
-from lightning_islands.app import netns
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -131,7 +129,6 @@ def _send_recv(link: object, payload: object, split: bool) -> float:
     return max(link.gather_objects(f"seconds-{tag}", time.perf_counter() - t0))
 
 
-TUNED = netns.TUNED_TCP  # what `--link RATE,RTT,tuned` sets in the island namespaces
 SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.ipv4.tcp_congestion_control",
            "net.ipv4.tcp_slow_start_after_idle")
 ROUND_GAP_S = 1.0  # between the two timed all-gathers: longer than TCP's idle restart (one RTO, >= 200 ms)
@@ -160,6 +157,7 @@ def worker(args: argparse.Namespace) -> None:
     gap apart (a first round on new connections, then the next round)."""
     import torch
 
+    from lightning_islands.app.netns import TUNED_TCP, write_sysctls
     from lightning_islands.transport import IslandLink, island_identity
 
     island, num_islands, coordinator, run_id = island_identity()
@@ -171,8 +169,7 @@ def worker(args: argparse.Namespace) -> None:
         if tcp == "tuned":
             if not os.environ.get("LI_LINK_IFNAME"):  # only ever inside the link's own namespace
                 raise SystemExit("--tcp tuned sets sysctls: it runs only inside a shaped link's namespaces")
-            for name, value in TUNED.items():  # this namespace's own (per network namespace)
-                Path("/proc/sys", *name.split(".")).write_text(value)
+            write_sysctls(TUNED_TCP)  # this namespace's own (what `--link RATE,RTT,tuned` sets)
         info[tcp] = {name: _sysctl(name) for name in SYSCTLS}
         for lanes in args.lanes:
             link = IslandLink(coordinator, island, num_islands, run_id=f"{run_id}-{tcp}-l{lanes}", lanes=lanes,
@@ -415,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out DIR is required")
 
     from lightning_islands.app.launch import run_islands
-    from lightning_islands.app.netns import LinkUnavailable, check_link_support, format_rate, parse_link
+    from lightning_islands.app.netns import TUNED_TCP, LinkUnavailable, check_link_support, format_rate, parse_link
 
     try:
         check_link_support()
@@ -469,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['first_ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | {refs} |")
     print("(ratio: IslandLink.all_gather_bytes of the next round, a round's gap after the first, achieved / shaped "
           "rate; first round: on new connections. host TCP: the island namespaces' sysctls as a new namespace has "
-          f"them, or tuned: {TUNED}. The same bytes with gloo send/recv into touched buffers: duplex, on the lanes "
+          f"them, or tuned: {TUNED_TCP}. The same bytes with gloo send/recv into touched buffers: duplex, on the lanes "
           "(each TCP connection carries both directions, as in the all-gather); split, one gloo group per lane and "
           "direction (each connection carries one).)")
     rtt_target = spec.rtt_s or 0.1

@@ -170,16 +170,6 @@ def auto_rate(args: argparse.Namespace, none: dict) -> str:
     return f"{max(1, int(payload * 8 / seconds / 1e6))}mbit"
 
 
-def parse_rate_bps(rate: str) -> float:
-    """``"40mbit"`` -> 4e7."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    head = rate.split(",")[0].strip().lower()
-    for unit, scale in units.items():
-        if head.endswith(unit):
-            return float(head[: -len(unit)]) * scale
-    raise ValueError(f"link rate {rate!r}: use e.g. 40mbit or 1gbit")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/utilization")
@@ -227,12 +217,12 @@ def main() -> None:
     for row in rows:
         row.update({"utilization": none["wall_seconds"] / row["wall_seconds"],
                     "loop_utilization": none["loop_seconds"] / row["loop_seconds"],
-                    "link_rate_bps": parse_rate_bps(rate), "rtt_ms": rtt_ms, "tcp": spec.tcp, "steps": args.steps,
+                    "link_rate_bps": spec.rate_bps, "rtt_ms": rtt_ms, "tcp": spec.tcp, "steps": args.steps,
                     "H": args.H, "codec": args.codec,
                     "fragments": args.fragments if "fragments" in row["config"] else 1,
                     "overlap_steps": args.tau if "overlap" in row["config"] else 0})
     for row in rows[1:]:
-        row.update(predict(args, row, none, parse_rate_bps(rate), rtt_ms))
+        row.update(predict(args, row, none, spec.rate_bps, rtt_ms))
     table = ["| config | utilization | loop | predicted | wall (s) | rounds | bytes | peak (Mbit/s) | mean (Mbit/s) "
              "| waiting (s) | val loss |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     table += [f"| {r['config']} | {r['utilization']:.3f} | {r['loop_utilization']:.3f} | "

@@ -391,7 +391,9 @@ def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool
     return False
 
 
-def _write_sysctls(values: dict[str, str]) -> None:
+def write_sysctls(values: dict[str, str]) -> None:
+    """Write ``/proc/sys`` keys (``net.ipv4.ip_forward`` style) in the calling thread's network
+    namespace (its own copy of the ``net.*`` keys)."""
     for key, value in values.items():
         with open(f"/proc/sys/{key.replace('.', '/')}", "w") as f:
             f.write(value)
@@ -404,7 +406,7 @@ def _route_through_delay_line(port: IslandPort, subnet: str) -> str:
     _run(["ip", "-n", ns, "tuntap", "add", "dev", dev, "mode", "tun", "vnet_hdr"])
     _run(["ip", "-n", ns, "link", "set", "dev", dev, "up"])
     # packets come back from the TUN with the island's own source address, to be forwarded
-    run_in_namespace(ns, lambda: _write_sysctls({
+    run_in_namespace(ns, lambda: write_sysctls({
         "net.ipv4.ip_forward": "1", "net.ipv4.conf.all.rp_filter": "0", f"net.ipv4.conf.{dev}.rp_filter": "0",
         f"net.ipv4.conf.{dev}.accept_local": "1"}))
     _run(["ip", "-n", ns, "route", "add", subnet, "dev", dev, "src", port.address, "table", DELAY_TABLE])
@@ -433,7 +435,7 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "
         _run(["ip", "-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", inner])
         _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
         if spec.tcp == "tuned":  # per network namespace: the machine's own TCP is untouched
-            run_in_namespace(ns, lambda: _write_sysctls(TUNED_TCP))
+            run_in_namespace(ns, lambda: write_sysctls(TUNED_TCP))
         _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
         netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
         if delay == "netem" and spec.rtt_s and not netem:
