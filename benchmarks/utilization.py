@@ -149,7 +149,8 @@ def run_config(args: argparse.Namespace, config: str, rate: str | None, out: Pat
 def predict(args: argparse.Namespace, row: dict, none: dict, rate_bps: float, rtt_ms: float) -> dict:
     """The planner's prediction for a row (``lightning_islands.plan.prediction_for``) with the
     ``none`` run's step time: its utilization per island (compute / wall) and, to set beside the
-    measured ratio, the same overhead added to the ``none`` run's wall time."""
+    measured ratios, the same overhead added to the ``none`` run's wall time and to its training
+    loop (the planner models rounds, not a run's one-time start and end)."""
     from lightning_islands.plan.config import prediction_for
 
     islands = {"members": [{"devices": 1}, {"devices": 1}], "sync_every": args.H, "codec": args.codec,
@@ -159,8 +160,9 @@ def predict(args: argparse.Namespace, row: dict, none: dict, rate_bps: float, rt
     planned = min(pred.utilization)
     compute = args.steps * none["step_seconds"]
     overhead = compute * (1 / planned - 1)
-    return {"planned_utilization": planned, "predicted_utilization": none["wall_seconds"] / (none["wall_seconds"]
-                                                                                             + overhead)}
+    return {"planned_utilization": planned,
+            "predicted_utilization": none["wall_seconds"] / (none["wall_seconds"] + overhead),
+            "predicted_loop_utilization": none["loop_seconds"] / (none["loop_seconds"] + overhead)}
 
 
 def auto_rate(args: argparse.Namespace, none: dict) -> str:

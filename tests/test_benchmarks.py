@@ -117,9 +117,11 @@ def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
         for key in ("bytes", "peak_bps", "mean_bps", "val_loss"):
             assert key in r
     assert [r["rounds"] for r in rows] == [0, 2, 4]
-    # the planner agrees with the short measured run (loosely: 8 steps on a shared CI machine)
+    # the planner agrees with the short measured run's training loop (loosely: 8 steps on a shared CI
+    # machine); the run's one-time start and end, which the planner does not model, are most of an
+    # 8-step run's wall time (2.8 s of wall against 1.2 s of loop on a slow day)
     for r in rows[1:]:
-        assert abs(r["predicted_utilization"] - r["utilization"]) < 0.25, r
+        assert abs(r["predicted_loop_utilization"] - r["loop_utilization"]) < 0.25, r
     assert (tmp_path / "utilization.md").read_text().count("\n|") >= 5
 
 
