@@ -175,8 +175,10 @@ def worker(args: argparse.Namespace) -> None:
             link = IslandLink(coordinator, island, num_islands, run_id=f"{run_id}-{tcp}-l{lanes}", lanes=lanes,
                               timeout=timedelta(seconds=args.timeout))
             crcs = link.gather_objects("crc", crc)
+            start = time.perf_counter()
             link.open_lanes()
             link.all_gather_bytes(torch.zeros(64 * 1024, dtype=torch.uint8))  # every lane's connection is up
+            open_s = max(link.gather_objects("open", time.perf_counter() - start))
             rounds = []
             for r in range(2):
                 if r:
@@ -185,8 +187,8 @@ def worker(args: argparse.Namespace) -> None:
                 rounds.append(_timed_all_gather(link, payload, crcs, coordinator))
                 rounds[-1]["seconds"] = max(link.gather_objects(f"seconds{r}", rounds[-1]["seconds"]))
             first, nxt = rounds
-            row = {"tcp": tcp, "lanes": lanes, "payload_bytes": n, "first_seconds": first["seconds"],
-                   **nxt, "intact": first["intact"] and nxt["intact"]}
+            row = {"tcp": tcp, "lanes": lanes, "payload_bytes": n, "open_seconds": open_s,
+                   "first_seconds": first["seconds"], **nxt, "intact": first["intact"] and nxt["intact"]}
             if num_islands == 2 and tcp == args.tcp[0]:
                 row["duplex_seconds"] = _send_recv(link, payload, split=False)
                 row["split_seconds"] = _send_recv(link, payload, split=True)
@@ -438,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     for r0, r1 in zip(islands[0]["rows"], islands[1]["rows"]):
         achieved = r0["payload_bytes"] * 8 / r0["seconds"]
         rows.append({"tcp": r0["tcp"], "lanes": r0["lanes"], "payload_bytes": r0["payload_bytes"],
+                     "open_seconds": round(r0["open_seconds"], 3),
                      "seconds": round(r0["seconds"], 3), "first_seconds": round(r0["first_seconds"], 3),
                      "achieved_bps": round(achieved), "shaped_bps": spec.rate_bps,
                      "ratio": round(achieved / spec.rate_bps, 3),
@@ -456,15 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     windows = window_table(spec.rate_bps, spec.rtt_s or 0.1, args.lanes, wmem_max)
     print(f"link: {link['describe']}")
     print(f"island TCP: {sysctl}")
-    print("\n| host TCP | lanes | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio | first round "
-          "| RTT ms | intact | duplex send/recv | split send/recv |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    print("\n| host TCP | lanes | open (s) | payload MB | seconds | achieved Mbit/s | shaped Mbit/s | ratio "
+          "| first round | RTT ms | intact | duplex send/recv | split send/recv |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         refs = " | ".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("duplex_ratio", "split_ratio"))
-        print(f"| {r['tcp']} | {r['lanes']} | {r['payload_bytes'] / 1e6:g} | {r['seconds']:.2f} | "
+        print(f"| {r['tcp']} | {r['lanes']} | {r['open_seconds']:.2f} | {r['payload_bytes'] / 1e6:g} | "
+              f"{r['seconds']:.2f} | "
               f"{r['achieved_bps'] / 1e6:.0f} | {r['shaped_bps'] / 1e6:g} | {r['ratio']:.3f} | "
               f"{r['first_ratio']:.3f} | {r['rtt_ms']:g} | {r['intact']} | {refs} |")
-    print("(ratio: IslandLink.all_gather_bytes of the next round, a round's gap after the first, achieved / shaped "
+    print("(open: building the lanes and a first 64 kB all-gather on them, the slower island. "
+          "ratio: IslandLink.all_gather_bytes of the next round, a round's gap after the first, achieved / shaped "
           "rate; first round: on new connections. host TCP: the island namespaces' sysctls as a new namespace has "
           f"them, or tuned: {TUNED_TCP}. The same bytes with gloo send/recv into touched buffers: duplex, on the lanes "
           "(each TCP connection carries both directions, as in the all-gather); split, one gloo group per lane and "

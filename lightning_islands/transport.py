@@ -214,6 +214,7 @@ class IslandLink:
         self._lanes_key: str | None = None
         # lanes of earlier member sets stay referenced: dropping a gloo group whose peer died may abort
         self._retired: list = []
+        self._lane_stores: list[dist.TCPStore | None] = []  # one store connection per lane group, reused
         self.decision: Decision | None = None
         self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
                                      timeout.total_seconds() if grace_s is None else grace_s,
@@ -267,14 +268,48 @@ class IslandLink:
         if len(present) < 2:
             return
         rank, size = present.index(self.island), len(present)
-
-        def group(prefix: str) -> dist.ProcessGroupGloo:
-            return dist.ProcessGroupGloo(dist.PrefixStore(f"{self.run_id}/{key}/{prefix}/", self.store), rank, size,
-                                         self._lane_options())
-
-        self.lanes = [group(f"lane{k}") for k in range(self.n_lanes)]
-        self.directed = [[group(f"lane{k}/from{i}") for i in range(2)] for k in range(self.n_lanes)] \
+        prefixes = [f"lane{k}" for k in range(self.n_lanes)]
+        if size == 2:
+            prefixes += [f"lane{k}/from{i}" for k in range(self.n_lanes) for i in range(2)]
+        groups = self._rendezvous([(f"{self.run_id}/{key}/{p}/", rank, size) for p in prefixes])
+        self.lanes = groups[:self.n_lanes]
+        self.directed = [groups[self.n_lanes + 2 * k:self.n_lanes + 2 * k + 2] for k in range(self.n_lanes)] \
             if size == 2 else []
+
+    def _rendezvous(self, specs: Sequence[tuple[str, int, int]]) -> list:
+        """Build one gloo group per ``(store prefix, rank, size)``, all at once.
+
+        Each group's rendezvous waits for its peers through the store, a few round trips to the
+        coordinator: one after another they cost 2.7 s at 100 ms for two lanes between two islands
+        (docs/BENCHMARKS.md, lanes). Each runs in its own thread on its own store connection (a
+        store connection serves one request at a time, so a rendezvous waiting for a peer would hold
+        up the others on a shared one). The connections are kept for the next rebuild.
+        """
+        options = [self._lane_options() for _ in specs]  # a bad interface fails here, before any thread
+        while len(self._lane_stores) < len(specs):
+            self._lane_stores.append(None)
+        built: list = [None] * len(specs)
+
+        def build(k: int) -> None:
+            try:
+                if self._lane_stores[k] is None:
+                    self._lane_stores[k] = dist.TCPStore(*self._address, is_master=False, timeout=self.timeout)
+                prefix, rank, size = specs[k]
+                built[k] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._lane_stores[k]), rank, size,
+                                                 options[k])
+            except Exception as err:  # noqa: BLE001 - raised below, in the caller's thread
+                built[k] = err
+
+        threads = [threading.Thread(target=build, args=(k,), name=f"island{self.island}-lane{k}", daemon=True)
+                   for k in range(len(specs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [g for g in built if isinstance(g, Exception)]
+        if failed:
+            raise RuntimeError(str(failed[0])) from failed[0]
+        return built
 
     @property
     def lanes_key(self) -> str | None:
@@ -578,5 +613,5 @@ class IslandLink:
     def close(self) -> None:
         """Stop the liveness beat; drop the lanes and the store connection."""
         self._stop_alive()
-        self.lanes, self.directed = [], []
+        self.lanes, self.directed, self._lane_stores = [], [], []
         self.store = None  # type: ignore[assignment]

@@ -75,11 +75,12 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| lanes | payload MB |" in proc.stdout and "window each lane needs" in proc.stdout
+    assert "| lanes | open (s) | payload MB |" in proc.stdout and "window each lane needs" in proc.stdout
     data = json.loads((tmp_path / "lanes.json").read_text())
     assert [r["lanes"] for r in data["rows"]] == [1, 2]
     for r in data["rows"]:
         assert r["intact"] and r["payload_bytes"] == 2_000_000 and r["shaped_bps"] == 100_000_000
+        assert r["open_seconds"] > 0.02  # at least the one 64 kB all-gather's 20 ms round trip
         # 2 MB is short: tbf's full bucket (125 kB at 100 Mbit/s) passes at once, up to ~6 % over the rate
         assert all(0 < r[k] <= 1.1 for k in ("ratio", "duplex_ratio", "split_ratio")), r
         assert r["rtt_ms"] == 20.0 and data["link"]["delay"] in ("netem", "delay line")

@@ -148,6 +148,45 @@ def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes(sizes):
     assert links[0].take_stats().bytes_sent == 0
 
 
+def test_the_lanes_rendezvous_all_at_once_and_a_second_build_reuses_the_connections():
+    """An island opening its lanes publishes every group's address before its peer arrives (one
+    group after another, it would publish the first and wait there); a rebuild for another member
+    set opens no new store connections."""
+    coord = Coordinator()
+    links = [IslandLink(coord.address, i, 2, run_id="rdv", lanes=3) for i in range(2)]
+    groups = 3 * 3  # two islands: each lane plus one group per direction
+    before = coord.store.num_keys()
+    first = threading.Thread(target=links[0].open_lanes)
+    first.start()
+    deadline = time.monotonic() + 30
+    while coord.store.num_keys() - before < groups and time.monotonic() < deadline:
+        time.sleep(0.05)
+    published = coord.store.num_keys() - before
+    second = threading.Thread(target=links[1].open_lanes)
+    second.start()
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert published >= groups, f"island 0 published {published} keys before its peer came; {groups} groups"
+    assert [len(link.lanes) for link in links] == [3, 3] and all(len(d) == 2 for d in links[0].directed)
+    stores = list(links[0]._lane_stores)
+    assert len(stores) == groups and all(s is not None for s in stores)
+
+    got: list = [None, None]
+
+    def rebuild(link: IslandLink) -> None:
+        link._build_lanes("again", (0, 1))
+        got[link.island] = link.all_gather_bytes(torch.full((5,), link.island, dtype=torch.uint8))
+
+    threads = [threading.Thread(target=rebuild, args=(link,)) for link in links]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [[g.tolist() for g in gathered] for gathered in got] == [[[0] * 5, [1] * 5]] * 2
+    assert [s is t for s, t in zip(links[0]._lane_stores, stores)] == [True] * groups
+    assert links[0].lanes_key == "again" and len(links[0]._retired) == 1
+
+
 @pytest.mark.parametrize("kwargs, env, needle", [
     ({"num_islands": 2}, {}, r"2 islands need a coordinator address: pass coordinator='HOST:PORT' or set LI_"),
     ({"island": 3, "num_islands": 2, "coordinator": "h:1"}, {}, r"island index 3 is outside \[0, 2\)"),
