@@ -465,12 +465,19 @@ class IslandLink:
         """
         self.publish(f"{key}/{self.island}", obj)
         keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
+        if not self.store.check(keys):  # the others are not all there yet: wait, watching them
+            self._await_objects(key, keys)
+        return [json.loads(value) for value in self.store.multi_get(keys)]
+
+    def _await_objects(self, key: str, keys: list[str]) -> None:
         limit = self.timeout.total_seconds()
         started = time.monotonic()
         deadline = started + limit
         give_up = started + self.max_wait.total_seconds() if self.max_wait is not None else None
         period = min(1.0, limit / 4)  # how often the missing islands' heartbeats are compared
-        beats: dict[int, bytes | None] = self._heartbeats(range(self.num_islands))
+        # the missing islands' beats, first read a period in (not before: an island that arrives
+        # while they are read would wait for the reads); progress is a change from one read to the next
+        beats: dict[int, bytes | None] | None = None
         next_beat_check = started + period
         while not self.store.check(keys):
             self._check_aborts()
@@ -483,9 +490,9 @@ class IslandLink:
             if not missing:
                 break
             latest = self._heartbeats(missing)
-            if any(latest[i] != beats.get(i) for i in missing):
+            if beats is not None and any(latest[i] != beats.get(i) for i in missing):
                 deadline = now + limit  # a missing island made progress: slow, not lost
-                beats.update(latest)
+            beats = {**(beats or {}), **latest}
             if now > deadline:
                 raise IslandAborted(
                     f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
@@ -499,7 +506,6 @@ class IslandLink:
                     "steps_per_round) or raise max_wait_s"
                 )
             time.sleep(0.01)
-        return [json.loads(self.store.get(k)) for k in keys]
 
     # -- tensors over the lanes ----------------------------------------------------------------
     def _all_gather_sizes(self, n: int) -> list[int]:

@@ -86,12 +86,11 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
         assert r["rtt_ms"] == 20.0 and data["link"]["delay"] in ("netem", "delay line")
     latency = data["latency"]
     assert latency["round_trips_per_op"]["set"] < 0.5 and 1.5 < latency["round_trips_per_op"]["get"] < 2.5
-    # a header gather between two islands that arrive together: 5N + 1 round trips to the coordinator, and
-    # N more for each 10 ms poll an island makes while the other's header is still on its way
-    for ops, counted in zip(latency["header_gather_ops"], latency["header_gather_round_trips_counted"]):
-        polls, rest = divmod(ops["check"] - 3, 2)
-        assert ops["get"] == 4 and ops["set"] == 2 and rest == 0 and polls >= 0, latency
-        assert counted == 11 + 2 * polls, latency
+    # a header gather between two islands that arrive together: the last to arrive finds every header
+    # there (a set, a check, a multi_get: 3 round trips); one that waits also reads the islands' beats
+    for ops in latency["header_gather_ops"]:
+        assert ops["set"] == 2 and ops["multi_get"] == 1, latency  # the step's beat, then the header
+    assert min(latency["header_gather_round_trips_counted"]) == 3, latency
     # a round's membership when both arrive together: 4 requests after the writes for the island that
     # arrives last, a few polls more for the other (16 round trips before the one-request polls)
     assert all(6 <= n <= 12 for n in latency["round"]["round_trips_counted"]), latency["round"]
