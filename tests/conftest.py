@@ -26,11 +26,13 @@ def _quiet_env():
     yield
 
 
-def launch(islands, args, log_dir, expect_ok=True):
-    """Run tests/scripts/<args[0]> as islands; returns (results, combined output)."""
+def launch(islands, args, log_dir, expect_ok=True, live=False):
+    """Run tests/scripts/<args[0]> as islands; returns (results, combined output). ``live=True``: the
+    launcher's live status lines instead of the islands' interleaved output (which goes to the log
+    files only)."""
     buf = io.StringIO()
     results = run_islands(islands, [sys.executable, str(SCRIPTS / args[0]), *map(str, args[1:])],
-                          log_dir=log_dir, live=False, out=buf, env={"OMP_NUM_THREADS": "1"})
+                          log_dir=log_dir, live=live, out=buf, env={"OMP_NUM_THREADS": "1"})
     text = buf.getvalue()
     if expect_ok and any(r.returncode != 0 for r in results):
         err = io.StringIO()

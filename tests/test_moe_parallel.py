@@ -1,10 +1,15 @@
 """Tests for lightning_islands.models.parallelize: tensor and expert parallelism of the MoE model,
-checked against the unparallelized model in real gloo process groups of two processes."""
+checked against the unparallelized model in real gloo process groups of two processes.
+
+The four checks that need the two processes run one after the other in one world (the module-scoped
+fixture ``world``: starting the processes, each importing torch and the package, costs more than
+the checks); each test reads its own check's outcome."""
 
 from __future__ import annotations
 
 import copy
 import os
+import traceback
 
 import pytest
 import torch
@@ -27,17 +32,17 @@ TP_TINY = {**TINY, "n_heads": 4, "moe_every": 2, "shared_expert": True}
 TOL = dict(rtol=5e-6, atol=1e-6)
 
 
-def spawn(worker, world: int = 2) -> None:
-    """Run ``worker(rank)`` in ``world`` processes joined in a gloo process group."""
-    mp.spawn(_entry, args=(worker, world, free_port()), nprocs=world, join=True)
+def spawn(worker, *args, world: int = 2) -> None:
+    """Run ``worker(rank, *args)`` in ``world`` processes joined in a gloo process group."""
+    mp.spawn(_entry, args=(worker, args, world, free_port()), nprocs=world, join=True)
 
 
-def _entry(rank, worker, world, port):
+def _entry(rank, worker, args, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        worker(rank)
+        worker(rank, *args)
     finally:
         destroy_world()  # gloo can abort at interpreter exit otherwise
 
@@ -85,7 +90,7 @@ def reference_grads(model, xy) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _tp_worker(rank):
+def _tp_worker(rank: int) -> None:
     mesh = init_device_mesh("cpu", (2,))
     with pytest.raises(ValueError, match=r"n_heads=1 is not divisible by 2"):
         parallelize_moe(tiny(**{**TINY, "n_heads": 1}), mesh, None)
@@ -120,8 +125,8 @@ def _tp_worker(rank):
         close(grad, ref_grads[name], name)
 
 
-def test_tensor_parallel_matches_the_unparallelized_model():
-    spawn(_tp_worker)
+def test_tensor_parallel_matches_the_unparallelized_model(world):
+    passed(world, "tensor parallel")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -129,7 +134,7 @@ def test_tensor_parallel_matches_the_unparallelized_model():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _ep_worker(rank):
+def _ep_worker(rank: int) -> None:
     mesh = init_device_mesh("cpu", (2,))
     with pytest.raises(ValueError, match=r"n_experts=3 is not divisible by 2"):
         parallelize_moe(tiny(**{**TINY, "n_experts": 3}), None, mesh)
@@ -193,8 +198,8 @@ def _ep_worker(rank):
     assert (per_expert[:2] > 0).all() and (per_expert[2:] == 0).all()
 
 
-def test_expert_parallel_equals_data_parallel():
-    spawn(_ep_worker)
+def test_expert_parallel_equals_data_parallel(world):
+    passed(world, "expert parallel")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -202,7 +207,7 @@ def test_expert_parallel_equals_data_parallel():
 # ---------------------------------------------------------------------------------------------------
 
 
-def _tp_fsdp_worker(rank):
+def _tp_fsdp_worker(rank: int) -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     with pytest.raises(ValueError, match="1-D meshes"):
         parallelize_moe(tiny(**TP_TINY), mesh, None)
@@ -227,11 +232,11 @@ def _tp_fsdp_worker(rank):
             opt.step()
 
 
-def test_tensor_parallel_under_fsdp2():
-    spawn(_tp_fsdp_worker)
+def test_tensor_parallel_under_fsdp2(world):
+    passed(world, "tensor parallel under FSDP2")
 
 
-def _ep_fsdp_worker(rank):
+def _ep_fsdp_worker(rank: int) -> None:
     # The experts spread over the data-parallel ranks, FSDP2 shards (and averages) everything else.
     mesh = init_device_mesh("cpu", (2,))
     reference = tiny(**TINY)
@@ -252,8 +257,58 @@ def _ep_fsdp_worker(rank):
         close(p.grad.full_tensor(), (ref[0][1][name] + ref[1][1][name]) / 2, name)
 
 
-def test_expert_parallel_under_fsdp2():
-    spawn(_ep_fsdp_worker)
+def test_expert_parallel_under_fsdp2(world):
+    passed(world, "expert parallel under FSDP2")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One world for the four checks above
+# ---------------------------------------------------------------------------------------------------
+
+# Expert parallel under FSDP2 first: its check that the experts keep the very mesh object they were
+# given (``is``) fails in a process where earlier checks built meshes of the same shape.
+CHECKS = {"expert parallel under FSDP2": _ep_fsdp_worker, "tensor parallel": _tp_worker,
+          "expert parallel": _ep_worker, "tensor parallel under FSDP2": _tp_fsdp_worker}
+
+
+def _every_check(rank: int, out: str) -> None:
+    """Each check of CHECKS in turn; ``out/<check>.rank<r>`` records how it ended on this rank. A
+    failed check ends the world (the other rank may wait in a collective): those after it do not run."""
+    for name, check in CHECKS.items():
+        record = os.path.join(out, f"{name.replace(' ', '_')}.rank{rank}")
+        try:
+            check(rank)
+        except BaseException:
+            with open(record, "w") as f:
+                f.write(traceback.format_exc())
+            raise
+        open(record + ".ok", "w").close()
+        dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Runs every check of CHECKS in one world of two processes; the folder of their records and how
+    the world ended (``None``, or the error it raised)."""
+    out = tmp_path_factory.mktemp("moe_parallel")
+    try:
+        spawn(_every_check, str(out))
+    except Exception as err:  # noqa: BLE001 - reported by the tests of the checks that failed or did not run
+        return out, err
+    return out, None
+
+
+def passed(world, name: str) -> None:
+    """Fail with the traceback of check ``name`` on any rank, or because it did not run on both."""
+    out, ended = world
+    stem = name.replace(" ", "_")
+    failed = [p.read_text() for p in sorted(out.glob(f"{stem}.rank[0-9]"))]
+    if failed:
+        pytest.fail(f"{name}:\n" + "\n".join(failed), pytrace=False)
+    ran = sorted(out.glob(f"{stem}.rank[0-9].ok"))
+    if len(ran) != 2:
+        pytest.fail(f"{name} did not run on both ranks: an earlier check ended the world ({type(ended).__name__})",
+                    pytrace=False)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,15 +23,53 @@ def _islands_equal(out, rounds):
     return a
 
 
-@pytest.mark.parametrize("islands, args, meshes", [
-    ([2, 1], ["--tp", "2,1", "--batch-sizes", "8"], [{"dp": 1, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
-    ([2, 1], ["--ep", "2,1", "--batch-sizes", "4,8"], [{"dp": 2, "tp": 1, "ep": 2}, {"dp": 1, "tp": 1, "ep": 1}]),
-    ([4, 1], ["--tp", "2,1", "--batch-sizes", "4,8"], [{"dp": 2, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
+# The islands of each layout: island 0 parallelizes as named, island 1 is one process of plain FSDP2.
+LAYOUTS = {
+    "tensor": ([2, 1], ["--tp", "2,1", "--batch-sizes", "8"]),
+    "expert": ([2, 1], ["--ep", "2,1", "--batch-sizes", "4,8"]),
+    "2d-mesh": ([4, 1], ["--tp", "2,1", "--batch-sizes", "4,8"]),
+}
+# The layouts whose run also checkpoints after step 4 (a round's end): the uninterrupted run that
+# test_a_parallel_island_resumes_from_its_checkpoint_exactly resumes from and compares against.
+CHECKPOINTED = {"tensor", "expert"}
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory):
+    """``layout_run(layout)``: the output folder of one run of LAYOUTS[layout] (8 steps, H=4), launched
+    the first time a test asks for it and shared by every test of the module that reads that layout:
+    a launch costs seconds of CPU in each process, the steps almost nothing. A failed launch fails
+    every test that asks for it."""
+    runs = {}
+
+    def run(layout):
+        if layout not in runs:
+            islands, args = LAYOUTS[layout]
+            ckpt = ["--ckpt-every", 4] if layout in CHECKPOINTED else []
+            base = tmp_path_factory.mktemp(layout)
+            try:
+                launch(islands, ["mixed_parallel.py", "--out", base / "run", "--steps", 8, "--H", 4, *args, *ckpt],
+                       base / "logs")
+            except AssertionError as err:
+                runs[layout] = err
+                raise
+            runs[layout] = base / "run"
+        if isinstance(runs[layout], AssertionError):
+            pytest.fail(f"the {layout} run failed:\n{runs[layout]}")
+        return runs[layout]
+
+    return run
+
+
+@pytest.mark.parametrize("layout, meshes", [
+    ("tensor", [{"dp": 1, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
+    ("expert", [{"dp": 2, "tp": 1, "ep": 2}, {"dp": 1, "tp": 1, "ep": 1}]),
+    ("2d-mesh", [{"dp": 2, "tp": 2, "ep": 1}, {"dp": 1, "tp": 1, "ep": 1}]),
 ], ids=["tensor-vs-fsdp", "expert-vs-fsdp", "2d-mesh-vs-fsdp"])
-def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, islands, args, meshes):
-    launch(islands, ["mixed_parallel.py", "--out", tmp_path, "--steps", 8, "--H", 4, *args], tmp_path / "logs")
-    rounds = _islands_equal(tmp_path, 2)
-    records = [json.loads((tmp_path / f"island{i}_mesh.json").read_text()) for i in range(2)]
+def test_islands_that_parallelize_differently_keep_one_global_state(layout_run, layout, meshes):
+    out = layout_run(layout)
+    rounds = _islands_equal(out, 2)
+    records = [json.loads((out / f"island{i}_mesh.json").read_text()) for i in range(2)]
     assert [r["mesh"] for r in records] == meshes
     if meshes[0]["tp"] > 1:  # FSDP2 over tensor parallel on island 0, plain FSDP2 on island 1
         assert records[0]["placements"]["model.blocks.0.attn.wq.weight"] == ["_S(0, 2)", "S(0)"]
@@ -39,16 +77,16 @@ def test_islands_that_parallelize_differently_keep_one_global_state(tmp_path, is
         assert records[1]["placements"]["model.blocks.0.attn.wq.weight"] == ["S(0)"]
     assert rounds[2]["metrics"]["islands/islands_present"] == 2
     # the island's tokens of a round: 4 steps of 8 windows of 16 tokens (tensor-parallel ranks count once)
-    assert rounds[2]["metrics"]["islands/round_tokens"] == load_rounds(tmp_path, 1)[2]["metrics"][
+    assert rounds[2]["metrics"]["islands/round_tokens"] == load_rounds(out, 1)[2]["metrics"][
         "islands/round_tokens"] == 4 * 8 * 16
     # every expert of the parallelized island received gradient
     grads = records[0]["expert_grads"]
     assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
 
 
-def test_a_tensor_parallel_island_trains_what_one_process_would(tmp_path):
-    tp, one = tmp_path / "tp", tmp_path / "one"
-    launch([2, 1], ["mixed_parallel.py", "--out", tp, "--tp", "2,1", "--batch-sizes", "8"], tmp_path / "logs")
+def test_a_tensor_parallel_island_trains_what_one_process_would(layout_run, tmp_path):
+    """The tensor-parallel run (shared, see layout_run) against two one-process islands."""
+    tp, one = layout_run("tensor"), tmp_path / "one"
     launch([1, 1], ["mixed_parallel.py", "--out", one, "--batch-sizes", "8"], tmp_path / "logs1")
     a, b = load_rounds(tp, 0), load_rounds(one, 0)
     for name, t in b[2]["params"].items():  # the same data and start; only the order of sums differs
@@ -56,14 +94,14 @@ def test_a_tensor_parallel_island_trains_what_one_process_would(tmp_path):
     assert a[2]["metrics"]["islands/round_tokens"] == b[2]["metrics"]["islands/round_tokens"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2,1", "--batch-sizes", "8"], ["--ep", "2,1", "--batch-sizes", "4,8"]],
-                         ids=["tensor", "expert"])
-def test_a_parallel_island_resumes_from_its_checkpoint_exactly(tmp_path, layout):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["mixed_parallel.py", "--steps", 8, "--H", 4, *layout]
-    launch([2, 1], [*common, "--out", full, "--ckpt-every", 4], tmp_path / "logs")
-    launch([2, 1], [*common, "--out", resumed, "--resume", str(full / "ckpt_island{island}" / "step=4.ckpt")],
-           tmp_path / "logs2")
+@pytest.mark.parametrize("layout", ["tensor", "expert"])
+def test_a_parallel_island_resumes_from_its_checkpoint_exactly(layout_run, tmp_path, layout):
+    """The layout's shared run (8 steps, a checkpoint after step 4) is the uninterrupted one; a second
+    launch resumes from its step-4 checkpoints and must reach the same rounds bit for bit."""
+    full, resumed = layout_run(layout), tmp_path / "resumed"
+    islands, args = LAYOUTS[layout]
+    launch(islands, ["mixed_parallel.py", "--steps", 8, "--H", 4, *args, "--out", resumed,
+                     "--resume", str(full / "ckpt_island{island}" / "step=4.ckpt")], tmp_path / "logs2")
     a, b = load_rounds(full, 0), load_rounds(resumed, 0)
     # the checkpoint after step 4 holds the batch that closes round 1: the resumed fit runs rounds 1 and 2
     assert sorted(b) == [1, 2]
