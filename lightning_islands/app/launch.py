@@ -36,6 +36,9 @@ from lightning_islands.transport import (
 )
 
 ENV_PROGRESS = "LI_PROGRESS_BAR"
+# How often the launcher looks for islands that ended, and how often it redraws the live status lines.
+POLL_S = 0.05
+STATUS_PERIOD_S = 0.5
 
 
 def _ephemeral_low() -> int:
@@ -256,7 +259,7 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
 
     codes: list[int | None] = [None] * len(procs)
     stopped: set[int] = set()
-    shown = 0
+    shown, next_status = 0, 0.0
     previous = _raise_on_sigterm()
     try:
         while any(c is None for c in codes):
@@ -268,14 +271,15 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                             if codes[j] is None and j not in stopped:
                                 stopped.add(j)
                                 other.terminate()
-            if live and len(islands) > 1:
+            if live and len(islands) > 1 and (time.monotonic() >= next_status or all(c is not None for c in codes)):
+                next_status = time.monotonic() + STATUS_PERIOD_S
                 lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands), run_id))]
                 if shown:
                     out.write(f"\x1b[{shown}F")
                 out.write("".join(f"\x1b[2K{line}\n" for line in lines))
                 out.flush()
                 shown = len(lines)
-            time.sleep(0.5)
+            time.sleep(POLL_S)
     except (KeyboardInterrupt, SystemExit):
         for p in procs:
             p.terminate()
