@@ -280,14 +280,14 @@ class IslandLink:
         """Build one gloo group per ``(store prefix, rank, size)``, all at once.
 
         Each group's rendezvous waits for its peers through the store, a few round trips to the
-        coordinator: one after another they cost 2.7 s at 100 ms for two lanes between two islands
-        (docs/BENCHMARKS.md, lanes). Each runs in its own thread on its own store connection (a
-        store connection serves one request at a time, so a rendezvous waiting for a peer would hold
-        up the others on a shared one). The connections are kept for the next rebuild.
+        coordinator: one after another they cost 3.1 s at 100 ms for two lanes between two islands,
+        11.4 s for eight; at once, 0.9 s for either (docs/BENCHMARKS.md, lanes). Each runs in its
+        own thread on its own store connection (a store connection serves one request at a time, so
+        a rendezvous waiting for a peer would hold up the others on a shared one). The connections
+        are kept for the next rebuild.
         """
         options = [self._lane_options() for _ in specs]  # a bad interface fails here, before any thread
-        while len(self._lane_stores) < len(specs):
-            self._lane_stores.append(None)
+        self._lane_stores += [None] * (len(specs) - len(self._lane_stores))  # connected on first use
         built: list = [None] * len(specs)
 
         def build(k: int) -> None:
