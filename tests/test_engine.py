@@ -258,12 +258,13 @@ def test_state_dict_round_trip_resumes_bit_identically():
 
 def test_time_balance_gives_the_faster_island_more_steps():
     settings = IslandSettings(sync_every=4, balance="time")
-    from lightning_islands.engine import Schedule
+    from lightning_islands.engine import RoundHeader, Schedule
 
     fast, slow = Schedule(settings, 0), Schedule(settings, 1)
-    headers = [{"step_seconds": 0.1}, {"step_seconds": 0.3}]
+    headers = [RoundHeader(0, step_seconds=0.1), RoundHeader(0, step_seconds=0.3)]
     assert (fast.next_round_steps(headers), slow.next_round_steps(headers)) == (12, 4)
-    assert Schedule(settings, 0).next_round_steps([{"step_seconds": 0.001}, {"step_seconds": 1.0}]) == 32, "at most 8 H"
+    assert Schedule(settings, 0).next_round_steps([RoundHeader(0, step_seconds=0.001),
+                                                   RoundHeader(0, step_seconds=1.0)]) == 32, "at most 8 H"
 
 
 def test_islands_that_differ_are_refused_by_name():

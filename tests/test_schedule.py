@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_islands.engine import IslandSettings, Schedule
+from lightning_islands.engine import IslandSettings, RoundHeader, Schedule
 from lightning_islands.strategy import IslandStrategy
 
 
@@ -48,7 +48,7 @@ def test_no_warmup_keeps_sync_every():
 def test_a_round_is_due_after_its_steps_and_max_rounds_ends_the_last():
     s = _schedule(sync_every=3, max_rounds=2)
     assert [s.close_step() for _ in range(3)] == [False, False, True]
-    s.advance(tokens=12, headers=[{"step_seconds": 0.1}])
+    s.advance(tokens=12, headers=[RoundHeader(0, step_seconds=0.1)])
     assert (s.round, s.round_steps, s.total_tokens) == (1, 0, 12)
     assert s.in_last_round() and not s.next_step_ends_last_round()
     s.close_step()
@@ -81,10 +81,10 @@ def test_bad_settings_are_refused_by_name(kwargs, needle):
 
 def test_time_balance_ignores_the_clocks_of_absent_and_joining_islands():
     s = _schedule(sync_every=8, balance="time", max_rounds=10)
-    fast, slow = {"step_seconds": 0.1}, {"step_seconds": 0.2}
+    fast, slow = RoundHeader(0, step_seconds=0.1), RoundHeader(0, step_seconds=0.2)
     assert s.next_round_steps([fast, slow]) == 16
     # a joiner's clock ran while it waited to get back in: it sets no budget
-    assert s.next_round_steps([fast, {"step_seconds": 60.0, "joining": True}]) == 8
-    assert s.next_round_steps([fast, {"step_seconds": 0.0, "absent": True}]) == 8
+    assert s.next_round_steps([fast, RoundHeader(0, step_seconds=60.0, joining=True)]) == 8
+    assert s.next_round_steps([fast, RoundHeader(0, step_seconds=0.0, absent=True)]) == 8
     assert _schedule(sync_every=8, balance="time", max_rounds=10).next_round_steps(
-        [{"step_seconds": 60.0, "joining": True}, slow]) == 8, "a joiner runs its planned steps"
+        [RoundHeader(0, step_seconds=60.0, joining=True), slow]) == 8, "a joiner runs its planned steps"

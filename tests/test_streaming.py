@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
-from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, RoundHeader
 from lightning_islands.engine.fragments import block_key, split_fragments
 from lightning_islands.models.moe import MoELanguageModel
 
@@ -311,5 +311,5 @@ def test_time_balance_budgets_a_fragment_round_of_h_over_f_slowest_steps():
     settings = IslandSettings(**{**BASE, "sync_every": 8, "fragments": 2, "balance": "time", "max_rounds": 10})
     engine = IslandEngine(settings, CanonicalLayout(SPECS), 0, 2, torch.device("cpu"), torch.device("cpu"))
     assert engine.schedule.steps_per_round == 4
-    engine.schedule.advance(0, [{"step_seconds": 1.0}, {"step_seconds": 2.0}])
+    engine.schedule.advance(0, [RoundHeader(0, step_seconds=1.0), RoundHeader(0, step_seconds=2.0)])
     assert engine.schedule.steps_per_round == 8  # 4 steps of the slower island fit 8 of this one

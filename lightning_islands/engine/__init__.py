@@ -5,12 +5,18 @@ One module an idea:
     settings   IslandSettings (validated) and the fingerprint islands compare
     schedule   H per round, its warm-up, time balancing, max_rounds, the round's clock
     state      OuterState: anchors, outer momentum, error-feedback residual (state_dict)
-    round      IslandEngine: rendezvous, the round's two halves (start / finish), the start agreement
+    round      IslandEngine: the round's sequence, its two halves (start / finish)
     driver     RoundDriver: when a training loop's rounds land and start, and the end of training
+    header     RoundHeader: what an island tells the others before a round, and its wire form
+    island     Island: this rank's island, its ranks and link; agree() carries the leader's result
+    rendezvous before the rounds: meet, the initial state, the start agreement
+    attempts   a round's attempts: again after a lost island, rejoined, ended
+    meeting    RoundMeeting: the leader's round with the others (headers, exchange, settling)
+    merging    MergePlan: the members, weights and expert coefficients, from the headers
+    exchange   the one chunk loop, and the leader's chunk: encode once, all-gather, decode, merge
+    flight     an overlapped round: its exchange in the leader's background thread, its landing
     fragments  which parameters sync together (Streaming DiLoCo)
-    flight     an overlapped round's exchange in the leader's background thread
     health     the per-round state checksum, the majority, and the repair of a drifted island
-    exchange   the leader's chunk: encode once, all-gather, decode, merge in island order
     layout     the canonical layout and its gather to / scatter from the island's leader
     group      what the engine needs from the island's ranks (IslandGroup) and from the link (Link)
     outer      the math: pseudo-gradients, the merge, expert weighting, outer SGD
@@ -22,11 +28,13 @@ It imports torch, the codecs and the transport, never Lightning (a test enforces
 
 from lightning_islands.engine.driver import RoundDriver
 from lightning_islands.engine.group import IslandGroup, Link, SoloGroup, TorchGroup
+from lightning_islands.engine.header import HeaderError, RoundHeader, StateSummary
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.round import IslandEngine, PendingRound
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import IslandSettings, compare_fingerprints
 from lightning_islands.engine.state import OuterState
 
-__all__ = ["CanonicalLayout", "IslandEngine", "IslandGroup", "IslandSettings", "Link", "OuterState",
-           "PendingRound", "RoundDriver", "Schedule", "SoloGroup", "TorchGroup", "compare_fingerprints"]
+__all__ = ["CanonicalLayout", "HeaderError", "IslandEngine", "IslandGroup", "IslandSettings", "Link", "OuterState",
+           "PendingRound", "RoundDriver", "RoundHeader", "Schedule", "SoloGroup", "StateSummary", "TorchGroup",
+           "compare_fingerprints"]

@@ -1,15 +1,18 @@
-"""One round's exchange on an island's leader, a chunk of the canonical vector at a time.
+"""One round's exchange, a chunk of the canonical vector at a time.
 
-The leader quantizes its island's chunk once, the link all-gathers every island's payload, and every
-island decodes all of them and merges them in island order (token-weighted, or per expert with
-expert weighting). What the codec dropped from this island's chunk is the chunk of the next
-error-feedback residual. Nothing here knows which rank holds what: the round gathers the chunk to
-the leader before and scatters the results after.
+:func:`exchange_chunks` is the one chunk loop, for the synchronous round and the overlapped one
+alike: for each chunk it takes the part (the synchronous round gathers it from the island's ranks,
+an overlapped round slices the snapshot it gathered before), has the leader's
+:class:`ChunkExchange` move it, and hands the results on (scattered back to the ranks, or copied
+into the round's result). :class:`ChunkExchange` is the leader's side: it quantizes its island's
+chunk once, the link all-gathers every island's payload, and every island decodes all of them and
+merges them in island order (token-weighted, or per expert with expert weighting). What the codec
+dropped from this island's chunk is the chunk of the next error-feedback residual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -19,6 +22,7 @@ from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.engine import outer
 from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.stats import RoundStats
 
 LINK_TOTALS = ("bytes_sent", "bytes_received", "seconds_exchanging", "seconds_waiting")
@@ -31,22 +35,19 @@ class ChunkExchange:
         codec: the wire format.
         link: the other islands (``None`` for a lone island).
         island: this island's index.
-        weights: each island's merge weight this round, in island order.
-        coefs: per expert parameter name, each island's per-expert merge coefficients (expert weighting).
+        plan: the round's merge: the members (an island left out, a non-finite or outlying
+            pseudo-gradient, still sends, is not decoded, and when it is this one, keeps no residual
+            from the round), every island's weight, the per-expert coefficients.
         layout: the canonical layout (where each expert parameter lies in the flat vector).
-        stats: the round's metrics, a chunk at a time.
+        delta_sq: this island's pseudo-gradient's squared norm (for the round's metrics).
         keep_residual: whether to return what the codec dropped (error feedback).
-        members: the islands whose payloads are merged, in island order (default: all); an
-            island left out (a non-finite or outlying pseudo-gradient) still sends, is not decoded,
-            and when it is this one, keeps no residual from the round.
     """
 
-    def __init__(self, codec: Codec, link: Link | None, island: int, weights: Sequence[float],
-                 coefs: dict[str, list[Tensor]], layout: CanonicalLayout, stats: RoundStats,
-                 keep_residual: bool, members: Sequence[int] | None = None) -> None:
+    def __init__(self, codec: Codec, link: Link | None, island: int, plan: MergePlan, layout: CanonicalLayout,
+                 delta_sq: float, keep_residual: bool) -> None:
         self.codec, self.link, self.island = codec, link, island
-        self.members = list(range(len(weights))) if members is None else list(members)
-        self.weights, self.coefs, self.layout, self.stats = weights, coefs, layout, stats
+        self.members, self.weights, self.coefs = plan.members, plan.weights, plan.coefs
+        self.layout, self.stats = layout, RoundStats(len(plan.members), delta_sq)
         self.keep_residual = keep_residual
         self.link_sums = dict.fromkeys(LINK_TOTALS, 0.0)
         self.scratch = Buffers()  # the leader's chunk-sized temporaries, reused by every chunk of the round
@@ -85,6 +86,17 @@ class ChunkExchange:
         self.stats.add(part, own, payload.numel(), decoded, merged)
         return merged, residual
 
+    def metrics(self, chunks: int, num_islands: int, error_feedback: bool) -> dict[str, float]:
+        """The round's metrics, once every chunk moved (``chunks`` of them)."""
+        metrics = self.stats.metrics(error_feedback=error_feedback)
+        metrics["islands/exchange_chunks"] = float(chunks)
+        metrics["islands/islands_left_out"] = float(num_islands - len(self.members))
+        metrics["islands/islands_present"] = float(len(self.link.present) if self.link is not None else 1)
+        if self.link is not None:
+            metrics.update({f"islands/{key}": value for key, value in self.link_sums.items()})
+            metrics["islands/cosine"] = self.stats.cosine()
+        return metrics
+
     def take(self, name: str, numel: int, device: torch.device) -> Tensor:
         """A chunk-sized fp32 scratch tensor (the gathered chunk), reused by every chunk."""
         return self.scratch.take(name, numel, device=device)
@@ -106,3 +118,27 @@ class ChunkExchange:
                 merged[a - start : b - start] = outer.merge_expert_rows(parts, self.coefs[e.name],
                                                                         e.numel // e.shape[0], a - e.offset)
 
+
+
+Part = Callable[[int, int], "Tensor | None"]
+Results = Callable[[int, int, "Tensor | None", "Tensor | None"], None]
+
+
+def exchange_chunks(exchange: ChunkExchange | None, bounds: Sequence[tuple[int, int]], part: Part,
+                    on_leader: Callable[[Callable[[], None]], None], results: Results) -> None:
+    """Move a fragment's chunks (``bounds``, in order), whichever thread runs it: ``part(start,
+    stop)`` is the chunk of what the island sends (on the leader; ``None`` elsewhere), ``on_leader``
+    runs the leader's exchange of it (the island's agreement in a synchronous round, a plain call in
+    the leader's background thread), and ``results(start, stop, merged, residual)`` takes the
+    merged chunk and what the codec dropped (``None`` off the leader). ``exchange``: the leader's
+    (``None`` on the other ranks); its buffers are released before the last chunk's results are
+    handed on, so that they have the room."""
+    for start, stop in bounds:
+        chunk = part(start, stop)
+        out: list[Tensor | None] = []
+        on_leader(lambda chunk=chunk, start=start, out=out: out.extend(exchange.run(chunk, start)))  # type: ignore
+        del chunk  # the next chunk reuses the leader's buffers
+        if exchange is not None and stop == bounds[-1][1]:
+            exchange.release()
+        merged, residual = out if out else (None, None)
+        results(start, stop, merged, residual)

@@ -1,11 +1,29 @@
-"""An overlapped round in flight: its exchange runs in a background thread of the island's leader."""
+"""An overlapped round in flight: its exchange runs in a background thread of the island's leader.
+
+:func:`fly` starts it, on the snapshot of the fragment's pseudo-gradient the island gathered to the
+leader: the round's attempts (headers, then every chunk through the one chunk loop, then the
+agreement that it counted) run in an :class:`InFlight` thread while training goes on.
+:func:`receive` lands it on every rank: it waits for the thread, hands its headers (or its error)
+to the island's ranks and scatters the merged pseudo-gradient and the residual back to their shards.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_islands.engine.attempts import run_attempts
+from lightning_islands.engine.exchange import exchange_chunks
+from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.meeting import RoundMeeting
 
 
 class InFlight:
@@ -36,3 +54,77 @@ class InFlight:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def fly(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: CanonicalLayout, delta_sq: float,
+        keep_residual: bool, bounds: Sequence[tuple[int, int]]) -> InFlight:
+    """Leader: start the round of ``header`` in the background on ``flat`` (the fragment's gathered
+    vector, laid out by ``layout``, in chunks ``bounds``); a round that loses an island runs again
+    without it."""
+    round_ = header.round
+    return InFlight(lambda: run_attempts(
+        round_, lambda k: _attempt(meeting, flat, replace(header, attempt=k), layout, delta_sq, keep_residual, bounds),
+        lambda why: {"headers": [], "late": why},
+        lambda: {"headers": [RoundHeader.absent_from(round_, stop=True)], "ended": True}, leader=True),
+        name=f"island{meeting.island.index}-round{round_}")
+
+
+def _attempt(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: CanonicalLayout, delta_sq: float,
+             keep_residual: bool, bounds: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """One attempt in the background: headers, every chunk into the round's result, the settling."""
+    plan = meeting.meet(header)
+    if not plan.stepped:
+        meeting.settle(header.round, plan.stop)
+        return {"headers": plan.headers}
+    exchange = meeting.exchange(plan, layout, delta_sq, keep_residual)
+    merged = torch.empty_like(flat)
+    residual = torch.empty_like(flat) if keep_residual else None
+
+    def keep(start: int, stop: int, got: Tensor | None, dropped: Tensor | None) -> None:
+        merged[start:stop].copy_(got)  # type: ignore[arg-type]
+        if residual is not None:
+            residual[start:stop].copy_(dropped)  # type: ignore[arg-type]
+
+    exchange_chunks(exchange, bounds, lambda start, stop: flat[start:stop], lambda work: work(), keep)
+    meeting.settle(header.round, plan.stop)
+    metrics = meeting.account(exchange, len(bounds)) | plan.expert_gap_metrics()
+    # this thread's waits for the other islands were not idle time (training went on): the round's
+    # waiting is what landing it blocks for (counted there)
+    in_flight = exchange.link_sums["seconds_waiting"]
+    meeting.totals["seconds_waiting"] -= in_flight
+    metrics["islands/seconds_waiting_in_flight"] = metrics.pop("islands/seconds_waiting", in_flight)
+    return {"headers": plan.headers, "merged": merged, "residual": residual, "metrics": metrics}
+
+
+@dataclass
+class Landed:
+    """An overlapped round as every rank receives it: its ``headers``, and either why this island
+    was ``late`` for it, that the run ``ended``, or (when some island stepped) this rank's shards of
+    the merged pseudo-gradient (``grads``, on the fragment's layout) and the leader's ``metrics``;
+    ``waited``: the seconds it waited for the exchange to end."""
+
+    headers: list[RoundHeader]
+    waited: float
+    late: str | None = None
+    ended: bool = False
+    grads: list[Tensor] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def receive(island: Island, flight: InFlight | None, layout: CanonicalLayout, device: torch.device,
+            residual: list[Tensor] | None) -> Landed:
+    """Every rank: wait for the leader's ``flight`` (``None`` off the leader), then scatter the
+    merged pseudo-gradient to this rank's shards of ``layout`` and what the codec dropped into
+    ``residual`` (this rank's shards of it; ``None``: no error feedback)."""
+    box: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    headers = island.agree(lambda: (box.update(flight.join()), box["headers"])[1])  # type: ignore[union-attr]
+    late, ended = island.agree(lambda: (box.get("late"), box.get("ended")))
+    landed = Landed(headers, time.perf_counter() - t0, late, bool(ended))
+    if late or ended or not any(h.steps > 0 for h in headers):
+        return landed
+    landed.grads = layout.scatter_from_leader(box.get("merged"), device)
+    if residual is not None:
+        layout.scatter_from_leader(box.get("residual"), device, into=residual)
+    landed.metrics = dict(box.get("metrics", {}))
+    return landed

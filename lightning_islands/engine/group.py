@@ -70,8 +70,9 @@ class Link(Protocol):
         ...
 
     def meet_round(self, round_: int, header: dict) -> list[dict | None]:
-        """Every island's header of round ``round_`` in island order (``None``: not present); the
-        member set is decided here (:mod:`lightning_islands.membership`)."""
+        """Every island's header of round ``round_`` in island order (``None``: not present), in the
+        wire form this island sends (:meth:`~lightning_islands.engine.header.RoundHeader.to_wire`);
+        the member set is decided here (:mod:`lightning_islands.membership`)."""
         ...
 
     def settle_round(self) -> None:

@@ -8,75 +8,74 @@ island outside it takes the anchors and momentum of the first island of the majo
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_islands.engine.round import IslandEngine
+from lightning_islands.engine.header import RoundHeader, StateSummary
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.state import OuterState
 
 log = logging.getLogger(__name__)
 
 
-def majority(headers: Sequence[dict[str, Any]]) -> list[int]:
+def majority(headers: Sequence[RoundHeader]) -> list[int]:
     """The islands in the largest group of equal global state (the headers' ``state``; a tie: the
     group of the lowest island). Only islands present in the round vote, and an island that is
     (re)joining never does: its state is whatever it restarted with."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[StateSummary | None, list[int]] = {}
     for i, h in enumerate(headers):
-        if not h.get("absent") and not h.get("joining"):
-            groups.setdefault(json.dumps(h.get("state"), sort_keys=True), []).append(i)
+        if h.votes:
+            groups.setdefault(h.state, []).append(i)
     return max(groups.values(), key=lambda g: (len(g), -g[0])) if groups else []
 
 
-def state_summary(engine: IslandEngine, fragment: int) -> dict[str, Any]:
-    """What every island's global state of ``fragment`` (the one a round is about to step) must
-    agree on before the round, with every fragment's outer step count (a collective of the
-    island, cheap: a checksum of each rank's shards at their canonical places, no gather). Each
-    fragment is checked once per H steps, in its own round."""
-    idx, layout, momentum = engine.state.indices(fragment), engine.fragment_layouts[fragment], engine.state.momentum
-    return {"fragment": fragment, "anchors": layout.island_checksum([engine.state.anchors[i] for i in idx]),
-            "momentum": None if momentum is None else layout.island_checksum([momentum[i] for i in idx]),
-            "outer_steps": engine.state.steps()}
+def state_summary(state: OuterState, layout: CanonicalLayout, fragment: int) -> StateSummary:
+    """What every island's global state of ``fragment`` (the one a round is about to step, laid out
+    by ``layout``) must agree on before the round, with every fragment's outer step count (a
+    collective of the island, cheap: a checksum of each rank's shards at their canonical places,
+    no gather). Each fragment is checked once per H steps, in its own round."""
+    idx, momentum, steps = state.indices(fragment), state.momentum, state.steps()
+    return StateSummary(fragment, layout.island_checksum([state.anchors[i] for i in idx]),
+                        None if momentum is None else layout.island_checksum([momentum[i] for i in idx]),
+                        steps if isinstance(steps, int) else tuple(steps))
 
 
-def repair(engine: IslandEngine, headers: Sequence[dict[str, Any]], locals_: Sequence[Tensor]) -> int:
+def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: torch.device,
+           headers: Sequence[RoundHeader], locals_: Sequence[Tensor]) -> int:
     """Every rank, once the round's headers are known: if some island's global state differs from
     the majority's (the largest group of equal state summaries; a tie goes to the group with the
     lowest island), the first island of the majority sends its anchors and momentum to all and the
     others take them (into ``locals_`` too). Such an island is left out of this round's merge
     (its pseudo-gradient was taken from the wrong anchors). Returns how many islands were repaired."""
-    states = [h.get("state") for h in headers]
     good = majority(headers)
-    bad = [i for i, h in enumerate(headers) if i not in good and not h.get("absent")]
+    bad = [i for i, h in enumerate(headers) if i not in good and not h.absent]
     if not bad or not good:
         return 0
-    src, has_momentum = good[0], states[good[0]]["momentum"] is not None
-    n = engine.layout.numel
-    if engine.island == src:
-        flat = engine.layout.gather_to_leader(engine.state.anchors, engine.device)
+    src, summary = good[0], headers[good[0]].state
+    assert summary is not None, "an island that votes has a state summary"
+    has_momentum, n = summary.momentum is not None, layout.numel
+    if island.index == src:
+        flat = layout.gather_to_leader(state.anchors, device)
         if has_momentum:
-            flat_m = engine.layout.gather_to_leader(engine.state.momentum, engine.device)  # type: ignore[arg-type]
+            flat_m = layout.gather_to_leader(state.momentum, device)  # type: ignore[arg-type]
             flat = None if flat is None else torch.cat([flat, flat_m])  # type: ignore[list-item]
-        engine.agree(lambda: engine.link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
+        island.on_leader(lambda link: link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
         return len(bad)
-    box: dict[str, Tensor] = {}
-    engine.agree(lambda: box.update(flat=engine.link.broadcast_bytes(None, src=src)))  # type: ignore[union-attr]
-    if engine.island not in bad:
+    received = island.on_leader(lambda link: link.broadcast_bytes(None, src=src))
+    if island.index not in bad:
         return len(bad)
-    if engine.is_leader:
+    if island.is_leader:
         log.warning("islands: island %d's global state differs from island(s) %s's before round %d (%s vs %s); "
-                    "taking island %d's", engine.island, good, engine.schedule.round, states[engine.island],
-                    states[src], src)
-    flat = box["flat"].view(torch.float32) if engine.is_leader else None
-    anchors = engine.layout.scatter_from_leader(None if flat is None else flat[:n], engine.device)
-    momentum = (engine.layout.scatter_from_leader(None if flat is None else flat[n:], engine.device)
-                if has_momentum else None)
-    engine.state.load_state_dict({"anchor": anchors, "momentum": momentum, "residual": engine.state.residual,
-                                  "outer_steps": states[src]["outer_steps"]})
-    engine.state.write_to(locals_)
+                    "taking island %d's", island.index, good, headers[src].round, headers[island.index].state,
+                    summary, src)
+    flat = None if received is None else received.view(torch.float32)
+    anchors = layout.scatter_from_leader(None if flat is None else flat[:n], device)
+    momentum = layout.scatter_from_leader(None if flat is None else flat[n:], device) if has_momentum else None
+    state.load_state_dict({"anchor": anchors, "momentum": momentum, "residual": state.residual,
+                           "outer_steps": summary.outer_steps})
+    state.write_to(locals_)
     return len(bad)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.settings import IslandSettings
 
 
@@ -56,17 +57,17 @@ class Schedule:
         fixed = self.settings.steps_per_round
         return h // f if fixed is None else max(1, round(fixed * h / (self.settings.sync_every * f)))
 
-    def next_round_steps(self, headers: Sequence[dict[str, Any]]) -> int:
+    def next_round_steps(self, headers: Sequence[RoundHeader]) -> int:
         """The next round's inner steps for this island, from every island's round header."""
         if self.settings.balance != "time":
             return self.planned_steps(self.round + 1)
         h = self.round_sync_every(self.round + 1) // self.settings.fragments
-        timed = [hdr for hdr in headers if not hdr.get("absent") and not hdr.get("joining")]
+        timed = [hdr for hdr in headers if hdr.votes]
         mine = headers[self.island]
-        if not timed or mine.get("absent") or mine.get("joining"):  # a joiner's clock measured its wait, not steps
+        if not timed or not mine.votes:  # a joiner's clock measured its wait, not steps
             return self.planned_steps(self.round + 1)
-        budget = h * max(max(float(hdr["step_seconds"]), 1e-9) for hdr in timed)
-        return max(1, min(8 * h, round(budget / max(float(mine["step_seconds"]), 1e-9))))
+        budget = h * max(max(float(hdr.step_seconds), 1e-9) for hdr in timed)
+        return max(1, min(8 * h, round(budget / max(float(mine.step_seconds), 1e-9))))
 
     def in_last_round(self) -> bool:
         """Whether the current round is round ``max_rounds``, the last one allowed."""
@@ -90,7 +91,7 @@ class Schedule:
                 self.restart_clock()
         return self.round_steps >= self.steps_per_round and not self.stopping
 
-    def advance(self, tokens: float, headers: Sequence[dict[str, Any]], steps_since: int = 0) -> None:
+    def advance(self, tokens: float, headers: Sequence[RoundHeader], steps_since: int = 0) -> None:
         """The round ended with an outer step: count it and plan the next one. ``steps_since``: inner
         steps taken since the round's sync point (an overlapped round); they count for the next."""
         next_steps = self.next_round_steps(headers)

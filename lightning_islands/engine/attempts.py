@@ -1,0 +1,42 @@
+"""A round's attempts: run again after losing an island, rejoined when the others went on, ended
+when the run ended.
+
+An attempt raises :class:`~lightning_islands.membership.RoundLost` when an island of the round
+was lost during it (the round runs again with the islands still alive),
+:class:`~lightning_islands.membership.LateForRound` when the round was decided without this island
+(it rejoins at the next round) and :class:`~lightning_islands.membership.RunEnded` when the other
+islands ended training meanwhile. The same loop serves the synchronous round (every rank) and the
+leader's background thread of an overlapped one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from lightning_islands.membership import LateForRound, RoundLost, RunEnded
+from lightning_islands.transport import IslandAborted
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+# how many times a round is run again after losing an island before the run gives up
+MAX_ATTEMPTS = 16
+
+
+def run_attempts(round_: int, attempt: Callable[[int], T], late: Callable[[str], T], ended: Callable[[], T],
+                 leader: bool) -> T:
+    """``attempt(k)`` for k = 0, 1, ... until one counts (again after :class:`RoundLost`);
+    ``late(why)`` when the round went on without this island, ``ended()`` when the run ended.
+    ``leader``: this rank logs the lost attempts. Past :data:`MAX_ATTEMPTS` the run gives up."""
+    for k in range(MAX_ATTEMPTS):
+        try:
+            return attempt(k)
+        except RoundLost as err:
+            if leader:
+                log.warning("islands: %s (attempt %d)", err, k + 1)
+        except LateForRound as err:
+            return late(str(err))
+        except RunEnded:
+            return ended()
+    raise IslandAborted(f"round {round_} failed {MAX_ATTEMPTS} times in a row; see the warnings")

@@ -1,0 +1,148 @@
+"""Before the first round: the islands meet, start from one state, and agree on where they start.
+
+- :func:`meet`: the leader opens the link, the islands compare fingerprints of their model and
+  settings through the coordinator (a mismatch is a clear error, not a hang), then open the lanes.
+- :func:`adopt_initial_state`: every island takes island 0's parameters and buffers; the islands
+  compare a SHA-256 first and send nothing when they already agree.
+- :func:`agree_on_start` and :func:`settle_start`: at the start of every fit the islands compare a
+  digest of their global state and whether each has steps left, and act on it alike.
+
+Every function is a collective of the island (:meth:`Island.agree` carries the leader's result).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_islands.engine.group import Link
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.schedule import Schedule
+from lightning_islands.engine.settings import compare_fingerprints
+from lightning_islands.engine.state import OuterState
+
+
+def meet(island: Island, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool) -> None:
+    """Leader: open the link, compare fingerprints through the coordinator, then open the lanes;
+    every rank raises if any island differs. ``rejoining``: a restarted island compares with what
+    the others published when they started, whether or not they resumed, and opens no lanes (the
+    round that takes it back builds them)."""
+
+    def leader() -> None:
+        try:
+            island.link = open_link()
+        except Exception as err:
+            raise RuntimeError(f"could not meet the other islands: {err}") from err
+        prints = island.link.gather_objects("fingerprint", fingerprint)
+        if rejoining:
+            prints = [{k: v for k, v in p.items() if k != "resuming"} for p in prints]
+        error = compare_fingerprints(prints)
+        if error:
+            raise RuntimeError(error)
+        if not rejoining:
+            island.link.open_lanes()
+
+    island.agree(leader)
+
+
+@torch.no_grad()
+def adopt_initial_state(island: Island, layout: CanonicalLayout, state: OuterState, device: torch.device,
+                        locals_: Sequence[Tensor], buffers: dict[str, Tensor], key: str) -> bool:
+    """Every island takes island 0's parameters (into ``locals_``) and ``buffers``; the anchors are
+    taken from them (fp32). ``key``: this exchange's own name at the coordinator. Returns whether
+    island 0's state had to be sent.
+
+    Islands first compare a SHA-256 of their full fp32 parameters and buffers: islands built from
+    the same seed, or all loaded from the same plain checkpoint, already agree bit for bit, and then
+    nothing is sent (a full fp32 copy less across the slow link).
+    """
+    mine = layout.gather_to_leader(locals_, device)
+    if layout.has_copies:  # copies on several ranks (replicated under tensor parallel) may differ
+        layout.scatter_from_leader(mine, device, into=list(locals_))  # every copy takes the one gathered
+    found = island.with_link(lambda link: link.gather_objects(key, state_digest(mine, buffers)))
+    if len(set(found)) == 1:
+        state.set_anchors(locals_)
+        return False
+    if island.index == 0:
+        island.on_leader(lambda link: link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
+        state.set_anchors(locals_)
+    else:
+        flat = island.on_leader(lambda link: link.broadcast_bytes(None, src=0).view(torch.float32))
+        shards = layout.scatter_from_leader(flat, device)
+        # Anchors from the fp32 values received, not from parameters that may hold fewer bits.
+        shards = [s.to(loc.device) for s, loc in zip(shards, locals_)]
+        for loc, s in zip(locals_, shards):
+            loc.copy_(s)
+        state.set_anchors(shards)
+    _share_buffers(island, buffers)
+    return True
+
+
+def _share_buffers(island: Island, buffers: dict[str, Tensor]) -> None:
+    """Island 0 sends its buffers, the others load them (every island has the same module)."""
+    if not buffers:
+        return
+    if island.index == 0:
+        blob = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+        payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+        island.on_leader(lambda link: link.broadcast_bytes(payload, src=0))
+        return
+    data = island.with_link(lambda link: link.broadcast_bytes(None, src=0).numpy().tobytes())
+    received = torch.load(io.BytesIO(data), weights_only=True)
+    for name, buf in buffers.items():
+        if name in received:
+            buf.copy_(received[name].to(buf.device))
+
+
+def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
+    """SHA-256 of the full fp32 parameters and of every buffer (name, dtype, shape, bytes)."""
+    assert flat is not None, "the leader holds the gathered parameters"
+    h = hashlib.sha256(flat.cpu().numpy())
+    for name, buf in buffers.items():
+        h.update(f"{name}:{buf.dtype}:{tuple(buf.shape)}".encode())
+        h.update(buf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def agree_on_start(island: Island, digest: str | None, round_: int, more: bool) -> list[int]:
+    """The islands' start agreement: every island's global state (``digest``, on the leader) must be
+    the same; returns the islands that have no training steps left (``more=False``)."""
+
+    def compare(link: Link) -> list[int]:
+        found = link.gather_objects("start", {"digest": digest, "round": round_, "more": more})
+        if len({d["digest"] for d in found}) != 1:
+            raise RuntimeError(
+                f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
+                "resume every island from its checkpoint of the same step, or none")
+        return [i for i, d in enumerate(found) if not d["more"]]
+
+    return island.with_link(compare)
+
+
+def settle_start(schedule: Schedule, done: list[int]) -> tuple[bool, str | None, bool]:
+    """Act on the start agreement (``done``: the islands without steps left). Returns whether to
+    stop at once, and a message for the user (``None``: nothing to say) with whether it is a warning.
+
+    Every island has steps: go on, also after the agreed end of an earlier run (a final checkpoint
+    resumed with more steps). Some island has none: no round could complete (that island never
+    joins one), so every island stops at once.
+    """
+    if not done:
+        if not schedule.stopping:
+            return False, None, False
+        schedule.stopping = False
+        return False, f"islands: continuing after round {schedule.round}, where the previous run ended", False
+    if schedule.stopping:
+        return True, (f"islands: this checkpoint is the agreed end of a run (round {schedule.round}) and not "
+                      "every island has steps left; stopping. Raise trainer.max_steps to train further."), False
+    schedule.stopping = True  # the end of training must not start a round the others never join
+    return True, (f"islands: island(s) {done} have no steps left (trainer.max_steps reached), so no round can "
+                  f"complete; not every island has steps left, stopping at round {schedule.round}. Give every "
+                  "island a max_steps above the step it resumes from."), True
