@@ -137,6 +137,36 @@ class Killer(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class HoldForRejoin(pl.Callback):
+    """Pauses this (surviving) island after inner step ``step`` until island ``island`` is back in its
+    rounds or has asked the coordinator to take it back (its join request is there), so that a
+    restarted island always gets back in before the survivors end the run, however long its restart
+    takes on this machine."""
+
+    def __init__(self, step: int, island: int, timeout_s: float = 240.0) -> None:
+        self.step, self.island, self.timeout_s = step, island, timeout_s
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        me, link = trainer.strategy.island_index, trainer.strategy.engine.link
+        print(f"island {me} holds at step {self.step} until island {self.island} is back or asks to rejoin",
+              flush=True)
+        deadline = time.monotonic() + self.timeout_s
+        while not self._back_or_asking(link):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"island {self.island} neither came back nor asked to rejoin within "
+                                   f"{self.timeout_s:g} s")
+            time.sleep(0.05)
+        print(f"island {self.island} is back or asked to rejoin; island {me} goes on", flush=True)
+
+    def _back_or_asking(self, link) -> bool:
+        if link is None:  # a leader only: the other ranks wait in the next collective
+            return True
+        link = getattr(link, "link", link)  # under an AuthenticatedLink
+        return self.island in link.present or self.island in link.membership.joiners(1 << 62)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -187,6 +217,8 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=0, help="...after this inner step (--kill-phase inner)")
     p.add_argument("--kill-round", type=int, default=0, help="...in this round's exchange (--kill-phase exchange)")
     p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange"])
+    p.add_argument("--hold-for-rejoin", type=int, default=0,
+                   help="islands other than --kill-island pause after this inner step until it asks to rejoin")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
     p.add_argument("--grace-s", type=float, default=0.0, help="the strategy's grace_s (0: default)")
     args = p.parse_args()
@@ -255,6 +287,8 @@ def main() -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if island == args.kill_island and not restarted:
         callbacks.append(Killer(args.kill_phase, args.kill_step, args.kill_round))
+    if args.hold_for_rejoin and island != args.kill_island:
+        callbacks.append(HoldForRejoin(args.hold_for_rejoin, args.kill_island))
     delay = per_island(args.delays, float)
     first_delay = per_island(args.first_step_delay, float)
     if delay or first_delay:
