@@ -1,6 +1,6 @@
-"""Throughput of authenticated payloads (``lightning_islands/auth.py``) against link rates.
+"""Throughput of authenticated payloads (``lightning_islands/link/auth.py``) against link rates.
 
-For payloads of 1 MB to 1 GB this times what :class:`~lightning_islands.auth.AuthenticatedLink`
+For payloads of 1 MB to 1 GB this times what :class:`~lightning_islands.link.auth.AuthenticatedLink`
 adds to a payload call:
 
 * ``sign``: a fresh buffer with room for the tag, the copy of the payload into it (the one
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_islands import auth
+from lightning_islands.link import auth
 
 SIZES_MB = (1, 16, 256, 1024)
 QUICK_SIZES_MB = (0.25, 1, 8)
@@ -52,6 +52,9 @@ class _Stub:
     """The least a Link needs to be wrapped (the benchmark calls the signing and checking directly)."""
 
     island, num_islands = 0, 2
+
+    def close(self) -> None:
+        pass
 
 
 def _timed(fn, repeats: int) -> tuple[float, float, float]:

@@ -110,17 +110,17 @@ def _send_recv(link: object, payload: object, split: bool) -> float:
     import torch
     import torch.distributed as dist
 
-    n_lanes, peer, tag = len(link.lanes), 1 - link.island, "split" if split else "duplex"
+    n_lanes, peer, tag = len(link.lanes.groups), 1 - link.island, "split" if split else "duplex"
     size = (payload.numel() + n_lanes - 1) // n_lanes
     parts = [payload[k * size : (k + 1) * size] for k in range(n_lanes)]
     bufs = [torch.zeros(part.numel(), dtype=torch.uint8) for part in parts]
     if split:  # group 2k carries island 0 -> 1, group 2k + 1 island 1 -> 0
         groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"{link.run_id}/split{g}/", link.store), link.island, 2,
-                                        link._lane_options()) for g in range(2 * n_lanes)]
+                                        link.lanes._options()) for g in range(2 * n_lanes)]
         send = [groups[2 * k + link.island] for k in range(n_lanes)]
         recv = [groups[2 * k + peer] for k in range(n_lanes)]
     else:
-        send = recv = link.lanes
+        send = recv = link.lanes.groups
     link.gather_objects(f"go-{tag}", True)
     t0 = time.perf_counter()
     works = [w for k in range(n_lanes) for w in (send[k].send([parts[k]], peer, 0), recv[k].recv([bufs[k]], peer, 0))]
@@ -158,7 +158,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from lightning_islands.app.netns import TUNED_TCP, write_sysctls
-    from lightning_islands.transport import IslandLink, island_identity
+    from lightning_islands.link.coordinator import island_identity
+    from lightning_islands.link.island_link import IslandLink
 
     island, num_islands, coordinator, run_id = island_identity()
     n = int(args.payload_mb * 1e6)
@@ -281,7 +282,7 @@ def _membership_round_trips(stores: list, per_op: dict, rtt: float, rounds: int 
     """The store requests of a round's membership (``decide``, then ``settle``) of one island per
     client in ``stores`` when they arrive together, timed and counted; ``rounds`` rounds, the last
     one's counts kept."""
-    from lightning_islands.membership import Membership
+    from lightning_islands.link.membership import Membership
 
     islands = len(stores)
     counts: list[dict[str, int]] = [{} for _ in stores]
@@ -315,7 +316,8 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
     away."""
     import torch.distributed as dist
 
-    from lightning_islands.transport import Coordinator, IslandLink, _status_key
+    from lightning_islands.link.coordinator import Coordinator, status_key
+    from lightning_islands.link.island_link import IslandLink
 
     coordinator = Coordinator("127.0.0.1", 0)
     proxy = _DelayProxy(coordinator.port, rtt / 2)
@@ -344,7 +346,7 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
         link.heartbeat({"step": 1})
     # a set awaits no reply: wait until every beat has landed, or an island that looks before its peer's
     # beat arrives counts a check without a get (9 round trips instead of 11, by the scheduler's whim)
-    beat_keys = [_status_key("rt", i) for i in range(islands)]
+    beat_keys = [status_key("rt", i) for i in range(islands)]
     while not client.check(beat_keys):
         time.sleep(0.005)
 

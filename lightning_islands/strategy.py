@@ -32,7 +32,6 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
-from lightning_islands.auth import SCHEME, AuthenticatedLink, load_secret
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
 from lightning_islands.engine.checkpoint import (
     discard,
@@ -44,7 +43,10 @@ from lightning_islands.engine.checkpoint import (
 )
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
-from lightning_islands.transport import IslandAborted, IslandLink, island_identity, restart_count
+from lightning_islands.link.auth import SCHEME, AuthenticatedLink, load_secret
+from lightning_islands.link.coordinator import island_identity, restart_count
+from lightning_islands.link.island_link import IslandLink
+from lightning_islands.link.protocol import IslandAborted
 
 _SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
 
@@ -86,7 +88,7 @@ class IslandStrategy(FSDP2Strategy):
             environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
         secret_file: a file holding the islands' shared secret (mode 600); default ``LI_SECRET_FILE``,
             else ``LI_SECRET``, else none. With a secret, every payload and round header carries an
-            HMAC (:class:`~lightning_islands.auth.AuthenticatedLink`, see SECURITY.md).
+            HMAC (:class:`~lightning_islands.link.auth.AuthenticatedLink`, see SECURITY.md).
         unit_classes, reshard_after_forward, process_group_backend, tensor_parallel_size,
             expert_parallel_size: as :class:`FSDP2Strategy`; islands may parallelize differently
             (they meet in the canonical layout, whatever their DTensor placements).
@@ -307,7 +309,7 @@ class IslandStrategy(FSDP2Strategy):
         self._last_status = now
         self._beats += 1
         with suppress(Exception):  # "beat" changes every time: islands waiting for this one keep waiting
-            link.heartbeat({**self._status(), "beat": self._beats})  # type: ignore[attr-defined]
+            link.heartbeat({**self._status(), "beat": self._beats})
 
     def _status(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
@@ -321,7 +323,7 @@ class IslandStrategy(FSDP2Strategy):
         link = self.engine.link if self.engine else None
         if link is None or not self.global_rank == 0:
             return nullcontext()
-        return link.beating({**self._status(), "phase": phase})  # type: ignore[attr-defined]
+        return link.beating({**self._status(), "phase": phase})
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -496,7 +498,7 @@ class IslandStrategy(FSDP2Strategy):
         if self.engine is not None:
             self._join_start_if_skipped()  # a collective of the island: every rank takes part
             if self.engine.link is not None:
-                self.engine.link.close()  # type: ignore[attr-defined]
+                self.engine.link.close()
                 self.engine.link = None
         super().teardown()
 

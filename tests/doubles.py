@@ -1,6 +1,6 @@
 """Test doubles of the engine's two interfaces, for islands and ranks that are threads of one test.
 
-- :class:`MemoryLink` implements the transport's :class:`~lightning_islands.engine.group.Link`
+- :class:`MemoryLink` implements the link's :class:`~lightning_islands.link.protocol.Link`
   between islands in memory (every call is a keyed meeting of all islands, like the store's keys
   and the lanes' collectives), counting bytes as the real link does.
 - :class:`ThreadGroup` implements :class:`~lightning_islands.engine.group.IslandGroup` between the
@@ -11,6 +11,7 @@ Every wait has a timeout, so a bug fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_islands.transport import IslandAborted, LinkStats
+from lightning_islands.link.protocol import IslandAborted, LinkStats
 
 WAIT_S = 60.0
 
@@ -113,6 +114,15 @@ class MemoryLink:
 
     def add_wait(self, seconds: float) -> None:
         self.stats.seconds_waiting += seconds
+
+    def heartbeat(self, status: dict) -> None:
+        pass  # islands in memory never go silent
+
+    def beating(self, status: dict, period: float | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
 
     def abort(self, message: str) -> None:
         with self.hub.cond:

@@ -15,7 +15,10 @@ import torch
 from doubles import Hub, MemoryLink
 from test_engine import SPECS, assert_identical, run
 
-from lightning_islands.auth import (
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.engine.settings import compare_fingerprints
+from lightning_islands.link import Link
+from lightning_islands.link.auth import (
     ENV_SECRET,
     ENV_SECRET_FILE,
     PIECE_BYTES,
@@ -24,8 +27,6 @@ from lightning_islands.auth import (
     AuthenticationError,
     load_secret,
 )
-from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
-from lightning_islands.engine.settings import compare_fingerprints
 
 SECRET = b"correct horse battery staple 42"
 OTHER = b"another secret of enough bytes"
@@ -96,7 +97,10 @@ def test_objects_payloads_and_broadcasts_arrive_unchanged():
     stats = links[0].take_stats()
     assert stats.bytes_sent == (sizes[0] + TAG_BYTES) * 2 + TAG_BYTES * 2, "the tags are bytes on the link too"
     assert stats.seconds_exchanging > 0, "signing and checking count as exchanging"
-    assert links[0].hub is links[0].link.hub, "other attributes are the wrapped link's"
+    # the whole Link protocol by name, and nothing else of the wrapped link (no __getattr__ forwarding)
+    protocol = [n for n in vars(Link) if not n.startswith("_")] + list(Link.__annotations__)
+    assert [n for n in protocol if n not in vars(AuthenticatedLink) and n not in ("island", "num_islands")] == []
+    assert not hasattr(links[0], "hub") and links[0].link.hub is not None
     assert SECRET.decode() not in repr(links[0])
     for link in links:
         link.close()
@@ -250,7 +254,8 @@ def test_the_real_link_over_loopback_with_a_secret_gives_the_same_bits():
     global states as the plain in-memory run (the initial state is broadcast: islands start apart)."""
     from test_engine import LOOPBACK_PLAN, loopback_island
 
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     coordinator = Coordinator()
     links = [AuthenticatedLink(IslandLink(coordinator.address, i, 2, run_id="auth", lanes=2), SECRET, "auth")
@@ -266,7 +271,8 @@ def test_the_real_link_over_loopback_with_a_secret_gives_the_same_bits():
 
 
 def test_the_real_link_rejects_the_wrong_secret_on_both_sides():
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     coordinator = Coordinator()
     links = [AuthenticatedLink(IslandLink(coordinator.address, i, 2, run_id="wrong"), s, "wrong")

@@ -309,7 +309,8 @@ def loopback_island(i: int, make_link: Any) -> list[torch.Tensor]:
 
 def test_the_real_link_over_loopback_gives_the_same_bits():
     """The same two islands over the coordinator and gloo lanes (threads of this process)."""
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     coordinator = Coordinator()
     links = [IslandLink(coordinator.address, i, 2, run_id="loopback", lanes=2) for i in range(2)]
@@ -354,8 +355,19 @@ def test_no_module_the_engine_reaches_imports_lightning():
                 for candidate in (root / rel.with_suffix(".py"), root / rel / "__init__.py"):
                     if candidate.exists() and candidate != root / "__init__.py":
                         todo.append(candidate)
-    assert root / "engine" / "round.py" in seen and root / "transport.py" in seen
+    assert root / "engine" / "round.py" in seen and root / "link" / "protocol.py" in seen
     assert sys.modules  # the walk is static: nothing was imported
+
+
+def test_the_engine_imports_of_the_link_its_protocol_only():
+    """The link package's Protocol and errors are all the engine knows of it: every engine module's
+    import from lightning_islands.link names link.protocol (and the package's own __init__ imports
+    nothing else either)."""
+    root = Path(__import__("lightning_islands").__file__).parent
+    for path in [*(root / "engine").glob("*.py"), root / "link" / "__init__.py"]:
+        for name in _imports(path):
+            if name.startswith("lightning_islands.link") and name != "lightning_islands.link":
+                assert name.startswith("lightning_islands.link.protocol"), f"{path.relative_to(root)} imports {name}"
 
 
 def test_the_outer_state_round_trips_through_a_checkpoint_and_a_damaged_one_names_itself(tmp_path):

@@ -125,13 +125,14 @@ def test_the_state_checksum_ignores_the_sharding_and_sees_one_bit():
 
 def _unreachable(tmp_path):
     from lightning_islands.app.launch import free_port
-    from lightning_islands.transport import IslandLink
+    from lightning_islands.link.island_link import IslandLink
 
     IslandLink(f"127.0.0.1:{free_port()}", 0, 2, timeout=timedelta(seconds=1))
 
 
 def _duplicate(tmp_path):
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     coord = Coordinator()
     IslandLink(coord.address, 1, 2, run_id="exp")
@@ -139,13 +140,15 @@ def _duplicate(tmp_path):
 
 
 def _out_of_range(tmp_path):
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     IslandLink(Coordinator().address, 2, 2)
 
 
 def _silent_peer(tmp_path):
-    from lightning_islands.transport import Coordinator, IslandLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
 
     coord = Coordinator()
     link = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1))

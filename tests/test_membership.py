@@ -1,6 +1,6 @@
 """Membership per round: islands that die are left out, islands that restart rejoin.
 
-Islands are threads of this test with real :class:`~lightning_islands.transport.IslandLink`s over
+Islands are threads of this test with real :class:`~lightning_islands.link.island_link.IslandLink`s over
 loopback (a real coordinator, real gloo lanes); the multi-process tests with real SIGKILLs and
 torchrun restarts are in tests/test_islands.py.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,8 +18,11 @@ from doubles import run_threads
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver
-from lightning_islands.membership import Decision, Membership, QuorumLost
-from lightning_islands.transport import Coordinator, IslandLink
+from lightning_islands.link import liveness
+from lightning_islands.link.coordinator import Coordinator
+from lightning_islands.link.island_link import IslandLink
+from lightning_islands.link.membership import Decision, Membership
+from lightning_islands.link.protocol import QuorumLost
 
 GRACE = 1.0
 
@@ -119,7 +123,7 @@ def test_a_failed_attempt_counts_for_no_island():
     ms = [Membership(coordinator.store, "f", i, 2, 1, GRACE, None, lambda i: None) for i in range(2)]
     decisions = run_threads([lambda m=m: m.decide(0, {})[0] for m in ms])
     ms[1].retry(decisions[1])
-    from lightning_islands.membership import RoundLost
+    from lightning_islands.link.protocol import RoundLost
     with pytest.raises(RoundLost):
         ms[0].settle(decisions[0])
     nxt = run_threads([lambda m=m: m.decide(0, {})[0] for m in ms])
@@ -205,7 +209,7 @@ def test_decision_json_round_trips():
 def test_a_lost_coordinator_is_named_with_the_fix():
     import gc
 
-    from lightning_islands.transport import CoordinatorLost
+    from lightning_islands.link.protocol import CoordinatorLost
 
     coordinator = Coordinator()
     address = coordinator.address
@@ -227,7 +231,7 @@ def test_an_island_left_behind_is_no_joiner_of_that_rounds_later_attempts():
 def test_a_member_restarted_mid_round_counts_as_lost_at_once():
     """Its new process beats, but the process that was a member is gone: the attempt fails without
     waiting out the grace window."""
-    from lightning_islands.membership import RoundLost
+    from lightning_islands.link.protocol import RoundLost
 
     coordinator = Coordinator()
     ms = [Membership(coordinator.store, "inc", i, 2, 1, 30.0, None, lambda i: None) for i in range(2)]
@@ -237,3 +241,54 @@ def test_a_member_restarted_mid_round_counts_as_lost_at_once():
     with pytest.raises(RoundLost):
         ms[0].settle(decisions[0])
     assert time.monotonic() - t0 < 5.0
+
+
+class _FailsOnce:
+    """A client of the coordinator whose first ``set`` fails, as a connection reset would."""
+
+    failed = 0
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def set(self, key: str, value: str) -> None:
+        if not _FailsOnce.failed:
+            _FailsOnce.failed += 1
+            raise RuntimeError("injected: connection reset by peer")
+        self.store.set(key, value)
+
+
+def _flaky_beat(link: IslandLink, coordinator: Coordinator) -> liveness.Beat:
+    """Replace ``link``'s liveness beat by one whose first ``set`` fails."""
+    link.alive.stop()
+    _FailsOnce.failed = 0
+    connect = liveness.connector("127.0.0.1", coordinator.port, timedelta(seconds=5))
+    beat = liveness.Beat(lambda: _FailsOnce(connect()), link.membership.alive_key(link.island), link.incarnation,
+                         "flaky-alive")
+    link.alive = beat
+    return beat
+
+
+def test_a_liveness_beat_that_fails_once_reconnects_logs_it_and_the_island_stays_a_member(caplog):
+    """Island 1's first beat fails; it arrives at round 0 well after the grace window, beating all
+    along: island 0 waits for it (both are members), and the failure and the recovery are logged.
+    (A beat that ended at its first error left island 1 silent: round 0 went on without it.)"""
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "flaky") for i in range(2)]
+    beat = _flaky_beat(links[1], coordinator)
+    header0 = "flaky/round0/a0/h/0"
+
+    def late_island() -> list:
+        while not coordinator.store.check([header0]):  # island 0 waits in round 0 from here on
+            time.sleep(0.01)
+        time.sleep(3 * GRACE)  # slow, not silent: its beat goes on
+        return links[1].meet_round(0, {"i": 1})
+
+    with caplog.at_level("WARNING", logger="lightning_islands.link.liveness"):
+        got = run_threads([lambda: links[0].meet_round(0, {"i": 0}), late_island])
+    assert got[0] == got[1] == [{"i": 0}, {"i": 1}] and links[0].present == (0, 1)
+    assert beat.failures == 1
+    assert "liveness beat 'flaky/alive/1' failed (RuntimeError: injected: connection reset by peer)" in caplog.text
+    assert "liveness beat 'flaky/alive/1' goes through again" in caplog.text
+    for link in links:
+        link.close()

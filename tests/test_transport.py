@@ -9,7 +9,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from lightning_islands.transport import Coordinator, IslandAborted, IslandLink, parse_address
+from lightning_islands.link.coordinator import Coordinator, parse_address
+from lightning_islands.link.island_link import IslandLink
+from lightning_islands.link.protocol import IslandAborted
 
 
 def test_parse_address_names_the_fix():
@@ -140,7 +142,7 @@ def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes(sizes):
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert bool(links[0].directed) == (n == 2)  # two islands: one group per lane and direction
+    assert bool(links[0].lanes.directed) == (n == 2)  # two islands: one group per lane and direction
     for got in results:
         assert [torch.equal(g, p) for g, p in zip(got, payloads)] == [True] * n
     stats = links[0].take_stats()
@@ -167,8 +169,8 @@ def test_the_lanes_rendezvous_all_at_once_and_a_second_build_reuses_the_connecti
     first.join(timeout=60)
     second.join(timeout=60)
     assert published >= groups, f"island 0 published {published} keys before its peer came; {groups} groups"
-    assert [len(link.lanes) for link in links] == [3, 3] and all(len(d) == 2 for d in links[0].directed)
-    stores = list(links[0]._lane_stores)
+    assert [len(link.lanes.groups) for link in links] == [3, 3] and all(len(d) == 2 for d in links[0].lanes.directed)
+    stores = list(links[0].lanes._stores)
     assert len(stores) == groups and all(s is not None for s in stores)
 
     got: list = [None, None]
@@ -183,8 +185,8 @@ def test_the_lanes_rendezvous_all_at_once_and_a_second_build_reuses_the_connecti
     for t in threads:
         t.join(timeout=60)
     assert [[g.tolist() for g in gathered] for gathered in got] == [[[0] * 5, [1] * 5]] * 2
-    assert [s is t for s, t in zip(links[0]._lane_stores, stores)] == [True] * groups
-    assert links[0].lanes_key == "again" and len(links[0]._retired) == 1
+    assert [s is t for s, t in zip(links[0].lanes._stores, stores)] == [True] * groups
+    assert links[0].lanes_key == "again" and len(links[0].lanes._retired) == 1
 
 
 @pytest.mark.parametrize("kwargs, env, needle", [
@@ -193,7 +195,7 @@ def test_the_lanes_rendezvous_all_at_once_and_a_second_build_reuses_the_connecti
     ({}, {"LI_ISLAND": "one"}, r"environment variable LI_ISLAND='one' must be an integer"),
 ])
 def test_a_bad_island_identity_names_the_fix(kwargs, env, needle, monkeypatch):
-    from lightning_islands.transport import island_identity
+    from lightning_islands.link.coordinator import island_identity
 
     for key in ("LI_ISLAND", "LI_NUM_ISLANDS", "LI_COORDINATOR", "LI_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
@@ -204,7 +206,7 @@ def test_a_bad_island_identity_names_the_fix(kwargs, env, needle, monkeypatch):
 
 
 def test_the_island_identity_comes_from_the_environment(monkeypatch):
-    from lightning_islands.transport import island_identity
+    from lightning_islands.link.coordinator import island_identity
 
     monkeypatch.setenv("LI_ISLAND", "1")
     monkeypatch.setenv("LI_NUM_ISLANDS", "3")

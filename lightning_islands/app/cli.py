@@ -68,7 +68,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _coordinator(argv: list[str]) -> int:
-    from lightning_islands.transport import Coordinator
+    from lightning_islands.link.coordinator import Coordinator
 
     parser = argparse.ArgumentParser(prog="lightning-islands coordinator")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_islands.app.netns import LinkSpec, ShapedLink, run_in_namespace, shaped_link
-from lightning_islands.transport import (
+from lightning_islands.link.coordinator import (
     ENV_COORDINATOR,
     ENV_ISLAND,
     ENV_LINK_IFNAME,

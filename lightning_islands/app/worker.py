@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
+from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
-from lightning_islands.transport import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 
 _TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
                  "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")

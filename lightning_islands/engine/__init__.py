@@ -27,13 +27,14 @@ It imports torch, the codecs and the transport, never Lightning (a test enforces
 """
 
 from lightning_islands.engine.driver import RoundDriver
-from lightning_islands.engine.group import IslandGroup, Link, SoloGroup, TorchGroup
+from lightning_islands.engine.group import IslandGroup, SoloGroup, TorchGroup
 from lightning_islands.engine.header import HeaderError, RoundHeader, StateSummary
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.round import IslandEngine, PendingRound
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import IslandSettings, compare_fingerprints
 from lightning_islands.engine.state import OuterState
+from lightning_islands.link.protocol import Link
 
 __all__ = ["CanonicalLayout", "HeaderError", "IslandEngine", "IslandGroup", "IslandSettings", "Link", "OuterState",
            "PendingRound", "RoundDriver", "RoundHeader", "Schedule", "SoloGroup", "StateSummary", "TorchGroup",

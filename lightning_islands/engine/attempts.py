@@ -1,10 +1,10 @@
 """A round's attempts: run again after losing an island, rejoined when the others went on, ended
 when the run ended.
 
-An attempt raises :class:`~lightning_islands.membership.RoundLost` when an island of the round
+An attempt raises :class:`~lightning_islands.link.protocol.RoundLost` when an island of the round
 was lost during it (the round runs again with the islands still alive),
-:class:`~lightning_islands.membership.LateForRound` when the round was decided without this island
-(it rejoins at the next round) and :class:`~lightning_islands.membership.RunEnded` when the other
+:class:`~lightning_islands.link.protocol.LateForRound` when the round was decided without this island
+(it rejoins at the next round) and :class:`~lightning_islands.link.protocol.RunEnded` when the other
 islands ended training meanwhile. The same loop serves the synchronous round (every rank) and the
 leader's background thread of an overlapped one.
 """
@@ -15,8 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
-from lightning_islands.membership import LateForRound, RoundLost, RunEnded
-from lightning_islands.transport import IslandAborted
+from lightning_islands.link.protocol import IslandAborted, LateForRound, RoundLost, RunEnded
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from torch import Tensor
 from lightning_islands.codecs import Codec
 from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.engine import outer
-from lightning_islands.engine.group import Link
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.stats import RoundStats
+from lightning_islands.link.protocol import Link
 
 LINK_TOTALS = ("bytes_sent", "bytes_received", "seconds_exchanging", "seconds_waiting")
 

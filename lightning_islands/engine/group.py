@@ -1,13 +1,13 @@
-"""What the engine needs from the world it runs in: the island's own ranks, and the link to the others.
+"""What the engine needs from the island it runs in: its own ranks.
 
-Two small interfaces, so that the round can run in a real torch.distributed world (the Lightning
+A small interface, so that the round can run in a real torch.distributed world (the Lightning
 strategy), in one process (an island of one rank), or between threads of one test:
 
 - :class:`IslandGroup`, the ranks of one island: point-to-point sends for the canonical layout's
   gather and scatter, a float sum, and an object broadcast from the leader. :class:`TorchGroup` is
   the default process group; :class:`SoloGroup` an island of one process.
-- :class:`Link`, the leader's connection to the other islands:
-  :class:`~lightning_islands.transport.IslandLink` over the coordinator and gloo lanes.
+- The leader's connection to the other islands is the link package's
+  :class:`~lightning_islands.link.protocol.Link`.
 """
 
 from __future__ import annotations
@@ -54,67 +54,6 @@ class IslandGroup(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
-        ...
-
-
-class Link(Protocol):
-    """The leader's connection to the other islands (see :class:`~lightning_islands.transport.IslandLink`)."""
-
-    island: int
-    num_islands: int
-    present: tuple[int, ...]  # the islands of the current round (all of them before the first)
-    lanes_key: str | None  # changes whenever the lanes are rebuilt for another member set
-
-    def open_lanes(self) -> None:
-        """Open the streams payloads travel on (after the fingerprints agreed)."""
-        ...
-
-    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
-        """Every island's header of round ``round_`` in island order (``None``: not present), in the
-        wire form this island sends (:meth:`~lightning_islands.engine.header.RoundHeader.to_wire`);
-        the member set is decided here (:mod:`lightning_islands.membership`)."""
-        ...
-
-    def settle_round(self) -> None:
-        """This island finished the round's exchange: return once the round counts for every
-        member, or raise :class:`~lightning_islands.membership.RoundLost` (run it again)."""
-        ...
-
-    def end_run(self, round_: int) -> None:
-        """Round ``round_`` was the run's last (an island still rejoining stops)."""
-        ...
-
-    def rejoin(self, timeout_s: float) -> int:
-        """A restarted island asks to be taken back; the round it is taken into."""
-        ...
-
-    def membership_changes(self) -> list[str]:
-        """The member-set changes seen since the last call (for the log)."""
-        ...
-
-    def gather_objects(self, key: str, obj: object) -> list:
-        """Every island's JSON-able ``obj`` under ``key``, in island order."""
-        ...
-
-    def all_gather_bytes(self, payload: Tensor) -> list[Tensor]:
-        """Every island's 1-D uint8 payload, in island order."""
-        ...
-
-    def broadcast_bytes(self, payload: Tensor | None, src: int = 0) -> Tensor:
-        """Island ``src``'s uint8 payload on every island."""
-        ...
-
-    def take_stats(self) -> Any:
-        """Bytes and seconds moved since the last call (``bytes_sent``, ``bytes_received``,
-        ``seconds_exchanging``, ``seconds_waiting``)."""
-        ...
-
-    def add_wait(self, seconds: float) -> None:
-        """Count ``seconds`` as time spent waiting for other islands."""
-        ...
-
-    def abort(self, message: str) -> None:
-        """Tell the other islands that this one failed."""
         ...
 
 

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, TypeVar
 
-from lightning_islands.engine.group import IslandGroup, Link
-from lightning_islands.membership import LateForRound, RoundLost, RunEnded
-from lightning_islands.transport import IslandAborted
+from lightning_islands.engine.group import IslandGroup
+from lightning_islands.link.protocol import IslandAborted, LateForRound, Link, RoundLost, RunEnded
 
 T = TypeVar("T")
 # errors of the leader that every rank re-raises as they are: the round is run again, or rejoined

@@ -21,13 +21,13 @@ from torch import Tensor
 from lightning_islands.engine import rendezvous
 from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.engine.fragments import split_fragments
-from lightning_islands.engine.group import Link
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import IslandSettings
 from lightning_islands.engine.state import OuterState
+from lightning_islands.link.protocol import Link
 
 # the shortest default grace window (a short round must not drop an island that pauses briefly)
 GRACE_FLOOR_S = 10.0

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.engine.group import Link
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import compare_fingerprints
 from lightning_islands.engine.state import OuterState
+from lightning_islands.link.protocol import Link
 
 
 def meet(island: Island, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool) -> None:

@@ -40,7 +40,7 @@ from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.lifecycle import IslandEngineBase
 from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.stats import sum_sq
-from lightning_islands.membership import RoundLost, RunEnded
+from lightning_islands.link.protocol import RoundLost, RunEnded
 
 log = logging.getLogger(__name__)
 

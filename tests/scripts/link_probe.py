@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_islands.transport import IslandLink, island_identity
+from lightning_islands.link.coordinator import island_identity
+from lightning_islands.link.island_link import IslandLink
 
 out, intra_mb, lane_mb = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 island, num_islands, coordinator, run_id = island_identity()

@@ -25,33 +25,15 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_islands.link.coordinator import get_if_set
+from lightning_islands.link.protocol import LateForRound, QuorumLost, RoundLost, RunEnded
+
 # how often a waiting island polls the store: one request for the keys it waits for, and every
 # SCAN_S the full scan (liveness, joiners, failures), a request per key; over a WAN each request is a
 # round trip to the coordinator, so the poll must stay one
 POLL_S = 0.01
 SCAN_S = 0.25
 START_LANES = "lanes"  # the key of the lanes every island opens when the run starts (IslandLink.open_lanes)
-
-
-def get_if_set(store: dist.Store, key: str) -> bytes | None:
-    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting)."""
-    return store.get(key) if store.check([key]) else None
-
-
-class RoundLost(RuntimeError):
-    """An island of the round was lost during it: the round runs again without it."""
-
-
-class LateForRound(RuntimeError):
-    """The round was decided without this island (it arrived after the grace window): it rejoins."""
-
-
-class QuorumLost(RuntimeError):
-    """Fewer than ``min_islands`` islands are alive: training cannot go on."""
-
-
-class RunEnded(RuntimeError):
-    """The other islands ended training (an agreed last round) before this one got back in."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Authenticated payloads and round headers between islands, from a shared secret.
 
-:class:`AuthenticatedLink` wraps any :class:`~lightning_islands.engine.group.Link` (the real
-:class:`~lightning_islands.transport.IslandLink`, or a test double) and implements the same
+:class:`AuthenticatedLink` wraps any :class:`~lightning_islands.link.protocol.Link` (the real
+:class:`~lightning_islands.link.island_link.IslandLink`, or a test double) and implements the same
 interface: every small object (fingerprints, round headers) and every payload carries a MAC keyed
 by the shared secret and the run id, and every island checks what every other island sent before
 the engine sees it. A payload altered on the way, or sent by a process without the secret (or with
@@ -36,14 +36,13 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # the type only: importing the engine here would tie the import orders together
-    from lightning_islands.engine.group import Link
+from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats
 
 ENV_SECRET = "LI_SECRET"
 ENV_SECRET_FILE = "LI_SECRET_FILE"
@@ -56,11 +55,6 @@ _GENERATE = "python -c 'import secrets; print(secrets.token_hex(32))'"
 _FIX = "give every island the same secret (LI_SECRET or the same secret file; see SECURITY.md)"
 
 log = logging.getLogger(__name__)
-
-
-class AuthenticationError(RuntimeError):
-    """An island's payload or object did not carry a valid MAC: altered on the way, or sent by a
-    process with a different secret or none."""
 
 
 # ---------------------------------------------------------------------------------------- secret
@@ -169,17 +163,18 @@ def _bytes_view(t: Tensor) -> memoryview:
 
 # ---------------------------------------------------------------------------------------- the link
 class AuthenticatedLink:
-    """A :class:`~lightning_islands.engine.group.Link` whose objects and payloads carry MACs.
+    """A :class:`~lightning_islands.link.protocol.Link` whose objects and payloads carry MACs.
 
-    Wraps ``link`` (any Link: :class:`~lightning_islands.transport.IslandLink` or a test double) and
-    has the same interface; everything else (``heartbeat``, ``beating``, ``run_id``, ...) is
-    forwarded to ``link``. Every island must wrap its link with the same ``secret`` and ``run_id``:
-    an island with another secret or none fails at the first object (the fingerprints), on every
-    island that checks it, with an :class:`AuthenticationError` naming it.
+    Wraps ``link`` (any Link: :class:`~lightning_islands.link.island_link.IslandLink` or a test
+    double) and implements the whole Protocol: what is not authenticated (membership, liveness,
+    status, accounting) it hands to ``link`` method by method. Every island must wrap its link with
+    the same ``secret`` and ``run_id``: an island with another secret or none fails at the first
+    object (the fingerprints), on every island that checks it, with an :class:`AuthenticationError`
+    naming it.
 
     Integration (the Lightning strategy: one line where it opens its link)::
 
-        from lightning_islands.auth import AuthenticatedLink, load_secret
+        from lightning_islands.link.auth import AuthenticatedLink, load_secret
 
         secret = load_secret(secret_file)   # secret_file: a path from the config, or None (LI_SECRET_FILE, LI_SECRET)
         link = IslandLink(...)
@@ -203,7 +198,7 @@ class AuthenticatedLink:
 
     def __init__(self, link: Link, secret: bytes, run_id: str, threads: int | None = None) -> None:
         if not isinstance(secret, bytes) or not secret:
-            raise TypeError("secret must be non-empty bytes (see lightning_islands.auth.load_secret)")
+            raise TypeError("secret must be non-empty bytes (see lightning_islands.link.auth.load_secret)")
         self.link = link
         self.island = link.island
         self.num_islands = link.num_islands
@@ -220,10 +215,15 @@ class AuthenticatedLink:
     def __repr__(self) -> str:  # never the key
         return f"AuthenticatedLink({self.link!r}, island={self.island}, run_id={self.run_id!r})"
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "link":  # not set yet (during __init__ or unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.link, name)
+    @property
+    def present(self) -> tuple[int, ...]:
+        """The islands of the current round (the wrapped link's)."""
+        return self.link.present
+
+    @property
+    def lanes_key(self) -> str | None:
+        """The key the wrapped link's lanes were built under."""
+        return self.link.lanes_key
 
     # ------------------------------------------------------------------ sequence
     def restart_sequence(self, epoch: str) -> None:
@@ -380,13 +380,36 @@ class AuthenticatedLink:
         """Open the wrapped link's lanes."""
         self.link.open_lanes()
 
-    def take_stats(self) -> Any:
+    def settle_round(self) -> None:
+        """The wrapped link's settling of the round (its decisions are not authenticated: SECURITY.md)."""
+        self.link.settle_round()
+
+    def end_run(self, round_: int) -> None:
+        """Record the run's last round, on the wrapped link."""
+        self.link.end_run(round_)
+
+    def rejoin(self, timeout_s: float) -> int:
+        """Ask to be taken back, on the wrapped link."""
+        return self.link.rejoin(timeout_s)
+
+    def membership_changes(self) -> list[str]:
+        """The wrapped link's member-set changes since the last call."""
+        return self.link.membership_changes()
+
+    def heartbeat(self, status: dict) -> None:
+        """Publish this island's status, on the wrapped link (not authenticated)."""
+        self.link.heartbeat(status)
+
+    def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
+        """Keep this island's status changing while the body runs, on the wrapped link."""
+        return self.link.beating(status, period)
+
+    def take_stats(self) -> LinkStats:
         """The wrapped link's counters; the time spent signing and checking counts as exchanging."""
         stats = self.link.take_stats()
         with self._lock:
             seconds, self.seconds_authenticating = self.seconds_authenticating, 0.0
-        if hasattr(stats, "seconds_exchanging"):
-            stats.seconds_exchanging += seconds
+        stats.seconds_exchanging += seconds
         return stats
 
     def add_wait(self, seconds: float) -> None:
@@ -398,10 +421,8 @@ class AuthenticatedLink:
         self.link.abort(message)
 
     def close(self) -> None:
-        """Stop the MAC threads and close the wrapped link (if it can be closed)."""
+        """Stop the MAC threads and close the wrapped link."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        close = getattr(self.link, "close", None)
-        if close is not None:
-            close()
+        self.link.close()

@@ -1,0 +1,30 @@
+"""Everything between islands: the link an island's leader talks to the other islands over.
+
+One module an idea:
+
+    protocol     Link, the whole interface the engine and the strategy use, its errors, LinkStats
+    coordinator  the coordinator (a TCPStore server), the island's identity from the environment
+    liveness     the island's liveness beat (reconnecting with backoff) and its status beats
+    membership   who takes part in a round: decided once in the store, attempts, rejoin requests
+    lanes        the gloo groups one member set's payloads move on, several streams per pair
+    island_link  IslandLink: the real Link, built from the above
+    auth         AuthenticatedLink: any Link with an HMAC on every payload and object
+
+The engine imports this package's protocol and nothing else of it (a test enforces it); the
+network emulator that shapes the wire on one machine is ``lightning_islands.app.netns``.
+"""
+
+from lightning_islands.link.protocol import (
+    AuthenticationError,
+    CoordinatorLost,
+    IslandAborted,
+    LateForRound,
+    Link,
+    LinkStats,
+    QuorumLost,
+    RoundLost,
+    RunEnded,
+)
+
+__all__ = ["AuthenticationError", "CoordinatorLost", "IslandAborted", "LateForRound", "Link", "LinkStats",
+           "QuorumLost", "RoundLost", "RunEnded"]

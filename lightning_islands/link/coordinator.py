@@ -1,0 +1,101 @@
+"""The coordinator: the store every island meets through, and how an island finds it.
+
+A coordinator is a c10d ``TCPStore`` server that outlives any island (:class:`Coordinator`; the
+launcher or ``lightning-islands coordinator`` runs one). An island learns its index, the island
+count, the coordinator's address and the run's id from its arguments or the environment
+(:func:`island_identity`); every key of a run lives under its run id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+ENV_ISLAND = "LI_ISLAND"
+ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
+ENV_COORDINATOR = "LI_COORDINATOR"
+ENV_RUN_ID = "LI_RUN_ID"
+# The network interface the lanes bind to (the launcher's shaped link sets it to the island's veth);
+# unset, they use gloo's default device (GLOO_SOCKET_IFNAME, else this host's name).
+ENV_LINK_IFNAME = "LI_LINK_IFNAME"
+# How many times this island was restarted (torch.distributed.run sets it; 0: the first start).
+ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+
+
+def get_if_set(store: dist.Store, key: str) -> bytes | None:
+    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting)."""
+    return store.get(key) if store.check([key]) else None
+
+
+def restart_count() -> int:
+    """This island's start count: 0 the first time, then 1, 2, ... after each restart."""
+    return _env_int(ENV_RESTART_COUNT) or 0
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``host:port`` (the coordinator address) into its parts, with a clear error."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(
+            f"coordinator address {address!r} is not of the form HOST:PORT; pass e.g. "
+            f"coordinator='127.0.0.1:29400' or set {ENV_COORDINATOR}"
+        )
+    return host, int(port)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
+
+
+def island_identity(island: int | None = None, num_islands: int | None = None, coordinator: str | None = None,
+                    run_id: str | None = None) -> tuple[int, int, str | None, str]:
+    """``(island, num_islands, coordinator, run_id)``: each argument, else from the environment
+    (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``), else island 0 of 1, no
+    coordinator, run id ``"islands"``. Raises a ValueError naming the fix for an index out of range
+    or several islands without a coordinator."""
+    island = island if island is not None else (_env_int(ENV_ISLAND) or 0)
+    num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
+    coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
+    if num_islands > 1 and not coordinator:
+        raise ValueError(f"{num_islands} islands need a coordinator address: pass coordinator='HOST:PORT' or set "
+                         f"{ENV_COORDINATOR} (`lightning-islands run` sets it for you)")
+    if not 0 <= island < num_islands:
+        raise ValueError(f"island index {island} is outside [0, {num_islands})")
+    return island, num_islands, coordinator, run_id or os.environ.get(ENV_RUN_ID) or "islands"
+
+
+def status_key(run_id: str, island: int) -> str:
+    """Where an island's status (its heartbeat, also shown by the launcher) lives in the store."""
+    return f"{run_id}/status/{island}"
+
+
+class Coordinator:
+    """A standalone c10d TCPStore server that holds membership and rounds for every island.
+
+    Keep the object alive for as long as islands train; ``port=0`` picks a free port.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.host = host
+        self.port = self.store.port
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to hand to islands."""
+        return f"{self.host}:{self.port}"
+
+    def status(self, num_islands: int, run_id: str) -> list[dict | None]:
+        """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
+        raw = [get_if_set(self.store, status_key(run_id, i)) for i in range(num_islands)]
+        return [json.loads(r) if r is not None else None for r in raw]

@@ -1,0 +1,356 @@
+"""An island's link to the others over a coordinator and gloo lanes: :class:`IslandLink`.
+
+The leader (its global rank 0) connects to the coordinator (:mod:`.coordinator`), claims its
+island index, beats its liveness (:mod:`.liveness`), takes part in every round's membership
+decision (:mod:`.membership`) and moves payloads over the lanes of the round's member set
+(:mod:`.lanes`), rebuilt whenever that set changes. Small objects go through the store. Nothing
+here knows about Lightning, parameters or codecs; it moves uint8 tensors and small JSON objects and
+counts what it moved. It implements :class:`~lightning_islands.link.protocol.Link`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, suppress
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_islands.link import liveness
+from lightning_islands.link.coordinator import (
+    ENV_ISLAND,
+    ENV_LINK_IFNAME,
+    ENV_RUN_ID,
+    get_if_set,
+    parse_address,
+    restart_count,
+    status_key,
+)
+from lightning_islands.link.lanes import Lanes
+from lightning_islands.link.membership import START_LANES, Decision, Membership
+from lightning_islands.link.protocol import CoordinatorLost, IslandAborted, LateForRound, LinkStats, RoundLost
+
+
+class IslandLink:
+    """The leader's connection to the other islands: a store client plus ``lanes`` gloo groups.
+
+    Joining claims the island index under ``run_id`` (a second claim fails: a duplicate island index
+    or a reused run id). Small objects go through the store first (fingerprints); :meth:`open_lanes`
+    then builds the gloo groups, so a mismatch is reported before anything can hang in them.
+
+    Args:
+        address: coordinator ``host:port``.
+        island: this island's index in ``[0, num_islands)``.
+        num_islands: how many islands take part.
+        run_id: namespace for this run's keys in the store (several runs may share a coordinator).
+        lanes: parallel TCP streams per island pair; payloads are split across them.
+        timeout: how long a waiting island tolerates silence from a missing one: an island that
+            keeps sending heartbeats (:meth:`heartbeat`, once per step) is slow, not lost, and is
+            waited for; one that is silent this long fails the wait.
+        max_wait: the longest one wait may last even while the missing islands keep beating
+            (``None``: no limit).
+        interface: the network interface the lanes bind to (``None``: ``LI_LINK_IFNAME``, else
+            gloo's default device). Only the lanes use it: the island's own process group keeps
+            its own device.
+        min_islands: the fewest islands a round may go on with (:mod:`lightning_islands.link.membership`).
+        grace_s: how long a round waits for an island that shows no sign of life (a number, or a
+            callable asked each time); ``None``: ``timeout``.
+        incarnation: this island's start count (a restarted island claims its index anew);
+            ``None``: from ``TORCHELASTIC_RESTART_COUNT``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        island: int,
+        num_islands: int,
+        run_id: str = "run",
+        lanes: int = 2,
+        timeout: timedelta = timedelta(minutes=10),
+        max_wait: timedelta | None = None,
+        interface: str | None = None,
+        min_islands: int = 1,
+        grace_s: float | Callable[[], float] | None = None,
+        incarnation: int | None = None,
+    ) -> None:
+        if not 0 <= island < num_islands:
+            raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
+        host, port = parse_address(address)
+        self._address = (host, port)
+        self.lanes = Lanes(liveness.connector(host, port, timeout), lanes, timeout,
+                           interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island}")
+        self.island = island
+        self.num_islands = num_islands
+        self.run_id = run_id
+        self.timeout = timeout
+        self.max_wait = max_wait
+        try:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
+            raise ConnectionError(
+                f"island {island} could not reach the coordinator at {address} ({err}); start one with "
+                "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
+            ) from err
+        self.incarnation = restart_count() if incarnation is None else incarnation
+        claims = self.store.add(f"{run_id}/joined/{island}/{self.incarnation}", 1)
+        if claims > 1:
+            raise RuntimeError(
+                f"island {island} already joined run {run_id!r} on the coordinator at {address}: either two "
+                f"islands were given the same index ({ENV_ISLAND}) or the run id is reused; give every launch "
+                f"a fresh {ENV_RUN_ID}"
+            )
+        self.present: tuple[int, ...] = tuple(range(num_islands))  # the islands the lanes join
+        self._lanes_key: str | None = None
+        self.decision: Decision | None = None
+        self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
+                                     timeout.total_seconds() if grace_s is None else grace_s,
+                                     None if max_wait is None else max_wait.total_seconds(), self._aborted,
+                                     self.incarnation)
+        self.stats = LinkStats()
+        beat_connect = liveness.connector(host, port, min(timeout, timedelta(seconds=liveness.CONNECT_S)))
+        self.alive = liveness.Beat(beat_connect, self.membership.alive_key(island), self.incarnation,
+                                   f"island{island}-alive")
+        self.alive.stop_with(self)
+
+    def _aborted(self, island: int) -> str | None:
+        """Island ``island``'s failure report, or ``None``."""
+        raw = get_if_set(self.store, f"{self.run_id}/abort/{island}")
+        return None if raw is None else raw.decode(errors="replace")
+
+    def open_lanes(self) -> None:
+        """Build the gloo groups between every island (every island must call this after the
+        fingerprint check); the rounds rebuild them whenever their member set changes.
+
+        Between two islands each lane is two groups more, one per direction (:class:`Lanes`); with
+        more islands the ring all-gather sends one way per connection.
+        """
+        self._build_lanes(START_LANES, tuple(range(self.num_islands)))
+
+    def _build_lanes(self, key: str, present: tuple[int, ...]) -> None:
+        self.present, self._lanes_key = present, key
+        self.lanes.build(f"{self.run_id}/{key}/", present.index(self.island), len(present))
+
+    @property
+    def lanes_key(self) -> str | None:
+        """The key the current lanes were built under (it changes with the member set)."""
+        return self._lanes_key
+
+    # -- rounds: who takes part ------------------------------------------------------------------
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        """Publish this island's header of round ``round_`` and return every island's, in island
+        order (``None``: not present this round). The lanes are rebuilt when the member set changed.
+
+        Raises :class:`~lightning_islands.link.protocol.LateForRound` (after asking to rejoin) when the
+        round went on without this island, and :class:`~lightning_islands.link.protocol.QuorumLost`.
+        """
+        try:
+            decision, headers = self.membership.decide(round_, header)
+        except LateForRound:
+            self.membership.request_join(round_ + 1)
+            raise
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
+        if decision.lanes != self._lanes_key:
+            try:
+                self._build_lanes(decision.lanes, decision.present)
+            except RuntimeError as err:
+                self.membership.retry(decision)
+                raise RoundLost(f"round {round_}: the lanes to islands {list(decision.present)} could not be "
+                                f"built ({err})") from err
+        self.decision = decision
+        return headers
+
+    def settle_round(self) -> None:
+        """This island finished the round's exchange: wait until every member did (the round
+        counts), or raise :class:`~lightning_islands.link.protocol.RoundLost` (run it again)."""
+        if self.decision is not None:
+            try:
+                self.membership.settle(self.decision)
+            except dist.DistNetworkError as err:
+                raise self._coordinator_lost(err) from err
+
+    def end_run(self, round_: int) -> None:
+        """The islands agreed that round ``round_`` is the last: an island still rejoining stops."""
+        self.membership.end(round_)
+
+    def rejoin(self, timeout_s: float) -> int:
+        """Ask the live islands to take this (restarted) island back; returns the round they take it
+        into (the caller then runs that round as a joiner)."""
+        with suppress(Exception):
+            self.store.delete_key(f"{self.run_id}/abort/{self.island}")  # a report of this island's earlier life
+        try:
+            self.membership.request_join()
+            return self.membership.await_inclusion(timeout_s).round
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
+
+    def membership_changes(self) -> list[str]:
+        """The member-set changes seen since the last call (for the log)."""
+        changes, self.membership.changes = self.membership.changes, []
+        return changes
+
+    def _coordinator_lost(self, err: Exception) -> CoordinatorLost:
+        host, port = self._address
+        return CoordinatorLost(
+            f"island {self.island} lost the coordinator at {host}:{port} ({err}); the run cannot go on without it "
+            "(it holds the membership and every round's agreement). Keep the coordinator running for the whole "
+            "run; restart the run from the islands' last checkpoints (resume=...)")
+
+    def _lost(self, what: str, err: Exception) -> RoundLost:
+        """A lane failed mid-round: the attempt is marked failed, the round runs again."""
+        if self.decision is not None:
+            self.membership.retry(self.decision)
+        return RoundLost(f"island {self.island} lost a peer during {what} ({err}); the round runs again without it")
+
+    def abort(self, message: str) -> None:
+        """Tell the other islands that this one failed, so they stop waiting for it with a clear error."""
+        self.store.set(f"{self.run_id}/abort/{self.island}", message[:2000])
+
+    # -- small objects through the store -------------------------------------------------------
+    def publish(self, key: str, obj: object) -> None:
+        """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
+        self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
+
+    def heartbeat(self, status: object) -> None:
+        """Publish this island's status (shown by the launcher); it tells waiting islands that this
+        one is alive, so it must change as the island advances (e.g. carry a counter)."""
+        self.store.set(status_key(self.run_id, self.island), json.dumps(status))
+
+    def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
+        """Keep this island's heartbeat going from a background thread while the body runs
+        (:func:`liveness.beating`): every ``period`` seconds (default: a quarter of ``timeout``, at
+        most 1 s), so the other islands keep waiting for it instead of giving it up after ``timeout``."""
+        period = min(1.0, self.timeout.total_seconds() / 4) if period is None else period
+        return liveness.beating(liveness.connector(*self._address, self.timeout), status_key(self.run_id, self.island),
+                                status, period, f"island{self.island}-heartbeat")
+
+    def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
+        return {i: get_if_set(self.store, status_key(self.run_id, i)) for i in islands}
+
+    def _check_aborts(self) -> None:
+        for i in range(self.num_islands):
+            report = self._aborted(i) if i != self.island else None
+            if report is not None:
+                raise IslandAborted(f"island {i} failed: {report}")
+
+    def gather_objects(self, key: str, obj: object) -> list:
+        """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order.
+
+        Raises :class:`IslandAborted` as soon as another island reports a failure, and names the
+        missing islands when none of them has sent a heartbeat for ``timeout``: a missing island
+        that keeps stepping is slow, and is waited for.
+        """
+        self.publish(f"{key}/{self.island}", obj)
+        keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
+        if not self.store.check(keys):  # the others are not all there yet: wait, watching them
+            self._await_objects(key, keys)
+        return [json.loads(value) for value in self.store.multi_get(keys)]
+
+    def _await_objects(self, key: str, keys: list[str]) -> None:
+        limit = self.timeout.total_seconds()
+        started = time.monotonic()
+        deadline = started + limit
+        give_up = started + self.max_wait.total_seconds() if self.max_wait is not None else None
+        period = min(1.0, limit / 4)  # how often the missing islands' heartbeats are compared
+        # the missing islands' beats, first read a period in (not before: an island that arrives
+        # while they are read would wait for the reads); progress is a change from one read to the next
+        beats: dict[int, bytes | None] | None = None
+        next_beat_check = started + period
+        while not self.store.check(keys):
+            self._check_aborts()
+            now = time.monotonic()
+            if now < next_beat_check and now <= deadline:
+                time.sleep(0.01)
+                continue
+            next_beat_check = now + period
+            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            if not missing:
+                break
+            latest = self._heartbeats(missing)
+            if beats is not None and any(latest[i] != beats.get(i) for i in missing):
+                deadline = now + limit  # a missing island made progress: slow, not lost
+            beats = {**(beats or {}), **latest}
+            if now > deadline:
+                raise IslandAborted(
+                    f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
+                    "(crashed, hung or never started); raise timeout_s if an island can legitimately "
+                    "go this long without finishing a step"
+                )
+            if give_up is not None and now > give_up:
+                raise IslandAborted(
+                    f"islands {missing} are still training but did not reach {key!r} within "
+                    f"{now - started:.0f} s (max_wait_s); give them fewer steps per round (balance=time, "
+                    "steps_per_round) or raise max_wait_s"
+                )
+            time.sleep(0.01)
+
+    # -- tensors over the lanes ----------------------------------------------------------------
+    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather one uint8 CPU tensor per island (sizes may differ); returns them in island order
+        (an empty tensor for an island not present this round).
+
+        The time until every island has announced its size is counted as waiting (for the slowest
+        island); the rest as exchanging. The payload is cut into ``len(lanes)`` chunks that move in
+        parallel. A lane that fails (a peer died) raises
+        :class:`~lightning_islands.link.protocol.RoundLost` instead of hanging.
+        """
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError("payload must be a 1-D uint8 tensor")
+        payload = payload.cpu().contiguous()
+        present = self.present
+        out = [torch.empty(0, dtype=torch.uint8) for _ in range(self.num_islands)]
+        out[self.island] = payload
+        if len(present) < 2:
+            return out
+        t0 = time.perf_counter()
+        try:
+            sizes = self.lanes.sizes(payload.numel())
+            t1 = time.perf_counter()
+            got = self.lanes.all_gather(payload, sizes)
+        except RuntimeError as err:
+            raise self._lost("an all-gather", err) from err
+        t2 = time.perf_counter()
+        self.stats.seconds_waiting += t1 - t0
+        self.stats.seconds_exchanging += t2 - t1
+        self.stats.bytes_sent += payload.numel() * (len(present) - 1)
+        self.stats.bytes_received += sum(s for i, s in zip(present, sizes) if i != self.island)
+        for i, t in zip(present, got):
+            out[i] = t
+        return out
+
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+        """Broadcast a uint8 tensor from island ``src`` to every island present (initial state, repairs)."""
+        if self.island == src and len(self.present) < 2:
+            return payload.cpu().contiguous() if payload is not None else torch.empty(0, dtype=torch.uint8)
+        if src not in self.present:
+            raise ValueError(f"island {src} is not present this round (present: {list(self.present)})")
+        t0 = time.perf_counter()
+        try:
+            buf = self.lanes.broadcast(payload if self.island == src else None, self.present.index(src))
+        except RuntimeError as err:
+            raise self._lost("a broadcast", err) from err
+        self.stats.seconds_exchanging += time.perf_counter() - t0
+        if self.island == src:
+            self.stats.bytes_sent += buf.numel() * (len(self.present) - 1)
+        else:
+            self.stats.bytes_received += buf.numel()
+        return buf
+
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` (spent waiting for other islands outside this link) as waiting."""
+        self.stats.seconds_waiting += seconds
+
+    def take_stats(self) -> LinkStats:
+        """Return the counters accumulated so far and start new ones."""
+        stats, self.stats = self.stats, LinkStats()
+        return stats
+
+    def close(self) -> None:
+        """Stop the liveness beat; drop the lanes and the store connection."""
+        self.alive.stop()
+        self.lanes.close()
+        self.store = None  # type: ignore[assignment]

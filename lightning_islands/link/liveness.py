@@ -1,0 +1,134 @@
+"""An island's signs of life at the coordinator: its liveness beat and its status beats.
+
+:class:`Beat` changes the island's liveness key every ``BEAT_S`` from a thread with its own store
+connection while the island's link is open; the other islands read a key that stops changing for
+``grace_s`` as a lost island (:mod:`lightning_islands.link.membership`). A beat that fails (the
+coordinator unreachable for a moment, a connection reset) is logged and retried on a new connection
+with exponential backoff, so one failed ``set`` never makes a live island look dead for good.
+:func:`beating` keeps the island's status key changing while a long step without training runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+BEAT_S = 0.25  # how often an island's liveness beat changes while its link is open
+BACKOFF_MAX_S = 5.0  # the longest pause between two tries of a failing beat
+CONNECT_S = 5.0  # how long a beat's (re)connection may take; stopping the beat waits at most this
+LOG_EVERY_S = 60.0  # a beat that keeps failing is logged again this often
+
+_BEATING: weakref.WeakSet = weakref.WeakSet()  # beats whose thread runs
+
+
+@atexit.register
+def _stop_beats() -> None:
+    """Stop every liveness thread before the interpreter finalizes (a thread inside the store's C++
+    code at that moment aborts the process)."""
+    for beat in list(_BEATING):
+        beat.stop()
+
+
+def connector(host: str, port: int, timeout: timedelta) -> Callable[[], dist.Store]:
+    """A function that opens a new client connection to the coordinator at ``host:port``."""
+    return lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+class Beat:
+    """This island's liveness beat: ``key`` reads ``"INCARNATION:COUNT"``, the count advancing every
+    ``period`` seconds, from a thread of its own (started here, stopped by :meth:`stop`).
+
+    ``connect`` opens the thread's own store connection (:func:`connector`). When a ``set`` or a
+    connection fails, the failure is logged with its cause and the beat tries again on a new
+    connection after ``period``, doubling the pause up to ``BACKOFF_MAX_S``; the first beat that
+    goes through again is logged too. ``failures`` counts the failed tries.
+    """
+
+    def __init__(self, connect: Callable[[], dist.Store], key: str, incarnation: int, name: str,
+                 period: float = BEAT_S) -> None:
+        self.connect, self.key, self.incarnation, self.period = connect, key, incarnation, period
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _BEATING.add(self)
+
+    def stop(self) -> None:
+        """Stop beating (waits for the thread, at most a connection attempt's length)."""
+        self._stop.set()
+        self._thread.join(timeout=CONNECT_S + 1.0)
+
+    def stop_with(self, owner: object) -> None:
+        """Stop beating, without waiting, once ``owner`` (the link this beat belongs to) is garbage:
+        a link dropped without :meth:`stop` must not beat, or retry a vanished coordinator, forever."""
+        weakref.finalize(owner, self._stop.set)
+
+    def _run(self) -> None:
+        store: dist.Store | None = None
+        count, pause, failing_since, logged = 0, self.period, 0.0, 0.0
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = self.connect()
+                count += 1
+                store.set(self.key, f"{self.incarnation}:{count}")
+            except Exception as err:  # noqa: BLE001 - logged, and tried again on a new connection
+                store, self.failures = None, self.failures + 1
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - logged >= LOG_EVERY_S:
+                    logged = now
+                    log.warning("lightning_islands: the liveness beat %r failed (%s: %s); retrying on a new "
+                                "connection, at most every %g s", self.key, type(err).__name__, err, BACKOFF_MAX_S)
+                pause = min(BACKOFF_MAX_S, pause * 2)
+            else:
+                if failing_since:
+                    log.warning("lightning_islands: the liveness beat %r goes through again after %.1f s",
+                                self.key, time.monotonic() - failing_since)
+                failing_since, logged, pause = 0.0, 0.0, self.period
+            self._stop.wait(pause)
+
+
+@contextmanager
+def beating(connect: Callable[[], dist.Store], key: str, status: dict, period: float,
+            name: str) -> Iterator[None]:
+    """Keep ``key`` (an island's status) changing from a background thread while the body runs:
+    ``status`` with a ``"beat"`` that changes every ``period`` seconds.
+
+    For work that takes long and cannot beat by itself (writing a checkpoint): the other islands see
+    progress and keep waiting for this island. The thread has its own connection (``connect``), and
+    it stops when the body ends, also by an exception: a failed or hung island stops beating only if
+    the body ends, so ``max_wait`` is the bound for a body that hangs. Leaving the block waits at
+    most a few seconds for the thread (a connection attempt still under way is left to end by
+    itself: it sends nothing once the block has ended).
+    """
+    stop = threading.Event()
+
+    def beat() -> None:
+        try:  # best effort: without beats the island only looks silent
+            store = connect()
+        except Exception:  # noqa: BLE001
+            return
+        count = 0
+        while not stop.wait(period):
+            count += 1
+            with suppress(Exception):  # one failed beat does not end the others
+                store.set(key, json.dumps({**status, "beat": f"background {count}"}))
+
+    thread = threading.Thread(target=beat, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=max(5.0, 2 * period))

@@ -1,0 +1,132 @@
+"""What the engine and the strategy may ask of the link between islands, and how it fails.
+
+:class:`Link` is the whole interface of an island's connection to the other islands: the engine
+and the Lightning strategy import this module of the package and nothing else.
+:class:`~lightning_islands.link.island_link.IslandLink` is the real one (a coordinator store and gloo
+lanes), :class:`~lightning_islands.link.auth.AuthenticatedLink` wraps any Link with MACs, and the
+tests' ``MemoryLink`` is a double. The errors say what happened to a round or to the run, so the
+engine can run a round again, rejoin, or end with a message that names the cause.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+class RoundLost(RuntimeError):
+    """An island of the round was lost during it: the round runs again without it."""
+
+
+class LateForRound(RuntimeError):
+    """The round was decided without this island (it arrived after the grace window): it rejoins."""
+
+
+class QuorumLost(RuntimeError):
+    """Fewer than ``min_islands`` islands are alive: training cannot go on."""
+
+
+class RunEnded(RuntimeError):
+    """The other islands ended training (an agreed last round) before this one got back in."""
+
+
+class IslandAborted(RuntimeError):
+    """Another island reported a failure (or never arrived) while this one waited for it."""
+
+
+class CoordinatorLost(ConnectionError):
+    """The coordinator stopped answering: the run cannot go on (restart it from the last checkpoints)."""
+
+
+class AuthenticationError(RuntimeError):
+    """An island's payload or object did not carry a valid MAC: altered on the way, or sent by a
+    process with a different secret or none."""
+
+
+@dataclass
+class LinkStats:
+    """Bytes and seconds a link moved since its last :meth:`Link.take_stats`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds_exchanging: float = 0.0
+    seconds_waiting: float = 0.0
+
+
+class Link(Protocol):
+    """The leader's connection to the other islands."""
+
+    island: int
+    num_islands: int
+    present: tuple[int, ...]  # the islands of the current round (all of them before the first)
+    lanes_key: str | None  # changes whenever the lanes are rebuilt for another member set
+
+    def open_lanes(self) -> None:
+        """Open the streams payloads travel on (after the fingerprints agreed)."""
+        ...
+
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        """Every island's header of round ``round_`` in island order (``None``: not present), in the
+        wire form this island sends (:meth:`~lightning_islands.engine.header.RoundHeader.to_wire`);
+        the member set is decided here (:mod:`lightning_islands.link.membership`). Raises
+        :class:`LateForRound` when the round went on without this island, :class:`QuorumLost`."""
+        ...
+
+    def settle_round(self) -> None:
+        """This island finished the round's exchange: return once the round counts for every
+        member, or raise :class:`RoundLost` (run it again)."""
+        ...
+
+    def end_run(self, round_: int) -> None:
+        """Round ``round_`` was the run's last (an island still rejoining stops)."""
+        ...
+
+    def rejoin(self, timeout_s: float) -> int:
+        """A restarted island asks to be taken back; the round it is taken into (:class:`RunEnded`
+        when the run ended first)."""
+        ...
+
+    def membership_changes(self) -> list[str]:
+        """The member-set changes seen since the last call (for the log)."""
+        ...
+
+    def gather_objects(self, key: str, obj: object) -> list:
+        """Every island's JSON-able ``obj`` under ``key``, in island order."""
+        ...
+
+    def all_gather_bytes(self, payload: Tensor) -> list[Tensor]:
+        """Every island's 1-D uint8 payload, in island order (:class:`RoundLost` when a peer is lost)."""
+        ...
+
+    def broadcast_bytes(self, payload: Tensor | None, src: int = 0) -> Tensor:
+        """Island ``src``'s uint8 payload on every island."""
+        ...
+
+    def take_stats(self) -> LinkStats:
+        """Bytes and seconds moved since the last call."""
+        ...
+
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` as time spent waiting for other islands."""
+        ...
+
+    def heartbeat(self, status: dict) -> None:
+        """Publish this island's status (the launcher shows it); it must change as the island
+        advances, since waiting islands read a change as progress."""
+        ...
+
+    def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
+        """Keep this island's status changing from a background thread while a long step without
+        training steps runs (a checkpoint write)."""
+        ...
+
+    def abort(self, message: str) -> None:
+        """Tell the other islands that this one failed."""
+        ...
+
+    def close(self) -> None:
+        """Stop beating and release the connections."""
+        ...
