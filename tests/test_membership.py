@@ -7,6 +7,7 @@ torchrun restarts are in tests/test_islands.py.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -292,3 +293,53 @@ def test_a_liveness_beat_that_fails_once_reconnects_logs_it_and_the_island_stays
     assert "liveness beat 'flaky/alive/1' goes through again" in caplog.text
     for link in links:
         link.close()
+
+
+def test_an_island_left_behind_that_reaches_the_next_round_first_names_no_stale_lanes():
+    """Island 1 was left out of round 1 (late past max_wait, alive); at round 2 it is first to see
+    every header and proposes the member set. It holds no committed round (it asked to rejoin), like
+    an island at the run's start, but it must not name the start's lanes: every island would then
+    rebuild on rendezvous keys that hold old addresses. Real links and lanes: round 2's all-gather
+    moves the bytes."""
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "stale", max_wait=timedelta(seconds=0.5)) for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    # round 0 with both: the start's lanes
+    decided = run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round(), link.decision)[2]
+                           for link in links])
+    assert decided[0].lanes == decided[1].lanes == "lanes"
+    links[0].meet_round(1, {})  # island 1 is alive (beating) but does not come: max_wait ends the wait
+    links[0].settle_round()
+    assert links[0].decision.present == (0,)
+    from lightning_islands.link.protocol import LateForRound
+
+    with pytest.raises(LateForRound):
+        links[1].meet_round(1, {})
+    # round 2: island 0's header is there before island 1 looks, so island 1 proposes at once
+    coordinator.store.set("stale/round2/a0/h/0", json.dumps({"_inc": 0}))
+    decision, _ = links[1].membership.decide(2, {})
+    assert decision.present == (0, 1) and decision.lanes not in ("lanes", links[0].lanes_key)
+    assert not links[1].membership.holds_start_lanes and links[0].membership.holds_start_lanes
+
+
+def test_islands_that_come_back_after_being_left_behind_move_bytes_on_fresh_lanes():
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "fresh", max_wait=timedelta(seconds=0.5)) for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    links[0].meet_round(0, {})  # island 1 late for round 0
+    links[0].settle_round()
+    from lightning_islands.link.protocol import LateForRound
+
+    with pytest.raises(LateForRound):
+        links[1].meet_round(0, {})
+
+    def round1(link: IslandLink) -> list[torch.Tensor]:
+        link.meet_round(1, {})
+        got = link.all_gather_bytes(torch.full((5,), link.island + 7, dtype=torch.uint8))
+        link.settle_round()
+        return got
+
+    got = run_threads([lambda link=link: round1(link) for link in links])
+    assert links[0].lanes_key == links[1].lanes_key != "lanes"
+    for g in got:
+        assert [t.tolist() for t in g] == [[7] * 5, [8] * 5]

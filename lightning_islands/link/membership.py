@@ -114,6 +114,9 @@ class Membership:
         self.committed: Decision | None = None  # the last attempt that counted
         self._watch = _Watch()
         self._attempt: dict[int, int] = {}  # round -> the attempt this island is at
+        # whether this island still holds the lanes every island opened at the start: only then may it
+        # propose them (an island that was left behind, or restarted, has lost them)
+        self.holds_start_lanes = True
         self.changes: list[str] = []  # membership changes seen, for the log
 
     @property
@@ -244,9 +247,12 @@ class Membership:
         done = self.committed
         keep = (attempt == 0 and done is not None and done.round == round_ - 1 and done.present == present
                 and not joining)
-        # the run's first round with every island: the lanes they all opened at the start (a restarted
-        # island opens none and is a joiner, so this never names lanes an island lacks)
-        first = attempt == 0 and done is None and present == tuple(range(self.num_islands)) and not joining
+        # the run's first round with every island: the lanes they all opened at the start. Only an island
+        # that still holds them proposes them: one left behind (or restarted) has no committed round
+        # either, and naming the start's key again would rebuild every island on rendezvous keys that
+        # hold old addresses
+        first = (attempt == 0 and done is None and self.holds_start_lanes and present == tuple(range(self.num_islands))
+                 and not joining)
         lanes = done.lanes if keep else START_LANES if first else f"round{round_}/a{attempt}"  # type: ignore
         mine = Decision(round_, attempt, present, lanes, joining, joining_incs)
         key = self._k(f"round{round_}/a{attempt}/members")
@@ -357,6 +363,7 @@ class Membership:
         """Ask the live islands to take this one into a round, from round ``from_round`` on (an
         island left behind in a round is not a joiner of that round's later attempts)."""
         self.previous = self.committed = None
+        self.holds_start_lanes = False
         self.store.set(self._k(f"join/{self.island}"), json.dumps({"from": from_round, "inc": self.incarnation}))
 
     def await_inclusion(self, timeout_s: float) -> Decision:
