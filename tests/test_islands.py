@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -684,3 +686,40 @@ def test_a_lost_coordinator_ends_every_island_naming_it(tmp_path):
     for i, (p, out) in enumerate(zip(islands, outs)):
         assert p.returncode != 0, f"island {i} went on without its coordinator"
         assert f"lost the coordinator at 127.0.0.1:{port}" in out and "restart the run from" in out, out[-3000:]
+
+
+def test_a_silent_island_is_given_up_mid_exchange_and_three_islands_finish(tmp_path):
+    """Island 1 of three SIGSTOPs itself in round 3's exchange (alive, silent, no TCP reset: its
+    sockets stay open). Islands 0 and 2, inside the ring all-gather, give the attempt up within the
+    grace window instead of waiting for gloo's timeout, run the round again without island 1 and
+    finish every round with bit-identical global state. Island 1 is SIGKILLed once they are done."""
+    out = tmp_path / "silent"
+    grace, timeout = 3.0, 60.0  # a transfer stuck for gloo's timeout would stall the survivors 60 s
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1,1", "--live", "off", "--",
+         sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out), "--steps", "32", "--H", "4",
+         "--batch-sizes", "4,8,6", "--grace-s", str(grace), "--timeout-s", str(timeout), "--kill-island", "1",
+         "--kill-phase", "exchange", "--kill-round", "3", "--kill-signal", "STOP"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "island0_done").exists() and (out / "island2_done").exists()):
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "the survivors did not finish"
+            time.sleep(0.2)
+        pid = int((out / "pid_island1").read_text())
+        assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "T", "island 1 is stopped, not gone"
+        os.kill(pid, signal.SIGKILL)
+        text = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopping island 1 in round 3's exchange" in text
+    assert "islands [1] were lost" in text and "bytes moved" in text
+    rounds0, rounds2 = load_rounds(out, 0), load_rounds(out, 2)
+    assert sorted(rounds0) == sorted(rounds2) == list(range(1, 9))
+    for r in rounds0:
+        assert rounds0[r]["digest"] == rounds2[r]["digest"], f"round {r}"
+    times = sorted(p.stat().st_mtime for p in out.glob("island0_round*.pt"))
+    stall = max(b - a for a, b in zip(times, times[1:]))
+    assert stall < grace + 10.0 < timeout, f"island 0 stalled {stall:.1f} s between rounds (grace {grace:g} s)"

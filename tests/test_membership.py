@@ -343,3 +343,34 @@ def test_islands_that_come_back_after_being_left_behind_move_bytes_on_fresh_lane
     assert links[0].lanes_key == links[1].lanes_key != "lanes"
     for g in got:
         assert [t.tolist() for t in g] == [[7] * 5, [8] * 5]
+
+
+def test_a_member_that_goes_silent_mid_transfer_is_given_up_within_the_grace_window():
+    """Three islands; island 1 stops in round 0's exchange without a reset (its beat stops, its
+    payload never comes), as a stopped process or a cut link does. Islands 0 and 2, inside the ring
+    all-gather, give the attempt up within the grace window (not gloo's timeout), and the round's
+    next attempt moves their bytes on fresh lanes."""
+    from lightning_islands.link.protocol import RoundLost
+
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 3, "silent", timeout=timedelta(seconds=20)) for i in range(3)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: link.meet_round(0, {}) for link in links])
+    links[1].alive.stop()  # island 1 stops: no beat, no payload
+
+    def survivor(link: IslandLink) -> tuple[float, str, list[list[int]]]:
+        started = time.monotonic()
+        with pytest.raises(RoundLost) as lost:
+            link.all_gather_bytes(torch.full((1000,), link.island, dtype=torch.uint8))
+        stalled = time.monotonic() - started
+        link.meet_round(0, {})  # attempt 1, without island 1
+        got = link.all_gather_bytes(torch.full((3,), link.island, dtype=torch.uint8))
+        link.settle_round()
+        return stalled, str(lost.value), [t.tolist() for t in got]
+
+    results = run_threads([lambda: survivor(links[0]), lambda: survivor(links[2])])
+    for stalled, why, got in results:
+        assert "islands [1] were lost" in why and "round 0's bytes moved" in why
+        assert stalled < GRACE + 2.0, f"the survivor stalled {stalled:.1f} s (grace {GRACE} s)"
+        assert got == [[0, 0, 0], [], [2, 2, 2]]
+    assert links[0].decision.present == (0, 2) and links[0].decision.attempt == 1

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,10 @@ from lightning_islands.link.coordinator import (
     status_key,
 )
 from lightning_islands.link.lanes import Lanes
-from lightning_islands.link.membership import START_LANES, Decision, Membership
+from lightning_islands.link.membership import SCAN_S, START_LANES, Decision, Membership
 from lightning_islands.link.protocol import CoordinatorLost, IslandAborted, LateForRound, LinkStats, RoundLost
+
+T = TypeVar("T")
 
 
 class IslandLink:
@@ -200,6 +204,37 @@ class IslandLink:
             "(it holds the membership and every round's agreement). Keep the coordinator running for the whole "
             "run; restart the run from the islands' last checkpoints (resume=...)")
 
+    def _watched(self, what: str, move: Callable[[], T]) -> T:
+        """``move()`` (bytes over the lanes) in a thread of its own while this one watches the round:
+        when the attempt fails elsewhere or a member is lost (:meth:`Membership.lost_during`), the
+        transfer is abandoned within ``grace_s`` plus a scan: its groups are retired (an abandoned
+        gloo operation leaves its group unusable; the thread ends when gloo's own timeout fires) and
+        :class:`RoundLost` runs the round again. Outside a round (no decision yet) it only waits."""
+        decision = self.decision
+        if decision is None:
+            return move()
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = move()
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+                box["error"] = err
+            done.set()
+
+        threading.Thread(target=run, name=f"island{self.island}-{what.split()[-1]}", daemon=True).start()
+        while not done.wait(SCAN_S):
+            why = self.membership.lost_during(decision)
+            if why is not None:
+                self._lanes_key = None  # the next decision's lanes are built anew
+                self.lanes.retire()
+                self.membership.retry(decision)
+                raise RoundLost(f"island {self.island} gave up {what}: {why}; the round runs again without them")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["result"]  # type: ignore[return-value]
+
     def _lost(self, what: str, err: Exception) -> RoundLost:
         """A lane failed mid-round: the attempt is marked failed, the round runs again."""
         if self.decision is not None:
@@ -308,9 +343,9 @@ class IslandLink:
             return out
         t0 = time.perf_counter()
         try:
-            sizes = self.lanes.sizes(payload.numel())
+            sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
             t1 = time.perf_counter()
-            got = self.lanes.all_gather(payload, sizes)
+            got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes))
         except RuntimeError as err:
             raise self._lost("an all-gather", err) from err
         t2 = time.perf_counter()
@@ -330,7 +365,8 @@ class IslandLink:
             raise ValueError(f"island {src} is not present this round (present: {list(self.present)})")
         t0 = time.perf_counter()
         try:
-            buf = self.lanes.broadcast(payload if self.island == src else None, self.present.index(src))
+            buf = self._watched("a broadcast", lambda: self.lanes.broadcast(payload if self.island == src else None,
+                                                                         self.present.index(src)))
         except RuntimeError as err:
             raise self._lost("a broadcast", err) from err
         self.stats.seconds_exchanging += time.perf_counter() - t0

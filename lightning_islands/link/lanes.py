@@ -164,6 +164,13 @@ class Lanes:
         self.groups[0].broadcast([buf], opts).wait()
         return buf
 
+    def retire(self) -> None:
+        """Give up the current groups (an operation on them was abandoned, so they are unusable):
+        they stay referenced, and the next :meth:`build` starts from none."""
+        if self.groups:
+            self._retired.append((self.groups, self.directed))
+        self.groups, self.directed = [], []
+
     def close(self) -> None:
         """Drop the current groups and the store connections (retired groups stay referenced)."""
         self.groups, self.directed, self._stores = [], [], []

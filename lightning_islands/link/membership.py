@@ -299,6 +299,22 @@ class Membership:
         found = self._get(self._k(f"{decision.key}/outcome"))
         return None if found is None else found.decode()
 
+    def lost_during(self, decision: Decision) -> str | None:
+        """Why the attempt ``decision`` cannot count any more, or ``None``: another island marked it
+        failed, or a member is lost (silent past the grace window, failed, or restarted). For the
+        waits that move its bytes: a member that stopped without a reset (power lost, the process
+        stopped, the link cut) is noticed here within ``grace_s``, not by the transfer's timeout."""
+        if self._outcome(decision) == "fail":
+            return f"round {decision.round} attempt {decision.attempt} failed on another island"
+        others = [i for i in decision.present if i != self.island]
+        silent = self._silent(others, time.monotonic())
+        incs = {**self._incs, **dict(zip(decision.joining, decision.joining_incs))}
+        lost = [i for i in others if self._gone(i, silent[i], incs.get(i))]
+        if lost:
+            return (f"islands {lost} were lost (silent for more than {self.grace_s:g} s, failed, or restarted) "
+                    f"while round {decision.round}'s bytes moved")
+        return None
+
     def fail(self, decision: Decision) -> None:
         """Mark the attempt failed (this island lost a peer during it), unless it already counted."""
         self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "fail")

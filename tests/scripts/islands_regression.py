@@ -111,10 +111,20 @@ class Regression(pl.LightningModule):
 
 class Killer(pl.Callback):
     """SIGKILLs this process, as a lost machine ends: after inner step ``step`` (``phase="inner"``),
-    or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent)."""
+    or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent).
+    With ``sig="STOP"`` it SIGSTOPs itself instead (alive, silent, no TCP reset), after writing its
+    pid to ``pid_file``."""
 
-    def __init__(self, phase: str, step: int, round_: int) -> None:
+    def __init__(self, phase: str, step: int, round_: int, sig: str = "KILL", pid_file: Path | None = None) -> None:
         self.phase, self.step, self.round = phase, step, round_
+        self.signal, self.pid_file = getattr(signal, f"SIG{sig}"), pid_file
+
+    def _fall(self, where: str, island: int) -> None:
+        verb = "killing" if self.signal == signal.SIGKILL else "stopping"
+        if self.pid_file is not None:
+            self.pid_file.write_text(str(os.getpid()))
+        print(f"{verb} island {island} {where}", flush=True)
+        os.kill(os.getpid(), self.signal)
 
     def on_train_start(self, trainer, module) -> None:
         link = trainer.strategy.engine.link
@@ -125,16 +135,14 @@ class Killer(pl.Callback):
 
         def dying(payload):
             if trainer.strategy.engine.schedule.round == self.round:
-                print(f"killing island {trainer.strategy.island_index} in round {self.round}'s exchange", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                self._fall(f"in round {self.round}'s exchange", trainer.strategy.island_index)
             return send(payload)
 
         inner.all_gather_bytes = dying
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.phase == "inner" and trainer.global_step == self.step:
-            print(f"killing island {trainer.strategy.island_index} after step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._fall(f"after step {self.step}", trainer.strategy.island_index)
 
 
 class HoldForRejoin(pl.Callback):
@@ -217,6 +225,8 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=0, help="...after this inner step (--kill-phase inner)")
     p.add_argument("--kill-round", type=int, default=0, help="...in this round's exchange (--kill-phase exchange)")
     p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange"])
+    p.add_argument("--kill-signal", default="KILL", choices=["KILL", "STOP"],
+                   help="STOP: the island stops itself (alive, silent) and writes its pid to pid_island{i}")
     p.add_argument("--hold-for-rejoin", type=int, default=0,
                    help="islands other than --kill-island pause after this inner step until it asks to rejoin")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
@@ -286,7 +296,8 @@ def main() -> None:
         callbacks.append(Diverge())
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if island == args.kill_island and not restarted:
-        callbacks.append(Killer(args.kill_phase, args.kill_step, args.kill_round))
+        callbacks.append(Killer(args.kill_phase, args.kill_step, args.kill_round, args.kill_signal,
+                                out / f"pid_island{island}"))
     if args.hold_for_rejoin and island != args.kill_island:
         callbacks.append(HoldForRejoin(args.hold_for_rejoin, args.kill_island))
     delay = per_island(args.delays, float)
