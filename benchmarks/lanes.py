@@ -174,7 +174,7 @@ def worker(args: argparse.Namespace) -> None:
         info[tcp] = {name: _sysctl(name) for name in SYSCTLS}
         for lanes in args.lanes:
             link = IslandLink(coordinator, island, num_islands, run_id=f"{run_id}-{tcp}-l{lanes}", lanes=lanes,
-                              timeout=timedelta(seconds=args.timeout))
+                              deadline=timedelta(seconds=args.timeout))
             crcs = link.gather_objects("crc", crc)
             start = time.perf_counter()
             link.open_lanes()
@@ -333,7 +333,7 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
         for _ in range(5):
             op()
         per_op[name] = round((time.perf_counter() - t0) / 5 / rtt, 2)
-    links = [IslandLink(address, i, islands, run_id="rt", lanes=1, timeout=timedelta(seconds=30))
+    links = [IslandLink(address, i, islands, run_id="rt", lanes=1, deadline=timedelta(seconds=30))
              for i in range(islands)]
     counts: list[dict[str, int]] = [{} for _ in links]
     stores = [link.store for link in links]
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", default=None, help="lane counts (default 1,2,4,8; --quick: 1,2)")
     parser.add_argument("--tcp", default=None,
                         help="host TCP settings to run, of default,tuned (default both; --quick: default)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a lane may stay silent")
+    parser.add_argument("--timeout", type=float, default=300.0, help="the links' deadline_s (a transfer's bound)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

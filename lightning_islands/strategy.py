@@ -103,7 +103,7 @@ class IslandStrategy(FSDP2Strategy):
                  num_islands: int | None = None, coordinator: str | None = None, run_id: str | None = None,
                  steps_per_round: int | None = None, lanes: int = 2, outer_device: str | None = None,
                  weighting: str = "tokens", expert_weighting: bool = False, balance: str = "none",
-                 max_rounds: int | None = None, timeout_s: float = 600.0, max_wait_s: float = 3600.0,
+                 max_rounds: int | None = None, deadline_s: float = 3600.0,
                  exchange_chunk_mib: float | None = 1024.0, exclude_norm_ratio: float | None = 16.0,
                  fragments: int = 1, fragment_layout: str = "strided",
                  overlap_steps: int = 0, overlap_alpha: float = 0.0, min_islands: int = 1,
@@ -117,8 +117,8 @@ class IslandStrategy(FSDP2Strategy):
             unit_classes=unit_classes, reshard_after_forward=reshard_after_forward, save_distributed_checkpoint=True,
             process_group_backend=process_group_backend, tensor_parallel_size=tensor_parallel_size,
             expert_parallel_size=expert_parallel_size,
-            # the leader may wait up to max_wait_s for other islands while the other ranks wait for it
-            timeout=max(default_pg_timeout, timedelta(seconds=max_wait_s + timeout_s)))
+            # the leader may wait up to deadline_s for other islands while the other ranks wait for it
+            timeout=max(default_pg_timeout, timedelta(seconds=2 * deadline_s)))
         self.island_index, self.num_islands, self.coordinator, self.run_id = island_identity(
             island, num_islands, coordinator, run_id)
         self.secret_file = secret_file
@@ -216,8 +216,8 @@ class IslandStrategy(FSDP2Strategy):
         assert self.coordinator is not None
         s = self.settings
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
-                          timeout=timedelta(seconds=s.timeout_s), max_wait=timedelta(seconds=s.max_wait_s),
-                          min_islands=s.min_islands, grace_s=self.engine.grace_s)  # type: ignore[union-attr]
+                          deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
+                          grace_s=self.engine.grace_s)  # type: ignore[union-attr]
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     # ------------------------------------------------------------------ inner steps and rounds
@@ -414,7 +414,7 @@ class IslandStrategy(FSDP2Strategy):
 
     def _join_start_if_skipped(self) -> None:
         """A fit with no steps left skips ``on_train_start``: take part in the start agreement anyway,
-        saying so, so that the other islands stop at once instead of waiting ``timeout_s``."""
+        saying so, so that the other islands stop at once instead of waiting ``deadline_s``."""
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
         if (trainer is None or self._start_agreed or not self._ready() or self.num_islands == 1

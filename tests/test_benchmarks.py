@@ -141,3 +141,19 @@ def test_parallelism_benchmark_reports_each_island_of_a_variant(tmp_path):
     # one global model, validated through two layouts (TP's split matmuls round differently)
     assert rows[0]["val_loss"] == pytest.approx(rows[1]["val_loss"], rel=1e-6) and rows[0]["round_bytes"] > 0
     assert "| tensor parallel | 0 | 1, 2, 1 | 2 x 16 |" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (network namespaces, tc); CI runs as root")
+def test_stalls_benchmark_writes_its_table_with_the_fault_seen_and_the_states_equal(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stalls.py"), "--kinds", "STOP", "--islands", "2", "--phases",
+         "exchange", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "| fault | islands | phase | longest stall (s) |" in proc.stdout
+    (row,) = json.loads((tmp_path / "stalls.json").read_text())["rows"]
+    assert row["fault_seen"] and row["kind"] == "STOP" and row["islands"] == 2
+    assert row["survivor_rounds_lost"] == 0 and row["island1_rounds_missed"] >= 1, row
+    assert row["attempts_again"] >= 1 and row["stall_s"] < 3.0 + 10.0, row  # given up within grace_s (3 s)

@@ -127,7 +127,7 @@ def _unreachable(tmp_path):
     from lightning_islands.app.launch import free_port
     from lightning_islands.link.island_link import IslandLink
 
-    IslandLink(f"127.0.0.1:{free_port()}", 0, 2, timeout=timedelta(seconds=1))
+    IslandLink(f"127.0.0.1:{free_port()}", 0, 2, deadline=timedelta(seconds=1))
 
 
 def _duplicate(tmp_path):
@@ -151,7 +151,7 @@ def _silent_peer(tmp_path):
     from lightning_islands.link.island_link import IslandLink
 
     coord = Coordinator()
-    link = IslandLink(coord.address, 0, 2, run_id="r", timeout=timedelta(seconds=1))
+    link = IslandLink(coord.address, 0, 2, run_id="r", deadline=timedelta(seconds=1))
     IslandLink(coord.address, 1, 2, run_id="r")  # joins, then never sends anything
     link.gather_objects("round3", {})
 
@@ -181,7 +181,7 @@ def _damaged_checkpoint(tmp_path):
     (_unreachable, ConnectionError, ["could not reach the coordinator", "lightning-islands coordinator"]),
     (_duplicate, RuntimeError, ["island 1 already joined run 'exp'", "give every launch a fresh LI_RUN_ID"]),
     (_out_of_range, ValueError, ["island index 2 is outside [0, 2)", "LI_ISLAND"]),
-    (_silent_peer, Exception, ["islands [1] did not reach 'round3'", "raise timeout_s"]),
+    (_silent_peer, Exception, ["islands [1] did not reach 'round3' within deadline_s=1 s", "raise islands.deadline_s"]),
     (_mismatch, RuntimeError, ["island 1 has sync_every=50 but island 0 has sync_every=25",
                                "make their model and island settings equal"]),
     (_damaged_checkpoint, RuntimeError, ["islands_outer", "resume from an earlier one"]),

@@ -153,6 +153,7 @@ def _train(engine: IslandEngine, locals_: list[torch.Tensor], i: int, until: int
             loc.sub_(torch.mul(torch.sub(loc, engine.layout.shard_of(goal, k)), INNER_LR))
         engine.count_tokens(4 + i)
         time.sleep(pause)
+        engine.link.heartbeat({"step": engine.schedule.inner_steps})  # a step is progress, as the strategy says
         driver.step_closed()
 
 
@@ -296,19 +297,20 @@ def test_a_liveness_beat_that_fails_once_reconnects_logs_it_and_the_island_stays
 
 
 def test_an_island_left_behind_that_reaches_the_next_round_first_names_no_stale_lanes():
-    """Island 1 was left out of round 1 (late past max_wait, alive); at round 2 it is first to see
+    """Island 1 was left out of round 1 (its process alive, but no progress for grace_s); at round 2
+    it is first to see
     every header and proposes the member set. It holds no committed round (it asked to rejoin), like
     an island at the run's start, but it must not name the start's lanes: every island would then
     rebuild on rendezvous keys that hold old addresses. Real links and lanes: round 2's all-gather
     moves the bytes."""
     coordinator = Coordinator()
-    links = [_link(coordinator, i, 2, "stale", max_wait=timedelta(seconds=0.5)) for i in range(2)]
+    links = [_link(coordinator, i, 2, "stale") for i in range(2)]
     run_threads([link.open_lanes for link in links])
     # round 0 with both: the start's lanes
     decided = run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round(), link.decision)[2]
                            for link in links])
     assert decided[0].lanes == decided[1].lanes == "lanes"
-    links[0].meet_round(1, {})  # island 1 is alive (beating) but does not come: max_wait ends the wait
+    links[0].meet_round(1, {})  # island 1's process runs but makes no progress: given up after grace_s
     links[0].settle_round()
     assert links[0].decision.present == (0,)
     from lightning_islands.link.protocol import LateForRound
@@ -324,53 +326,206 @@ def test_an_island_left_behind_that_reaches_the_next_round_first_names_no_stale_
 
 def test_islands_that_come_back_after_being_left_behind_move_bytes_on_fresh_lanes():
     coordinator = Coordinator()
-    links = [_link(coordinator, i, 2, "fresh", max_wait=timedelta(seconds=0.5)) for i in range(2)]
+    links = [_link(coordinator, i, 2, "fresh") for i in range(2)]
     run_threads([link.open_lanes for link in links])
-    links[0].meet_round(0, {})  # island 1 late for round 0
+    run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round()) for link in links])
+    links[0].meet_round(1, {})  # island 1 makes no progress (its beat follows it now): left out of round 1
     links[0].settle_round()
     from lightning_islands.link.protocol import LateForRound
 
     with pytest.raises(LateForRound):
-        links[1].meet_round(0, {})
+        links[1].meet_round(1, {})
 
-    def round1(link: IslandLink) -> list[torch.Tensor]:
-        link.meet_round(1, {})
+    def round2(link: IslandLink) -> list[torch.Tensor]:
+        link.meet_round(2, {})
         got = link.all_gather_bytes(torch.full((5,), link.island + 7, dtype=torch.uint8))
         link.settle_round()
         return got
 
-    got = run_threads([lambda link=link: round1(link) for link in links])
+    got = run_threads([lambda link=link: round2(link) for link in links])
     assert links[0].lanes_key == links[1].lanes_key != "lanes"
     for g in got:
         assert [t.tolist() for t in g] == [[7] * 5, [8] * 5]
 
 
-def test_a_member_that_goes_silent_mid_transfer_is_given_up_within_the_grace_window():
-    """Three islands; island 1 stops in round 0's exchange without a reset (its beat stops, its
-    payload never comes), as a stopped process or a cut link does. Islands 0 and 2, inside the ring
-    all-gather, give the attempt up within the grace window (not gloo's timeout), and the round's
-    next attempt moves their bytes on fresh lanes."""
+@pytest.mark.parametrize("n, silent", [(3, 0), (3, 1), (3, 2), (4, 1), (4, 3)],
+                         ids=["3-first", "3-middle", "3-last", "4-middle", "4-last"])
+@pytest.mark.parametrize("phase", ["inner", "exchange"])
+def test_a_member_that_goes_silent_in_either_phase_is_given_up_within_the_grace_window(n, silent, phase):
+    """Of three or four islands, island ``silent`` stops without a reset (its beat stops, its
+    payload never comes, its sockets stay open), as a stopped process or a cut link does: in its
+    inner steps (it never comes to round 0's meeting) or in round 0's exchange (inside the ring
+    all-gather, whether or not it is a survivor's neighbour). The others give it up within the grace
+    window (not gloo's timeout) and move round 0's bytes without it on fresh lanes."""
     from lightning_islands.link.protocol import RoundLost
 
     coordinator = Coordinator()
-    links = [_link(coordinator, i, 3, "silent", timeout=timedelta(seconds=20)) for i in range(3)]
+    links = [_link(coordinator, i, n, f"silent-{n}-{silent}-{phase}", deadline=timedelta(seconds=20))
+             for i in range(n)]
+    survivors = [link for link in links if link.island != silent]
     run_threads([link.open_lanes for link in links])
-    run_threads([lambda link=link: link.meet_round(0, {}) for link in links])
-    links[1].alive.stop()  # island 1 stops: no beat, no payload
+    if phase == "exchange":
+        run_threads([lambda link=link: link.meet_round(0, {}) for link in links])
+    links[silent].alive.stop()  # no beat from here on, no meeting, no payload
 
     def survivor(link: IslandLink) -> tuple[float, str, list[list[int]]]:
-        started = time.monotonic()
-        with pytest.raises(RoundLost) as lost:
-            link.all_gather_bytes(torch.full((1000,), link.island, dtype=torch.uint8))
+        started, why = time.monotonic(), ""
+        if phase == "exchange":
+            with pytest.raises(RoundLost) as lost:
+                link.all_gather_bytes(torch.full((1000,), link.island, dtype=torch.uint8))
+            why = str(lost.value)
+        link.meet_round(0, {})  # the exchange: attempt 1; the inner steps: attempt 0, without the silent one
         stalled = time.monotonic() - started
-        link.meet_round(0, {})  # attempt 1, without island 1
         got = link.all_gather_bytes(torch.full((3,), link.island, dtype=torch.uint8))
         link.settle_round()
-        return stalled, str(lost.value), [t.tolist() for t in got]
+        return stalled, why, [t.tolist() for t in got]
 
-    results = run_threads([lambda: survivor(links[0]), lambda: survivor(links[2])])
+    results = run_threads([lambda link=link: survivor(link) for link in survivors])
+    expected = [[] if i == silent else [i] * 3 for i in range(n)]
+    lost = f"islands [{silent}] were lost"
+    if phase == "exchange":  # whoever notices first marks the attempt failed; the others may learn it from that
+        assert any(lost in why and "round 0's bytes moved" in why for _, why, _ in results)
     for stalled, why, got in results:
-        assert "islands [1] were lost" in why and "round 0's bytes moved" in why
+        if phase == "exchange":
+            assert lost in why or "round 0 attempt 0 failed on another island" in why, why
         assert stalled < GRACE + 2.0, f"the survivor stalled {stalled:.1f} s (grace {GRACE} s)"
-        assert got == [[0, 0, 0], [], [2, 2, 2]]
-    assert links[0].decision.present == (0, 2) and links[0].decision.attempt == 1
+        assert got == expected
+    decision = survivors[0].decision
+    assert decision.present == tuple(link.island for link in survivors)
+    assert decision.attempt == (1 if phase == "exchange" else 0)
+    for link in links:
+        link.close()
+
+
+def test_a_deadlocked_training_thread_with_a_live_process_counts_as_silent_after_the_grace_window():
+    """Island 1's process runs on (its liveness thread is alive) but its training thread is stuck
+    after round 0: no step, no wait. Its beat follows its progress, so island 0 gives it up after
+    the grace window and round 1 goes on without it."""
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "deadlock") for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round()) for link in links])
+    stuck = threading.Event()  # island 1's training thread waits on it forever: a deadlock
+
+    def deadlocked_island() -> None:
+        stuck.wait()
+
+    t = threading.Thread(target=deadlocked_island, daemon=True)
+    t.start()
+    started = time.monotonic()
+    links[0].meet_round(1, {})
+    waited = time.monotonic() - started
+    assert links[0].decision.present == (0,), "island 1 made no progress: round 1 goes on without it"
+    assert links[1].alive._thread.is_alive() and t.is_alive(), "island 1's process and its beat thread live on"
+    assert GRACE <= waited < GRACE + 3.0, f"island 0 waited {waited:.1f} s (grace {GRACE} s)"
+    stuck.set()
+
+
+def test_a_round_past_its_deadline_ends_with_one_error_naming_the_islands_and_the_fix():
+    """Island 1 keeps making progress (it steps) but never comes to round 1: island 0 waits for it,
+    as for any slow island, until round 1's deadline, then ends with DeadlinePassed."""
+    from lightning_islands.link.protocol import DeadlinePassed
+
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "deadline", deadline=timedelta(seconds=3)) for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round()) for link in links])
+    stop = threading.Event()
+
+    def stepping_island() -> None:
+        step = 0
+        while not stop.wait(0.05):
+            links[1].heartbeat({"step": step})
+            step += 1
+
+    t = threading.Thread(target=stepping_island, daemon=True)
+    t.start()
+    started = time.monotonic()
+    try:
+        expected = r"round 1 did not finish within deadline_s=3 s on island 0: islands \[1\] are alive but did not "
+        with pytest.raises(DeadlinePassed, match=expected + r"arrive.*raise islands.deadline_s"):
+            links[0].meet_round(1, {})
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert 3.0 <= time.monotonic() - started < 3.0 + 5.0
+
+
+def test_a_transfer_past_its_deadline_with_every_member_alive_runs_the_round_again_allowing_longer():
+    """Island 1 stays alive (it steps) but never sends its payload: island 0's transfer is abandoned
+    at its deadline (twice the grace window for a few bytes), the attempt fails, and the next one
+    assumes half the rate."""
+    from lightning_islands.link import island_link
+    from lightning_islands.link.protocol import RoundLost
+
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "slowlink", deadline=timedelta(seconds=20)) for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: link.meet_round(0, {}) for link in links])
+    stop = threading.Event()
+
+    def stepping_island() -> None:
+        while not stop.wait(0.05):
+            links[1].heartbeat({"step": 1})
+
+    t = threading.Thread(target=stepping_island, daemon=True)
+    t.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RoundLost, match=r"gave up an all-gather's sizes: it took longer than its deadline"):
+            links[0].all_gather_bytes(torch.full((10,), 1, dtype=torch.uint8))
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    assert 2 * GRACE <= time.monotonic() - started < 2 * GRACE + 3.0
+    assert links[0]._rate() == island_link.FIRST_RATE_BPS / 8 / 2, "the next attempt allows twice as long"
+    assert links[0].membership._outcome(links[0].decision) == "fail"
+
+
+def test_the_keys_of_rounds_long_over_are_deleted_and_an_island_that_far_behind_is_late():
+    from lightning_islands.link.lanes import rendezvous_keys
+    from lightning_islands.link.protocol import LateForRound
+
+    coordinator = Coordinator()
+    links = [_link(coordinator, i, 2, "sweep") for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    sweeper = links[0].membership.sweeper
+    start_lanes = rendezvous_keys("sweep/lanes/", 2, 2)
+    assert coordinator.store.check(start_lanes), "the lanes opened at the start left their rendezvous keys"
+
+    def rounds(first: int, last: int) -> None:
+        for r in range(first, last):
+            run_threads([lambda link=link, r=r: (link.meet_round(r, {}), link.settle_round()) for link in links])
+        deadline = time.monotonic() + 60
+        while sweeper.swept < last - 3 and time.monotonic() < deadline:  # island 0 sweeps, in the background
+            time.sleep(0.01)
+        assert sweeper.swept == last - 3
+
+    rounds(0, 4)
+    assert not any(coordinator.store.check([key]) for key in start_lanes), "round 0 swept, its lanes' keys went too"
+    after_4 = coordinator.store.num_keys()
+    rounds(4, 24)
+    assert coordinator.store.num_keys() <= after_4, "twenty more rounds left no more keys"
+    assert not coordinator.store.check(["sweep/round21/a0/members"])
+    assert coordinator.store.check(["sweep/round22/a0/members", "sweep/round23/a0/members"])
+    late = Membership(coordinator.store, "sweep", 1, 2, 1, GRACE, 30.0, lambda i: None)
+    with pytest.raises(LateForRound, match="round 3 is long over for the other islands"):
+        late.decide(3, {})
+    for link in links:
+        link.close()
+
+
+def test_the_sweep_of_a_round_deletes_the_rendezvous_keys_of_the_lanes_it_built():
+    """A round whose member set changed built lanes under its own key: sweeping the round deletes
+    their rendezvous keys; lanes kept from an earlier round are not that round's to delete."""
+    from lightning_islands.link.lanes import rendezvous_keys
+    from lightning_islands.link.sweeper import round_keys
+
+    store = Coordinator().store
+    store.set("k/round5/a0/members", Decision(5, 0, (0, 2), "round4/a1").to_json())  # kept lanes
+    store.set("k/round5/a1/members", Decision(5, 1, (0,), "round5/a1").to_json())  # one island: no lanes
+    store.set("k/round6/a0/members", Decision(6, 0, (0, 1, 2), "round6/a0").to_json())
+    assert not any("lane" in key for key in round_keys(store, "k", 5, 3, 2))
+    keys = round_keys(store, "k", 6, 3, 2)
+    assert set(rendezvous_keys("k/round6/a0/", 2, 3)) <= set(keys)
+    assert "k/round6/a0/lane1//0/2" in keys and "k/round6/a0/members" in keys

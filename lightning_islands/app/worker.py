@@ -27,6 +27,12 @@ from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
 
+# settings that were removed, with what replaced them
+REMOVED_SETTINGS = {
+    "timeout_s": "an island without progress is given up after islands.grace_s, and every wait ends at "
+                 "islands.deadline_s",
+    "max_wait_s": "it became islands.deadline_s, the longest one round may take",
+}
 _TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
                  "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")
 
@@ -62,6 +68,10 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
                              reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel)
     if name == "islands":
         isl = cfg.islands
+        for old in REMOVED_SETTINGS:
+            if old in isl:
+                raise ValueError(f"islands.{old} is no longer a setting: {REMOVED_SETTINGS[old]}; remove it from "
+                                 "your islands config (or the command line)")
         return IslandStrategy(
             sync_every=isl.sync_every, sync_warmup=isl.get("sync_warmup"),
             outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
@@ -69,8 +79,8 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
             outer_momentum_warmup=int(isl.get("outer_momentum_warmup", 0)), codec=isl.codec, block_size=isl.block_size,
             error_feedback=isl.error_feedback,
             error_feedback_decay=float(isl.get("error_feedback_decay", 1.0)), lanes=isl.lanes, weighting=isl.weighting,
-            outer_device=isl.outer_device, timeout_s=isl.timeout_s,
-            max_wait_s=isl.get("max_wait_s", 3600.0), exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),
+            outer_device=isl.outer_device, deadline_s=float(isl.get("deadline_s", 3600.0)),
+            exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),
             expert_weighting=bool(isl.get("expert_weighting", False)), balance=isl.get("balance", "none"),
             max_rounds=isl.get("max_rounds"), exclude_norm_ratio=isl.get("exclude_norm_ratio", 16.0),
             fragments=int(isl.get("fragments", 1)),

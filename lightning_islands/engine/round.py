@@ -321,7 +321,7 @@ class IslandEngine(IslandEngineBase):
         self.state.set_anchors(locals_)
         assert self.link is not None or not self.is_leader
         try:
-            round_ = self.side.with_link(lambda link: link.rejoin(self.settings.max_wait_s))
+            round_ = self.side.with_link(lambda link: link.rejoin(self.settings.deadline_s))
         except RunEnded:
             self.schedule.stopping = True
             return {}, True

@@ -65,12 +65,13 @@ class IslandSettings:
             each runs the inner steps that fit, so a fast island does not wait idle.
         max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
             where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
-        timeout_s: how long to wait for an island that shows no progress (no step or validation
-            batch started), at rendezvous and every round; a slow island that keeps stepping is
-            waited for, up to ``max_wait_s``.
-        max_wait_s: the longest a round may wait for islands that are still stepping. The island's
-            own process group (its ranks other than the leader wait in it meanwhile) gets a
-            timeout of at least ``max_wait_s + timeout_s``.
+        deadline_s: the longest one round may take on an island, from its first meeting of the
+            round until the round counts, all attempts included (it replaces ``max_wait_s``,
+            ``timeout_s`` and the fixed count of attempts); also the longest the start waits for an
+            island that has not arrived, and the bound of a transfer nothing abandons first. Past
+            it the run ends with an error that names the islands waited for. The island's own
+            process group (its ranks other than the leader wait in it meanwhile) gets a timeout of
+            at least twice this.
         fragments: split the parameters into this many fragments (whole blocks each, see
             :mod:`~lightning_islands.engine.fragments`); a round syncs one of them, every ``H / F``
             inner steps, in turn, so each fragment still syncs every H steps while the bytes of
@@ -92,10 +93,12 @@ class IslandSettings:
             that arrive; one that died (silent for ``grace_s``) is left out, the others' merge
             weights renormalized over those present, and it is taken back when it restarts (it
             rejoins). Fewer islands alive than this ends the run with an error naming them.
-        grace_s: how long a round waits for an island that shows no sign of life (its process's
-            liveness beat stopped) before going on without it. ``None``: the expected length of a
-            round (this island's last one), at least 10 s. An island that is alive is waited for,
-            up to ``max_wait_s``.
+        grace_s: how long an island may make no progress (no step, no validation batch, no
+            checkpoint write, no wait or transfer within its deadline) before the others give it up
+            and go on without it: a deadlocked, stopped or cut-off island alike. ``None``: the
+            expected length of a round (this island's last one), at least 10 s. Until an island's
+            first round counts (start-up, compilation) it counts as alive while its process runs.
+            It must exceed the longest step.
         exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
             of fp32 (rounded down to whole codec blocks and packing groups), one after another:
             gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
@@ -123,8 +126,7 @@ class IslandSettings:
     expert_weighting: bool = False
     balance: str = "none"
     max_rounds: int | None = None
-    timeout_s: float = 600.0
-    max_wait_s: float = 3600.0
+    deadline_s: float = 3600.0
     exchange_chunk_mib: float | None = 1024.0
     exclude_norm_ratio: float | None = 16.0
     fragments: int = 1
@@ -138,8 +140,8 @@ class IslandSettings:
     exchange_chunk: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.max_wait_s <= 0:
-            raise ValueError(f"timeout_s and max_wait_s must be > 0, got {self.timeout_s} and {self.max_wait_s}")
+        if not self.deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 (islands.deadline_s), got {self.deadline_s!r}")
         if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int) or self.min_islands < 1:
             raise ValueError(f"min_islands must be an int >= 1 (islands.min_islands), got {self.min_islands!r}")
         if self.grace_s is not None and not self.grace_s > 0:

@@ -4,8 +4,10 @@ One module an idea:
 
     protocol     Link, the whole interface the engine and the strategy use, its errors, LinkStats
     coordinator  the coordinator (a TCPStore server), the island's identity from the environment
-    liveness     the island's liveness beat (reconnecting with backoff) and its status beats
+    waiting      the one way the link waits: a poll, a scan, progress and a deadline
+    liveness     the island's liveness beat (progress; reconnecting with backoff), its status beats
     membership   who takes part in a round: decided once in the store, attempts, rejoin requests
+    sweeper      deletes the keys of rounds long over, off the rounds' path
     lanes        the gloo groups one member set's payloads move on, several streams per pair
     island_link  IslandLink: the real Link, built from the above
     auth         AuthenticatedLink: any Link with an HMAC on every payload and object
@@ -17,6 +19,7 @@ network emulator that shapes the wire on one machine is ``lightning_islands.app.
 from lightning_islands.link.protocol import (
     AuthenticationError,
     CoordinatorLost,
+    DeadlinePassed,
     IslandAborted,
     LateForRound,
     Link,
@@ -26,5 +29,5 @@ from lightning_islands.link.protocol import (
     RunEnded,
 )
 
-__all__ = ["AuthenticationError", "CoordinatorLost", "IslandAborted", "LateForRound", "Link", "LinkStats",
-           "QuorumLost", "RoundLost", "RunEnded"]
+__all__ = ["AuthenticationError", "CoordinatorLost", "DeadlinePassed", "IslandAborted", "LateForRound", "Link",
+           "LinkStats", "QuorumLost", "RoundLost", "RunEnded"]

@@ -11,10 +11,12 @@ counts what it moved. It implements :class:`~lightning_islands.link.protocol.Lin
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from typing import TypeVar
@@ -32,11 +34,30 @@ from lightning_islands.link.coordinator import (
     restart_count,
     status_key,
 )
-from lightning_islands.link.lanes import Lanes
-from lightning_islands.link.membership import SCAN_S, START_LANES, Decision, Membership
-from lightning_islands.link.protocol import CoordinatorLost, IslandAborted, LateForRound, LinkStats, RoundLost
+from lightning_islands.link.lanes import START_LANES, Lanes
+from lightning_islands.link.membership import Decision, Membership
+from lightning_islands.link.protocol import (
+    CoordinatorLost,
+    DeadlinePassed,
+    IslandAborted,
+    LateForRound,
+    LinkStats,
+    RoundLost,
+)
+from lightning_islands.link.sweeper import Sweeper
+from lightning_islands.link.waiting import SCAN_S, wait_until
 
 T = TypeVar("T")
+DEFAULT_GRACE_S = 60.0  # grace_s when none is given
+STORE_TIMEOUT = timedelta(seconds=60)  # connecting to the coordinator (at most the deadline): waits poll
+# a transfer's deadline: twice grace_s (the peers' compute between their transfers; a silent peer is
+# given up after one grace_s, before it) plus MARGIN times its bytes at the slowest rate measured over
+# the last RATES transfers of at least RATE_MIN_BYTES;
+# before the first measurement the rate is FIRST_RATE_BPS (1 Mbit/s: a stated, conservative guess)
+MARGIN = 4.0
+RATES = 8
+RATE_MIN_BYTES = 64 * 1024
+FIRST_RATE_BPS = 1e6
 
 
 class IslandLink:
@@ -52,17 +73,15 @@ class IslandLink:
         num_islands: how many islands take part.
         run_id: namespace for this run's keys in the store (several runs may share a coordinator).
         lanes: parallel TCP streams per island pair; payloads are split across them.
-        timeout: how long a waiting island tolerates silence from a missing one: an island that
-            keeps sending heartbeats (:meth:`heartbeat`, once per step) is slow, not lost, and is
-            waited for; one that is silent this long fails the wait.
-        max_wait: the longest one wait may last even while the missing islands keep beating
-            (``None``: no limit).
+        deadline: the longest one round may take (all its attempts), and the longest the start
+            waits for islands that have not arrived; also the lanes' gloo timeout (the bound of a
+            transfer nothing abandons first).
         interface: the network interface the lanes bind to (``None``: ``LI_LINK_IFNAME``, else
             gloo's default device). Only the lanes use it: the island's own process group keeps
             its own device.
         min_islands: the fewest islands a round may go on with (:mod:`lightning_islands.link.membership`).
-        grace_s: how long a round waits for an island that shows no sign of life (a number, or a
-            callable asked each time); ``None``: ``timeout``.
+        grace_s: how long an island may show no progress (its liveness beat stopped) before the
+            others give it up (a number, or a callable asked each time); ``None``: 60 s.
         incarnation: this island's start count (a restarted island claims its index anew);
             ``None``: from ``TORCHELASTIC_RESTART_COUNT``.
     """
@@ -74,8 +93,7 @@ class IslandLink:
         num_islands: int,
         run_id: str = "run",
         lanes: int = 2,
-        timeout: timedelta = timedelta(minutes=10),
-        max_wait: timedelta | None = None,
+        deadline: timedelta = timedelta(hours=1),
         interface: str | None = None,
         min_islands: int = 1,
         grace_s: float | Callable[[], float] | None = None,
@@ -85,15 +103,15 @@ class IslandLink:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
         host, port = parse_address(address)
         self._address = (host, port)
-        self.lanes = Lanes(liveness.connector(host, port, timeout), lanes, timeout,
+        store_timeout = min(deadline, STORE_TIMEOUT)
+        self.lanes = Lanes(liveness.connector(host, port, store_timeout), lanes, deadline,
                            interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island}")
         self.island = island
         self.num_islands = num_islands
         self.run_id = run_id
-        self.timeout = timeout
-        self.max_wait = max_wait
+        self.deadline = deadline
         try:
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
         except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
             raise ConnectionError(
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "
@@ -111,14 +129,17 @@ class IslandLink:
         self._lanes_key: str | None = None
         self.decision: Decision | None = None
         self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
-                                     timeout.total_seconds() if grace_s is None else grace_s,
-                                     None if max_wait is None else max_wait.total_seconds(), self._aborted,
-                                     self.incarnation)
+                                     DEFAULT_GRACE_S if grace_s is None else grace_s, deadline.total_seconds(),
+                                     self._aborted, self.incarnation)
         self.stats = LinkStats()
-        beat_connect = liveness.connector(host, port, min(timeout, timedelta(seconds=liveness.CONNECT_S)))
+        self._rates: deque[float] = deque(maxlen=RATES)  # bytes per second of recent transfers
+        beat_connect = liveness.connector(host, port, timedelta(seconds=liveness.CONNECT_S))
         self.alive = liveness.Beat(beat_connect, self.membership.alive_key(island), self.incarnation,
                                    f"island{island}-alive")
         self.alive.stop_with(self)
+        self.membership.progress = self.alive.touch  # an island waiting within its deadline is alive
+        self.membership.sweeper = Sweeper(liveness.connector(host, port, store_timeout), run_id, num_islands,
+                                          lanes, f"island{island}-sweeper")
 
     def _aborted(self, island: int) -> str | None:
         """Island ``island``'s failure report, or ``None``."""
@@ -132,11 +153,16 @@ class IslandLink:
         Between two islands each lane is two groups more, one per direction (:class:`Lanes`); with
         more islands the ring all-gather sends one way per connection.
         """
-        self._build_lanes(START_LANES, tuple(range(self.num_islands)))
+        try:
+            self._build_lanes(START_LANES, tuple(range(self.num_islands)))
+        except RuntimeError as err:
+            raise IslandAborted(f"island {self.island} could not build the lanes to the other islands ({err}); "
+                                "check that every island can reach the others' lane addresses") from err
 
     def _build_lanes(self, key: str, present: tuple[int, ...]) -> None:
         self.present, self._lanes_key = present, key
-        self.lanes.build(f"{self.run_id}/{key}/", present.index(self.island), len(present))
+        self._watched(f"building the lanes to islands {list(present)}",
+                      lambda: self.lanes.build(f"{self.run_id}/{key}/", present.index(self.island), len(present)))
 
     @property
     def lanes_key(self) -> str | None:
@@ -158,14 +184,16 @@ class IslandLink:
             raise
         except dist.DistNetworkError as err:
             raise self._coordinator_lost(err) from err
+        self.decision = decision
         if decision.lanes != self._lanes_key:
             try:
                 self._build_lanes(decision.lanes, decision.present)
+            except (RoundLost, IslandAborted):
+                raise
             except RuntimeError as err:
                 self.membership.retry(decision)
                 raise RoundLost(f"round {round_}: the lanes to islands {list(decision.present)} could not be "
                                 f"built ({err})") from err
-        self.decision = decision
         return headers
 
     def settle_round(self) -> None:
@@ -176,6 +204,7 @@ class IslandLink:
                 self.membership.settle(self.decision)
             except dist.DistNetworkError as err:
                 raise self._coordinator_lost(err) from err
+            self.alive.settle()  # a round counted: from now on the beat follows progress
 
     def end_run(self, round_: int) -> None:
         """The islands agreed that round ``round_`` is the last: an island still rejoining stops."""
@@ -204,15 +233,30 @@ class IslandLink:
             "(it holds the membership and every round's agreement). Keep the coordinator running for the whole "
             "run; restart the run from the islands' last checkpoints (resume=...)")
 
-    def _watched(self, what: str, move: Callable[[], T]) -> T:
-        """``move()`` (bytes over the lanes) in a thread of its own while this one watches the round:
-        when the attempt fails elsewhere or a member is lost (:meth:`Membership.lost_during`), the
-        transfer is abandoned within ``grace_s`` plus a scan: its groups are retired (an abandoned
-        gloo operation leaves its group unusable; the thread ends when gloo's own timeout fires) and
-        :class:`RoundLost` runs the round again. Outside a round (no decision yet) it only waits."""
+    def _rate(self) -> float:
+        """The rate a transfer's deadline assumes, in bytes per second: the slowest of the recent
+        transfers, else :data:`FIRST_RATE_BPS`."""
+        return min(self._rates) if self._rates else FIRST_RATE_BPS / 8
+
+    def _measured(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= RATE_MIN_BYTES and seconds > 0:
+            self._rates.append(nbytes / seconds)
+
+    def _watched(self, what: str, move: Callable[[], T], nbytes: int = 0) -> T:
+        """``move()`` (``nbytes`` to receive over the lanes) in a thread of its own while this one
+        watches: the transfer is abandoned when a partner is lost (silent past ``grace_s``, failed
+        or restarted: :meth:`Membership.lost_during`), when the attempt failed elsewhere, or past
+        its deadline (twice ``grace_s`` plus :data:`MARGIN` times ``nbytes`` at :meth:`_rate`; the next
+        attempt assumes half the rate). An abandoned transfer's groups are retired (an abandoned
+        gloo operation leaves its group unusable; its thread ends when gloo's timeout fires) and,
+        inside a round, :class:`RoundLost` runs the round again; past the round's deadline
+        :class:`DeadlinePassed` ends the run; outside a round (the start) :class:`IslandAborted`.
+        While the bytes move within their deadline, the island makes progress."""
         decision = self.decision
-        if decision is None:
-            return move()
+        rate = self._rate()
+        started = time.monotonic()
+        deadline = started + 2 * self.membership.grace_s + MARGIN * nbytes / rate
+        last = self.membership.deadline(decision.round) if decision is not None else math.inf
         box: dict[str, object] = {}
         done = threading.Event()
 
@@ -223,16 +267,34 @@ class IslandLink:
                 box["error"] = err
             done.set()
 
+        self.alive.touch()
         threading.Thread(target=run, name=f"island{self.island}-{what.split()[-1]}", daemon=True).start()
         while not done.wait(SCAN_S):
-            why = self.membership.lost_during(decision)
-            if why is not None:
-                self._lanes_key = None  # the next decision's lanes are built anew
-                self.lanes.retire()
-                self.membership.retry(decision)
-                raise RoundLost(f"island {self.island} gave up {what}: {why}; the round runs again without them")
+            now = time.monotonic()
+            if decision is not None:
+                why = self.membership.lost_during(decision)
+            else:
+                why = self.membership.lost_among(self.present)
+            if why is None and now > deadline:
+                why = (f"it took longer than its deadline of {deadline - started:.1f} s ({nbytes} bytes at "
+                       f"{rate * 8 / 1e6:.3g} Mbit/s with a margin of {MARGIN:g}, plus twice grace_s)")
+                self._rates = deque([rate / 2], maxlen=RATES)
+            if why is None:
+                self.alive.touch()
+                continue
+            self._lanes_key = None  # the next decision's lanes are built anew
+            self.lanes.retire(done)
+            message = f"island {self.island} gave up {what}: {why}"
+            if decision is None:
+                raise IslandAborted(f"{message}; the run cannot start without them: restart it")
+            self.membership.retry(decision)
+            if now > last:
+                raise DeadlinePassed(f"{message}, and round {decision.round} passed its deadline (deadline_s="
+                                     f"{self.deadline.total_seconds():g} s); raise islands.deadline_s")
+            raise RoundLost(f"{message}; the round runs again")
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
+        self._measured(nbytes, time.monotonic() - started)
         return box["result"]  # type: ignore[return-value]
 
     def _lost(self, what: str, err: Exception) -> RoundLost:
@@ -251,20 +313,18 @@ class IslandLink:
         self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
 
     def heartbeat(self, status: object) -> None:
-        """Publish this island's status (shown by the launcher); it tells waiting islands that this
-        one is alive, so it must change as the island advances (e.g. carry a counter)."""
+        """This island made progress (a step): its liveness beat advances; ``status`` is published
+        for the launcher to show."""
+        self.alive.touch()
         self.store.set(status_key(self.run_id, self.island), json.dumps(status))
 
     def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
-        """Keep this island's heartbeat going from a background thread while the body runs
-        (:func:`liveness.beating`): every ``period`` seconds (default: a quarter of ``timeout``, at
-        most 1 s), so the other islands keep waiting for it instead of giving it up after ``timeout``."""
-        period = min(1.0, self.timeout.total_seconds() / 4) if period is None else period
-        return liveness.beating(liveness.connector(*self._address, self.timeout), status_key(self.run_id, self.island),
-                                status, period, f"island{self.island}-heartbeat")
-
-    def _heartbeats(self, islands: Sequence[int]) -> dict[int, bytes | None]:
-        return {i: get_if_set(self.store, status_key(self.run_id, i)) for i in islands}
+        """Count the body as progress, from a background thread (:func:`liveness.beating`), every
+        ``period`` seconds (default: a quarter of ``grace_s``, at most 1 s), so the other islands
+        keep waiting for this one instead of giving it up after ``grace_s``."""
+        period = min(1.0, self.membership.grace_s / 4) if period is None else period
+        return liveness.beating(liveness.connector(*self._address, STORE_TIMEOUT), status_key(self.run_id, self.island),
+                                status, period, f"island{self.island}-heartbeat", progress=self.alive.touch)
 
     def _check_aborts(self) -> None:
         for i in range(self.num_islands):
@@ -275,53 +335,36 @@ class IslandLink:
     def gather_objects(self, key: str, obj: object) -> list:
         """Every island publishes ``obj`` under ``key``; returns all islands' objects in island order.
 
-        Raises :class:`IslandAborted` as soon as another island reports a failure, and names the
-        missing islands when none of them has sent a heartbeat for ``timeout``: a missing island
-        that keeps stepping is slow, and is waited for.
+        For the start (fingerprints, the start's agreement): raises :class:`IslandAborted` as soon as
+        another island reports a failure or, once seen beating, shows no progress for ``grace_s``;
+        an island not seen yet (still starting) is waited for up to ``deadline``
+        (:class:`DeadlinePassed`, naming the islands missing).
         """
         self.publish(f"{key}/{self.island}", obj)
         keys = [f"{self.run_id}/{key}/{i}" for i in range(self.num_islands)]
-        if not self.store.check(keys):  # the others are not all there yet: wait, watching them
-            self._await_objects(key, keys)
-        return [json.loads(value) for value in self.store.multi_get(keys)]
+        missing: list[int] = []
 
-    def _await_objects(self, key: str, keys: list[str]) -> None:
-        limit = self.timeout.total_seconds()
-        started = time.monotonic()
-        deadline = started + limit
-        give_up = started + self.max_wait.total_seconds() if self.max_wait is not None else None
-        period = min(1.0, limit / 4)  # how often the missing islands' heartbeats are compared
-        # the missing islands' beats, first read a period in (not before: an island that arrives
-        # while they are read would wait for the reads); progress is a change from one read to the next
-        beats: dict[int, bytes | None] | None = None
-        next_beat_check = started + period
-        while not self.store.check(keys):
+        def scan() -> bool | None:
             self._check_aborts()
-            now = time.monotonic()
-            if now < next_beat_check and now <= deadline:
-                time.sleep(0.01)
-                continue
-            next_beat_check = now + period
-            missing = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            missing[:] = [i for i, k in enumerate(keys) if not self.store.check([k])]
             if not missing:
-                break
-            latest = self._heartbeats(missing)
-            if beats is not None and any(latest[i] != beats.get(i) for i in missing):
-                deadline = now + limit  # a missing island made progress: slow, not lost
-            beats = {**(beats or {}), **latest}
-            if now > deadline:
-                raise IslandAborted(
-                    f"islands {missing} did not reach {key!r} and showed no progress for {limit:g} s "
-                    "(crashed, hung or never started); raise timeout_s if an island can legitimately "
-                    "go this long without finishing a step"
-                )
-            if give_up is not None and now > give_up:
-                raise IslandAborted(
-                    f"islands {missing} are still training but did not reach {key!r} within "
-                    f"{now - started:.0f} s (max_wait_s); give them fewer steps per round (balance=time, "
-                    "steps_per_round) or raise max_wait_s"
-                )
-            time.sleep(0.01)
+                return True
+            silent = self.membership._silent(missing, time.monotonic())
+            stopped = [i for i in missing if self.membership.seen(i) and silent[i] > self.membership.grace_s]
+            if stopped:
+                raise IslandAborted(f"islands {stopped} did not reach {key!r} and showed no progress for "
+                                    f"{self.membership.grace_s:g} s (grace_s: crashed, hung or cut off); raise "
+                                    "islands.grace_s if an island can legitimately go this long without a step")
+            return None
+
+        def expired() -> DeadlinePassed:
+            return DeadlinePassed(f"islands {missing} did not reach {key!r} within deadline_s="
+                                  f"{self.deadline.total_seconds():g} s (never started, or still starting); start "
+                                  "them or raise islands.deadline_s")
+
+        wait_until(lambda: True if self.store.check(keys) else None, scan=scan, expired=expired,
+                   deadline=time.monotonic() + self.deadline.total_seconds(), progress=self.alive.touch)
+        return [json.loads(value) for value in self.store.multi_get(keys)]
 
     # -- tensors over the lanes ----------------------------------------------------------------
     def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
@@ -345,14 +388,17 @@ class IslandLink:
         try:
             sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
             t1 = time.perf_counter()
-            got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes))
+            incoming = sum(s for i, s in zip(present, sizes) if i != self.island)
+            got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes), incoming)
+        except (RoundLost, IslandAborted):
+            raise
         except RuntimeError as err:
             raise self._lost("an all-gather", err) from err
         t2 = time.perf_counter()
         self.stats.seconds_waiting += t1 - t0
         self.stats.seconds_exchanging += t2 - t1
         self.stats.bytes_sent += payload.numel() * (len(present) - 1)
-        self.stats.bytes_received += sum(s for i, s in zip(present, sizes) if i != self.island)
+        self.stats.bytes_received += incoming
         for i, t in zip(present, got):
             out[i] = t
         return out
@@ -364,9 +410,12 @@ class IslandLink:
         if src not in self.present:
             raise ValueError(f"island {src} is not present this round (present: {list(self.present)})")
         t0 = time.perf_counter()
+        root, mine = self.present.index(src), payload if self.island == src else None
         try:
-            buf = self._watched("a broadcast", lambda: self.lanes.broadcast(payload if self.island == src else None,
-                                                                         self.present.index(src)))
+            size = self._watched("a broadcast's size", lambda: self.lanes.broadcast_size(mine, root))
+            buf = self._watched("a broadcast", lambda: self.lanes.broadcast(mine, root, size), size)
+        except (RoundLost, IslandAborted):
+            raise
         except RuntimeError as err:
             raise self._lost("a broadcast", err) from err
         self.stats.seconds_exchanging += time.perf_counter() - t0
@@ -388,5 +437,7 @@ class IslandLink:
     def close(self) -> None:
         """Stop the liveness beat; drop the lanes and the store connection."""
         self.alive.stop()
+        if self.membership.sweeper is not None:
+            self.membership.sweeper.stop()
         self.lanes.close()
         self.store = None  # type: ignore[assignment]

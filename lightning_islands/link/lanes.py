@@ -4,7 +4,11 @@ A member set's lanes are built under one key in the coordinator's store (:meth:`
 lane is one gloo group of the islands present, and between two islands each lane has two groups
 more, one per direction (one gloo connection carrying both directions at once moved only about half
 the link's rate each way on a shaped link; two of them 0.95 each way: docs/BENCHMARKS.md, lanes).
-A payload is cut into one piece per lane and the pieces move in parallel. Nothing here knows which
+A payload is cut into one piece per lane and the pieces move in parallel. A member set's groups are
+destroyed when the next set's are built (no operation is in them then), except groups an abandoned
+operation is still inside: those wait until its thread ends (gloo's ``abort()`` and ``shutdown()``
+do not cancel an operation, and destroying a group one is inside is what may abort the process), so
+descriptors and threads stay bounded however often the member set changes. Nothing here knows which
 rank holds the lanes or what the bytes mean: it moves 1-D uint8 CPU tensors, and a failed group
 raises gloo's ``RuntimeError`` for the caller to turn into a lost round.
 """
@@ -19,6 +23,28 @@ import torch
 import torch.distributed as dist
 
 from lightning_islands.link.coordinator import ENV_LINK_IFNAME
+
+START_LANES = "lanes"  # the key of the lanes every island opens when the run starts (IslandLink.open_lanes)
+
+
+def group_prefixes(prefix: str, count: int, size: int) -> list[str]:
+    """The store prefix of each group of ``count`` lanes among ``size`` members under ``prefix``:
+    one per lane, and between two members one more per lane and direction."""
+    names = [f"lane{k}" for k in range(count)]
+    if size == 2:
+        names += [f"lane{k}/from{i}" for k in range(count) for i in range(2)]
+    return [f"{prefix}{n}/" for n in names]
+
+
+def rendezvous_keys(prefix: str, count: int, size: int) -> list[str]:
+    """The keys the rendezvous of :meth:`Lanes.build` under ``prefix`` leaves in the store: gloo's
+    full mesh has each member publish its address under ``<group prefix>/<device>/<rank>`` (one
+    device per group here; as measured with torch 2.13). Nobody reads them once every member's
+    groups are built, so they can go once a round after the build has counted. None for fewer
+    than two members (no lanes)."""
+    if size < 2:
+        return []
+    return [f"{group}/0/{rank}" for group in group_prefixes(prefix, count, size) for rank in range(size)]
 
 
 class Lanes:
@@ -41,22 +67,24 @@ class Lanes:
         self.groups: list = []
         self.directed: list = []  # two islands: directed[k][i] carries what island i's end sends on lane k
         self.rank, self.size = 0, 1
-        # groups of earlier member sets stay referenced: dropping a gloo group whose peer died may abort
-        self._retired: list = []
+        # groups an abandoned operation may still be inside, each with the event its thread sets when it
+        # ends: destroyed at the first build after that
+        self._retired: list[tuple[list, threading.Event]] = []
+        self._generation = 0  # advanced by every build and retire: an abandoned build keeps nothing
         self._stores: list[dist.Store | None] = []  # one store connection per group, reused
 
     def build(self, prefix: str, rank: int, size: int) -> None:
         """The lanes of a member set of ``size`` islands, this one ``rank`` among them, under the
         store ``prefix`` (every member builds them with the same prefix); none for fewer than two."""
-        if self.groups:
-            self._retired.append((self.groups, self.directed))
-        self.groups, self.directed, self.rank, self.size = [], [], rank, size
+        self._release()
+        self._generation += 1
+        generation = self._generation
+        self.rank, self.size = rank, size
         if size < 2:
             return
-        names = [f"lane{k}" for k in range(self.count)]
-        if size == 2:
-            names += [f"lane{k}/from{i}" for k in range(self.count) for i in range(2)]
-        groups = self._rendezvous([(f"{prefix}{n}/", rank, size) for n in names])
+        groups = self._rendezvous([(group, rank, size) for group in group_prefixes(prefix, self.count, size)])
+        if generation != self._generation:  # retired while it was built (abandoned): nothing runs on them
+            return
         self.groups = groups[: self.count]
         self.directed = [groups[self.count + 2 * k : self.count + 2 * k + 2] for k in range(self.count)] \
             if size == 2 else []
@@ -71,15 +99,16 @@ class Lanes:
         a rendezvous waiting for a peer would hold up the others on a shared one).
         """
         options = [self._options() for _ in specs]  # a bad interface fails here, before any thread
-        self._stores += [None] * (len(specs) - len(self._stores))  # connected on first use
+        stores = self._stores  # this build's list (retire() replaces it: an abandoned build keeps its own)
+        stores += [None] * (len(specs) - len(stores))  # connected on first use
         built: list = [None] * len(specs)
 
         def build(k: int) -> None:
             try:
-                if self._stores[k] is None:
-                    self._stores[k] = self.connect()
+                if stores[k] is None:
+                    stores[k] = self.connect()
                 prefix, rank, size = specs[k]
-                built[k] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._stores[k]), rank, size, options[k])
+                built[k] = dist.ProcessGroupGloo(dist.PrefixStore(prefix, stores[k]), rank, size, options[k])
             except Exception as err:  # noqa: BLE001 - raised below, in the caller's thread
                 built[k] = err
 
@@ -153,24 +182,49 @@ class Lanes:
             w.wait()
         return [torch.cat([outs[k][i] for k in range(n_lanes)])[:size] for i, size in enumerate(sizes)]
 
-    def broadcast(self, payload: torch.Tensor | None, root: int) -> torch.Tensor:
-        """Member ``root``'s uint8 ``payload`` (``None`` elsewhere) on every member, on lane 0."""
+    def broadcast_size(self, payload: torch.Tensor | None, root: int) -> int:
+        """The size of member ``root``'s ``payload`` (``None`` elsewhere), on every member, on lane 0."""
         size = torch.tensor([payload.numel() if self.rank == root and payload is not None else 0], dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        self.groups[0].broadcast([size], opts).wait()
+        self.groups[0].broadcast([size], self._root(root)).wait()
+        return int(size.item())
+
+    def broadcast(self, payload: torch.Tensor | None, root: int, size: int) -> torch.Tensor:
+        """Member ``root``'s uint8 ``payload`` of ``size`` bytes (:meth:`broadcast_size`; ``None``
+        elsewhere) on every member, on lane 0."""
         buf = payload.cpu().contiguous() if self.rank == root and payload is not None else torch.empty(
-            int(size.item()), dtype=torch.uint8)
-        self.groups[0].broadcast([buf], opts).wait()
+            size, dtype=torch.uint8)
+        self.groups[0].broadcast([buf], self._root(root)).wait()
         return buf
 
-    def retire(self) -> None:
-        """Give up the current groups (an operation on them was abandoned, so they are unusable):
-        they stay referenced, and the next :meth:`build` starts from none."""
-        if self.groups:
-            self._retired.append((self.groups, self.directed))
+    @staticmethod
+    def _root(root: int) -> dist.BroadcastOptions:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return opts
+
+    @property
+    def retired(self) -> int:
+        """How many member sets' groups wait for an abandoned operation to end."""
+        return len(self._retired)
+
+    def _release(self) -> None:
+        """Destroy the current groups (idle: every operation on them returned) and the retired ones
+        whose abandoned operation has ended."""
         self.groups, self.directed = [], []
+        self._retired = [(groups, ended) for groups, ended in self._retired if not ended.is_set()]
+
+    def retire(self, ended: threading.Event) -> None:
+        """Give up the current groups: an operation on them was abandoned (they are unusable) and
+        ``ended`` is set when its thread ends; they are destroyed at the first :meth:`build` after
+        that. The next build starts from none, on new store connections (an abandoned rendezvous may
+        still be using the old ones)."""
+        if self.groups:
+            self._retired.append((self.groups + [g for pair in self.directed for g in pair], ended))
+        self._generation += 1
+        self.groups, self.directed, self._stores = [], [], []
 
     def close(self) -> None:
-        """Drop the current groups and the store connections (retired groups stay referenced)."""
-        self.groups, self.directed, self._stores = [], [], []
+        """Destroy the idle groups and drop the store connections (groups an abandoned operation is
+        still inside stay referenced until it ends)."""
+        self._release()
+        self._stores = []

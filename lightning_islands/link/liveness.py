@@ -1,11 +1,17 @@
 """An island's signs of life at the coordinator: its liveness beat and its status beats.
 
-:class:`Beat` changes the island's liveness key every ``BEAT_S`` from a thread with its own store
-connection while the island's link is open; the other islands read a key that stops changing for
-``grace_s`` as a lost island (:mod:`lightning_islands.link.membership`). A beat that fails (the
-coordinator unreachable for a moment, a connection reset) is logged and retried on a new connection
-with exponential backoff, so one failed ``set`` never makes a live island look dead for good.
-:func:`beating` keeps the island's status key changing while a long step without training runs.
+One notion of alive: progress. :class:`Beat` changes the island's liveness key from a thread with
+its own store connection, at most every ``BEAT_S``, and only when the island made progress since
+the last change (:meth:`Beat.touch`: a training or validation step, a wait or a transfer of the link
+that is within its deadline, a checkpoint write in :func:`beating`); the other islands read a key
+that stops changing for ``grace_s`` as a lost island (:mod:`lightning_islands.link.membership`). So
+an island whose training thread is deadlocked, whose process is stopped or whose link is down
+counts as silent after ``grace_s``, whichever it is. Until the island's first round counts
+(:meth:`Beat.settle`: start-up, compilation, the first steps) the beat changes while the process
+runs. A beat that fails (the coordinator unreachable for a moment, a connection reset) is logged
+and retried on a new connection with exponential backoff, so one failed ``set`` never makes a live
+island look dead for good. :func:`beating` also keeps the island's status key changing while a long
+step without training runs, for the launcher to show.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -40,13 +47,22 @@ def _stop_beats() -> None:
 
 
 def connector(host: str, port: int, timeout: timedelta) -> Callable[[], dist.Store]:
-    """A function that opens a new client connection to the coordinator at ``host:port``."""
-    return lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    """A function that opens a new client connection to the coordinator at ``host:port``.
+
+    It first checks with a plain socket (at most ``CONNECT_S``) that the coordinator accepts
+    connections: the store's own client retries an unreachable address for ``timeout`` in a native
+    thread, and one still retrying when the interpreter exits aborts the process."""
+    def connect() -> dist.Store:
+        with socket.create_connection((host, port), timeout=min(timeout.total_seconds(), CONNECT_S)):
+            pass
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return connect
 
 
 class Beat:
-    """This island's liveness beat: ``key`` reads ``"INCARNATION:COUNT"``, the count advancing every
-    ``period`` seconds, from a thread of its own (started here, stopped by :meth:`stop`).
+    """This island's liveness beat: ``key`` reads ``"INCARNATION:COUNT"``, the count advancing at
+    most every ``period`` seconds from a thread of its own (started here, stopped by :meth:`stop`):
+    every period until :meth:`settle`, then only after a :meth:`touch` (progress).
 
     ``connect`` opens the thread's own store connection (:func:`connector`). When a ``set`` or a
     connection fails, the failure is logged with its cause and the beat tries again on a new
@@ -58,10 +74,20 @@ class Beat:
                  period: float = BEAT_S) -> None:
         self.connect, self.key, self.incarnation, self.period = connect, key, incarnation, period
         self.failures = 0
+        self.progress = 0  # touches so far
+        self.settled = False  # from the first round that counted on: the count follows progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _BEATING.add(self)
+
+    def touch(self) -> None:
+        """This island made progress: the next beat advances the count."""
+        self.progress += 1
+
+    def settle(self) -> None:
+        """The island's first round counted: from now on the count advances only with progress."""
+        self.settled = True
 
     def stop(self) -> None:
         """Stop beating (waits for the thread, at most a connection attempt's length)."""
@@ -75,13 +101,15 @@ class Beat:
 
     def _run(self) -> None:
         store: dist.Store | None = None
-        count, pause, failing_since, logged = 0, self.period, 0.0, 0.0
+        count, pause, failing_since, logged, beaten = 0, self.period, 0.0, 0.0, -1
         while not self._stop.is_set():
             try:
-                if store is None:
-                    store = self.connect()
-                count += 1
-                store.set(self.key, f"{self.incarnation}:{count}")
+                progress = self.progress
+                if not self.settled or progress != beaten:
+                    if store is None:
+                        store = self.connect()
+                    store.set(self.key, f"{self.incarnation}:{count + 1}")
+                    count, beaten = count + 1, progress
             except Exception as err:  # noqa: BLE001 - logged, and tried again on a new connection
                 store, self.failures = None, self.failures + 1
                 now = time.monotonic()
@@ -101,16 +129,17 @@ class Beat:
 
 @contextmanager
 def beating(connect: Callable[[], dist.Store], key: str, status: dict, period: float,
-            name: str) -> Iterator[None]:
+            name: str, progress: Callable[[], None] | None = None) -> Iterator[None]:
     """Keep ``key`` (an island's status) changing from a background thread while the body runs:
-    ``status`` with a ``"beat"`` that changes every ``period`` seconds.
+    ``status`` with a ``"beat"`` that changes every ``period`` seconds, and ``progress()`` called
+    as often (the island's :meth:`Beat.touch`).
 
-    For work that takes long and cannot beat by itself (writing a checkpoint): the other islands see
-    progress and keep waiting for this island. The thread has its own connection (``connect``), and
-    it stops when the body ends, also by an exception: a failed or hung island stops beating only if
-    the body ends, so ``max_wait`` is the bound for a body that hangs. Leaving the block waits at
-    most a few seconds for the thread (a connection attempt still under way is left to end by
-    itself: it sends nothing once the block has ended).
+    For work that takes long and cannot beat by itself (writing a checkpoint): the other islands
+    see progress and keep waiting for this island, up to their round's deadline (``deadline_s``),
+    the bound for a body that hangs. The thread has its own connection (``connect``) and stops when
+    the body ends, also by an exception. Leaving the block waits at most a few seconds for the
+    thread (a connection attempt still under way is left to end by itself: it sends nothing once
+    the block has ended).
     """
     stop = threading.Event()
 
@@ -122,6 +151,8 @@ def beating(connect: Callable[[], dist.Store], key: str, status: dict, period: f
         count = 0
         while not stop.wait(period):
             count += 1
+            if progress is not None:
+                progress()
             with suppress(Exception):  # one failed beat does not end the others
                 store.set(key, json.dumps({**status, "beat": f"background {count}"}))
 

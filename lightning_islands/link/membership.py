@@ -2,8 +2,8 @@
 
 Every island's leader publishes its round header under the round's key and waits. The round's
 member set is decided as soon as every island expected is there, or once the missing ones have been
-silent (no liveness beat) for the grace window, or once ``max_wait`` has passed, provided at least
-``min_islands`` arrived. Whichever island decides first writes the set with ``compare_set``; every
+silent (their liveness beat, which follows their progress, stopped) for the grace window, provided
+at least ``min_islands`` arrived. Whichever island decides first writes the set with ``compare_set``; every
 island then reads the same set from the store. Islands expected are those of the previous round plus
 those asking to (re)join.
 
@@ -12,12 +12,16 @@ marks the attempt failed and the round runs again with the islands still alive. 
 only when every member said it finished its exchange (:meth:`Membership.settle`): the outcome, too,
 is written once with ``compare_set``, so no two live islands disagree on whether a round happened.
 
-Nothing here knows about tensors or lanes; it reads and writes small keys.
+Every wait here is :func:`~lightning_islands.link.waiting.wait_until`, bounded by the round's
+deadline (``deadline_s`` from this island's first meeting of the round, all attempts included): past
+it the run ends with :class:`~lightning_islands.link.protocol.DeadlinePassed`, naming the islands
+waited for. Nothing here knows about tensors or lanes; it reads and writes small keys.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +30,10 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_islands.link.coordinator import get_if_set
-from lightning_islands.link.protocol import LateForRound, QuorumLost, RoundLost, RunEnded
-
-# how often a waiting island polls the store: one request for the keys it waits for, and every
-# SCAN_S the full scan (liveness, joiners, failures), a request per key; over a WAN each request is a
-# round trip to the coordinator, so the poll must stay one
-POLL_S = 0.01
-SCAN_S = 0.25
-START_LANES = "lanes"  # the key of the lanes every island opens when the run starts (IslandLink.open_lanes)
+from lightning_islands.link.lanes import START_LANES
+from lightning_islands.link.protocol import DeadlinePassed, LateForRound, QuorumLost, RoundLost, RunEnded
+from lightning_islands.link.sweeper import KEEP_ROUNDS, SWEPT, Sweeper
+from lightning_islands.link.waiting import POLL_S, wait_until
 
 
 @dataclass(frozen=True)
@@ -91,22 +91,27 @@ class Membership:
         min_islands: the fewest islands a round may proceed with.
         grace_s: how long a missing island may stay silent (no liveness beat) before a round goes on
             without it; a callable is asked each time (the expected round length can change).
-        max_wait_s: the longest a round waits for islands that are alive but do not arrive.
+        deadline_s: the longest a round may take on this island, from its first meeting of the
+            round until the round counts, all attempts included (``None``: no deadline).
         aborted: ``aborted(i)``: island ``i``'s failure report, or ``None``.
         incarnation: this island's start count (its liveness beat reads ``"INCARNATION:COUNT"``):
             a member whose beat shows another incarnation was restarted, so the process that was a
             member is gone.
+        progress: called while this island waits within its deadline (its liveness beat's touch).
     """
 
     def __init__(self, store: dist.Store, run_id: str, island: int, num_islands: int, min_islands: int,
-                 grace_s: float | Callable[[], float], max_wait_s: float | None,
-                 aborted: Callable[[int], str | None], incarnation: int = 0) -> None:
+                 grace_s: float | Callable[[], float], deadline_s: float | None,
+                 aborted: Callable[[int], str | None], incarnation: int = 0,
+                 progress: Callable[[], None] | None = None) -> None:
         if not 1 <= min_islands <= num_islands:
             raise ValueError(f"min_islands must be in [1, {num_islands}], got {min_islands}")
         self.store, self.run_id, self.island, self.num_islands = store, run_id, island, num_islands
         self.min_islands = min_islands
         self._grace = grace_s
-        self.max_wait_s = max_wait_s
+        self.deadline_s = deadline_s
+        self.progress = progress
+        self._deadlines: dict[int, float] = {}  # round -> when this island gives it up (time.monotonic)
         self.aborted = aborted
         self.incarnation = incarnation
         self._incs: dict[int, int] = {}  # the incarnation of each island in this island's current attempt
@@ -118,6 +123,7 @@ class Membership:
         # propose them (an island that was left behind, or restarted, has lost them)
         self.holds_start_lanes = True
         self.changes: list[str] = []  # membership changes seen, for the log
+        self.sweeper: Sweeper | None = None  # deletes rounds long over (the link's; none: kept)
 
     @property
     def grace_s(self) -> float:
@@ -152,8 +158,24 @@ class Membership:
             return True
         return incarnation is not None and self._beat_incarnation(island) not in (None, incarnation)
 
-    def _waited_out(self, started: float) -> bool:
-        return self.max_wait_s is not None and time.monotonic() - started > self.max_wait_s
+    def deadline(self, round_: int) -> float:
+        """When round ``round_`` must have counted on this island (``time.monotonic()``); its clock
+        starts at this island's first meeting of the round."""
+        if round_ not in self._deadlines:
+            self._deadlines = {r: t for r, t in self._deadlines.items() if r >= round_ - 1}
+            self._deadlines[round_] = time.monotonic() + (math.inf if self.deadline_s is None else self.deadline_s)
+        return self._deadlines[round_]
+
+    def _wait(self, round_: int, ready: Callable[[], Any], scan: Callable[[], Any],
+              waiting_for: Callable[[], str]) -> Any:
+        """:func:`wait_until` within round ``round_``'s deadline; past it :class:`DeadlinePassed`
+        says ``waiting_for()`` (the islands waited for) and the fix."""
+        def expired() -> DeadlinePassed:
+            return DeadlinePassed(
+                f"round {round_} did not finish within deadline_s={self.deadline_s:g} s on island {self.island}: "
+                f"{waiting_for()}. Give slow islands fewer steps per round (islands.balance=time or their "
+                "steps_per_round) or raise islands.deadline_s")
+        return wait_until(ready, scan=scan, deadline=self.deadline(round_), expired=expired, progress=self.progress)
 
     def joiners(self, round_: int) -> dict[int, int]:
         """Islands asking to (re)join from round ``round_`` on, with their incarnations."""
@@ -200,46 +222,48 @@ class Membership:
         key = f"round{round_}/a{attempt}"
         self.store.set(self._k(f"{key}/h/{self.island}"), json.dumps(header))
         expected = set(self.previous.present if self.previous else range(self.num_islands)) | {self.island}
-        started = time.monotonic()
         waited_for = [self._k(f"{key}/h/{i}") for i in sorted(expected)]
-        next_scan = started + SCAN_S
-        while True:
-            if self.store.check(waited_for):
-                if len(expected) == self.num_islands:
-                    # every island is here (a round's usual case, one round trip): the scan below
-                    # would find no one missing and no joiner (a joiner sends its header only once a
-                    # decision names it), so it would propose them all; compare_set returns an
-                    # earlier decision where there is one
-                    return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ()), True
-            elif time.monotonic() < next_scan:
-                time.sleep(POLL_S)
-                continue
-            next_scan = time.monotonic() + SCAN_S
+        missing: list[int] = []  # the islands still waited for, for the deadline's message
+
+        def ready() -> tuple[Decision, bool] | None:
+            if not self.store.check(waited_for):
+                return None
+            if len(expected) == self.num_islands:
+                # every island is here (a round's usual case, one round trip): the scan below would
+                # find no one missing and no joiner (a joiner sends its header only once a decision
+                # names it), so it would propose them all; compare_set returns an earlier decision
+                # where there is one
+                return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ()), True
+            return scan()
+
+        def scan() -> tuple[Decision, bool] | None:
             found = self._get(self._k(f"{key}/members"))
             if found is not None:
                 return Decision.from_json(found), False
             self._check_ended(round_)
+            self._check_current(round_)
             arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
-            now = time.monotonic()
             # a joiner sends its header once the decision names it: it is waited for only if alive
             asking = self.joiners(round_)
             joiners = set(asking) - arrived
-            missing = expected - arrived - joiners
-            silent = self._silent(sorted(missing | joiners), now)
-            gone = {i for i in missing | joiners if self._gone(i, silent[i])}
-            alive = arrived | (missing - gone) | (joiners - gone)
-            waited_out = self._waited_out(started)
-            if len(alive) < self.min_islands or (waited_out and len(arrived) < self.min_islands):
+            absent = expected - arrived - joiners
+            silent = self._silent(sorted(absent | joiners), time.monotonic())
+            gone = {i for i in absent | joiners if self._gone(i, silent[i])}
+            alive = arrived | (absent - gone) | (joiners - gone)
+            missing[:] = sorted(absent - gone)
+            if len(alive) < self.min_islands:
                 raise QuorumLost(
                     f"round {round_}: only islands {sorted(alive)} are alive, fewer than "
                     f"min_islands={self.min_islands}; islands {sorted(gone)} were silent for more than "
                     f"{self.grace_s:g} s (grace_s) or failed. Restart them (they rejoin) or lower islands.min_islands")
-            if not missing - gone or (waited_out and len(arrived) >= self.min_islands):
-                present = tuple(sorted(arrived | (joiners - gone)))
-                if len(present) >= self.min_islands:
-                    joining = tuple(sorted(joiners - gone))
-                    return self._propose(round_, attempt, present, joining, tuple(asking[j] for j in joining)), False
-            time.sleep(POLL_S)
+            present = tuple(sorted(arrived | (joiners - gone)))
+            if missing or len(present) < self.min_islands:
+                return None
+            joining = tuple(sorted(joiners - gone))
+            return self._propose(round_, attempt, present, joining, tuple(asking[j] for j in joining)), False
+
+        return self._wait(round_, ready, scan, lambda: f"islands {missing} are alive but did not arrive at its "
+                                                       "meeting (still training)")
 
     def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],
                  joining_incs: tuple[int, ...]) -> Decision:
@@ -271,19 +295,23 @@ class Membership:
     def _await_headers(self, decision: Decision, keys: dict[int, str]) -> None:
         """Wait until every header in ``keys`` is there; :class:`RoundLost` when an island is lost."""
         incs = dict(zip(decision.joining, decision.joining_incs))
-        started = time.monotonic()
-        while True:
-            missing = [i for i, k in keys.items() if not self.store.check([k])]
+        missing: list[int] = []
+
+        def scan() -> bool | None:
+            missing[:] = [i for i, k in keys.items() if not self.store.check([k])]
             if not missing:
-                return
+                return True
             if self._outcome(decision) == "fail":
                 raise RoundLost(f"round {decision.round} attempt {decision.attempt} failed on another island")
             silent = self._silent(missing, time.monotonic())
             lost = [i for i in missing if self._gone(i, silent[i], incs.get(i))]
-            if lost or self._waited_out(started):
-                raise RoundLost(f"islands {lost or missing} were lost before sending their round {decision.round} "
-                                f"header (silent for {self.grace_s:g} s, restarted, or not there within max_wait_s)")
-            time.sleep(POLL_S)
+            if lost:
+                raise RoundLost(f"islands {lost} were lost before sending their round {decision.round} header "
+                                f"(silent for more than {self.grace_s:g} s, failed, or restarted)")
+            return None
+
+        self._wait(decision.round, lambda: True if self.store.check(list(keys.values())) else None, scan,
+                   lambda: f"joining islands {missing} did not send their header")
 
     def _note(self, decision: Decision) -> None:
         prev = self.previous
@@ -306,63 +334,78 @@ class Membership:
         stopped, the link cut) is noticed here within ``grace_s``, not by the transfer's timeout."""
         if self._outcome(decision) == "fail":
             return f"round {decision.round} attempt {decision.attempt} failed on another island"
-        others = [i for i in decision.present if i != self.island]
-        silent = self._silent(others, time.monotonic())
         incs = {**self._incs, **dict(zip(decision.joining, decision.joining_incs))}
-        lost = [i for i in others if self._gone(i, silent[i], incs.get(i))]
+        return self.lost_among(decision.present, incs, f"while round {decision.round}'s bytes moved")
+
+    def lost_among(self, islands: Sequence[int], incarnations: dict[int, int] | None = None,
+                   when: str = "while bytes moved") -> str | None:
+        """Why some of ``islands`` (other than this one) are lost, or ``None``: silent past the grace
+        window, failed, or (given the ``incarnations`` that took part) restarted."""
+        others = [i for i in islands if i != self.island]
+        silent = self._silent(others, time.monotonic())
+        lost = [i for i in others if self._gone(i, silent[i], (incarnations or {}).get(i))]
         if lost:
-            return (f"islands {lost} were lost (silent for more than {self.grace_s:g} s, failed, or restarted) "
-                    f"while round {decision.round}'s bytes moved")
+            return f"islands {lost} were lost (silent for more than {self.grace_s:g} s, failed, or restarted) {when}"
         return None
 
-    def fail(self, decision: Decision) -> None:
-        """Mark the attempt failed (this island lost a peer during it), unless it already counted."""
-        self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "fail")
+    def seen(self, island: int) -> bool:
+        """Whether island ``island``'s liveness beat has been read here (it started)."""
+        return self._watch.seen.get(island, (None, 0.0))[0] is not None
+
+    def fail(self, decision: Decision) -> str:
+        """Mark the attempt failed (this island lost a peer during it), unless it already counted;
+        returns the attempt's outcome (``"fail"``, or ``"ok"`` when it counted first)."""
+        return self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "fail").decode()
 
     def settle(self, decision: Decision) -> None:
         """After this island's exchange of the attempt: wait until every member finished it (the
         attempt counts) or one was lost (:class:`RoundLost`: run the round again)."""
         self.store.set(self._k(f"{decision.key}/done/{self.island}"), "1")
         keys = {i: self._k(f"{decision.key}/done/{i}") for i in decision.present}
-        started = time.monotonic()
-        next_scan = started + SCAN_S
-        while True:
-            outcome: str | None = None
-            if self.store.check(list(keys.values())):
-                # every member finished (the usual case): write "ok" unless "fail" is there already
-                outcome = self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "ok").decode()
-            elif time.monotonic() < next_scan:
-                time.sleep(POLL_S)
-                continue
-            else:
-                next_scan = time.monotonic() + SCAN_S
-                outcome = self._outcome(decision)
-            if outcome is None:
-                missing = [i for i, k in keys.items() if not self.store.check([k])]
-                if not missing:
-                    outcome = self.store.compare_set(self._k(f"{decision.key}/outcome"), "", "ok").decode()
-                else:
-                    silent = self._silent(missing, time.monotonic())
-                    if self._waited_out(started) or any(self._gone(i, silent[i], self._incs.get(i)) for i in missing):
-                        self.fail(decision)
-                        next_scan = 0.0  # read the outcome at once
-                        continue
-            if outcome == "ok":
-                self.committed = decision
-                if self.island in decision.joining:
-                    self.store.delete_key(self._k(f"join/{self.island}"))
-                return
-            if outcome == "fail":
-                self._attempt[decision.round] = decision.attempt + 1
-                raise RoundLost(f"round {decision.round} attempt {decision.attempt} lost an island; running it "
-                                "again without it")
-            time.sleep(POLL_S)
+        outcome_key = self._k(f"{decision.key}/outcome")
+        missing: list[int] = []
+
+        def ready() -> str | None:
+            # every member finished (the usual case): write "ok" unless "fail" is there already
+            return self.store.compare_set(outcome_key, "", "ok").decode() if self.store.check(list(keys.values())) \
+                else None
+
+        def scan() -> str | None:
+            outcome = self._outcome(decision)
+            if outcome is not None:
+                return outcome
+            self._check_current(decision.round)
+            missing[:] = [i for i, k in keys.items() if not self.store.check([k])]
+            if not missing:
+                return self.store.compare_set(outcome_key, "", "ok").decode()
+            silent = self._silent(missing, time.monotonic())
+            return self.fail(decision) if any(self._gone(i, silent[i], self._incs.get(i)) for i in missing) else None
+
+        outcome = self._wait(decision.round, ready, scan, lambda: f"islands {missing} did not finish its exchange")
+        if outcome == "ok":
+            self.committed = decision
+            if self.island in decision.joining:
+                self.store.delete_key(self._k(f"join/{self.island}"))
+            if self.sweeper is not None and self.island == decision.present[0] and decision.round >= KEEP_ROUNDS:
+                self.sweeper.sweep(decision.round - KEEP_ROUNDS)
+            return
+        self._attempt[decision.round] = decision.attempt + 1
+        raise RoundLost(f"round {decision.round} attempt {decision.attempt} lost an island; running it again "
+                        "without it")
 
     def _check_ended(self, before: int | None = None) -> None:
         """Raise :class:`RunEnded` when the run ended (with a round before ``before``, if given)."""
         ended = self._get(self._k("ended"))
         if ended is not None and (before is None or int(ended) < before):
             raise RunEnded(f"the other islands ended training after round {int(ended)}")
+
+    def _check_current(self, round_: int) -> None:
+        """Raise :class:`LateForRound` when round ``round_``'s keys were deleted: the others counted a
+        round at least ``KEEP_ROUNDS`` later (:mod:`lightning_islands.link.sweeper`)."""
+        swept = self._get(self._k(SWEPT))
+        if swept is not None and int(swept) >= round_:
+            raise LateForRound(f"round {round_} is long over for the other islands (they counted round "
+                               f"{int(swept) + KEEP_ROUNDS} or later)")
 
     def end(self, round_: int) -> None:
         """Record that the run ended with round ``round_`` (an island still trying to get back in stops)."""
@@ -385,18 +428,25 @@ class Membership:
     def await_inclusion(self, timeout_s: float) -> Decision:
         """Wait until a round is decided with this island joining; returns that decision (the join
         request is withdrawn, and :meth:`decide` of that round continues at its attempt)."""
-        started, key = time.monotonic(), self._k(f"joined_at/{self.island}")
-        while time.monotonic() - started < timeout_s:
+        key = self._k(f"joined_at/{self.island}")
+
+        def scan() -> Decision | None:
             self._check_ended()
             found = self._get(key)
-            if found is not None:
-                decision = Decision.from_json(found)
-                mine = dict(zip(decision.joining, decision.joining_incs)).get(self.island)
-                if mine == self.incarnation and self._outcome(decision) is None:
-                    self.store.delete_key(self._k(f"join/{self.island}"))
-                    self.store.delete_key(key)
-                    self._attempt[decision.round] = decision.attempt
-                    return decision
-            time.sleep(POLL_S * 5)
-        raise QuorumLost(f"island {self.island} asked to rejoin but no live island took it into a round within "
-                         f"{timeout_s:g} s; are the other islands still training?")
+            if found is None:
+                return None
+            decision = Decision.from_json(found)
+            mine = dict(zip(decision.joining, decision.joining_incs)).get(self.island)
+            if mine != self.incarnation or self._outcome(decision) is not None:
+                return None
+            self.store.delete_key(self._k(f"join/{self.island}"))
+            self.store.delete_key(key)
+            self._attempt[decision.round] = decision.attempt
+            return decision
+
+        def expired() -> QuorumLost:
+            return QuorumLost(f"island {self.island} asked to rejoin but no live island took it into a round within "
+                              f"{timeout_s:g} s (deadline_s); are the other islands still training?")
+
+        return wait_until(lambda: None, scan=scan, deadline=time.monotonic() + timeout_s, expired=expired,
+                          progress=self.progress, scan_s=POLL_S * 5)

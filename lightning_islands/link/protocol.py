@@ -37,6 +37,11 @@ class IslandAborted(RuntimeError):
     """Another island reported a failure (or never arrived) while this one waited for it."""
 
 
+class DeadlinePassed(IslandAborted):
+    """A round (or the start) did not finish within its deadline (``deadline_s``): the run ends,
+    naming the islands it waited for and the fix."""
+
+
 class CoordinatorLost(ConnectionError):
     """The coordinator stopped answering: the run cannot go on (restart it from the last checkpoints)."""
 

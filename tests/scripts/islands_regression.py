@@ -11,6 +11,8 @@ import argparse
 import atexit
 import os
 import signal
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -113,16 +115,31 @@ class Killer(pl.Callback):
     """SIGKILLs this process, as a lost machine ends: after inner step ``step`` (``phase="inner"``),
     or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent).
     With ``sig="STOP"`` it SIGSTOPs itself instead (alive, silent, no TCP reset), after writing its
-    pid to ``pid_file``."""
+    pid to ``pid_file``; with ``sig="LINKDOWN"`` it takes its own veth down (inside a shaped link's
+    namespace: its packets stop, nothing is reset) and then waits, cut off, until it is killed."""
 
     def __init__(self, phase: str, step: int, round_: int, sig: str = "KILL", pid_file: Path | None = None) -> None:
         self.phase, self.step, self.round = phase, step, round_
-        self.signal, self.pid_file = getattr(signal, f"SIG{sig}"), pid_file
+        self.signal = None if sig == "LINKDOWN" else getattr(signal, f"SIG{sig}")
+        self.pid_file = pid_file
+        self.fallen = False
 
     def _fall(self, where: str, island: int) -> None:
-        verb = "killing" if self.signal == signal.SIGKILL else "stopping"
+        if self.fallen:  # a cut-off island trains on: it falls once
+            return
+        self.fallen = True
         if self.pid_file is not None:
             self.pid_file.write_text(str(os.getpid()))
+        if self.signal is None:
+            device = os.environ["LI_LINK_IFNAME"]  # only inside a shaped link's namespace
+            subprocess.run(["ip", "link", "set", device, "down"], check=True)
+            state = subprocess.run(["ip", "-o", "link", "show", device], capture_output=True, text=True).stdout
+            print(f"cutting island {island}'s link {where}: {device} is {'down' if 'state DOWN' in state else state}",
+                  flush=True)
+            # Cut off, it would end on its own once its coordinator connection times out; it waits
+            # here instead (the others see the same: no packets) until the test ends it.
+            threading.Event().wait()
+        verb = "killing" if self.signal == signal.SIGKILL else "stopping"
         print(f"{verb} island {island} {where}", flush=True)
         os.kill(os.getpid(), self.signal)
 
@@ -210,7 +227,7 @@ def main() -> None:
     p.add_argument("--same-seed", type=int, default=0, help="every island builds its model from seed 0")
     p.add_argument("--clip", type=float, default=0.0)
     p.add_argument("--final-ckpt", type=int, default=0, help="save final_island{i}.ckpt after fit")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="the strategy's timeout_s")
+    p.add_argument("--deadline-s", type=float, default=120.0, help="the strategy's deadline_s")
     p.add_argument("--save-delay", default="0", help="seconds each checkpoint write takes, per island (comma list)")
     p.add_argument("--early-stop-island", type=int, default=-1,
                    help="this island gets an EarlyStopping callback that fires at its first validation")
@@ -225,8 +242,12 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=0, help="...after this inner step (--kill-phase inner)")
     p.add_argument("--kill-round", type=int, default=0, help="...in this round's exchange (--kill-phase exchange)")
     p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange"])
-    p.add_argument("--kill-signal", default="KILL", choices=["KILL", "STOP"],
-                   help="STOP: the island stops itself (alive, silent) and writes its pid to pid_island{i}")
+    p.add_argument("--kill-signal", default="KILL", choices=["KILL", "STOP", "LINKDOWN"],
+                   help="STOP: the island stops itself (alive, silent) and writes its pid to pid_island{i}; "
+                        "LINKDOWN: it takes its veth down (needs --link)")
+    p.add_argument("--fault", action="append", default=[], metavar="ISLAND:PHASE:AT:SIGNAL",
+                   help="one more fault (repeatable): island ISLAND falls after inner step AT (PHASE inner) or "
+                        "in round AT's exchange (PHASE exchange) by SIGNAL (KILL, STOP, LINKDOWN)")
     p.add_argument("--hold-for-rejoin", type=int, default=0,
                    help="islands other than --kill-island pause after this inner step until it asks to rejoin")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
@@ -260,7 +281,7 @@ def main() -> None:
         outer_lr = [float(v) for v in args.outer_lrs.split(",")][island]
     warmup = [int(h) for h in args.sync_warmup.split(",") if h]
     strategy = IslandStrategy(sync_every=args.H, sync_warmup=warmup, outer_lr=outer_lr, outer_momentum=args.momentum,
-                              nesterov=bool(args.nesterov), codec=args.codec, timeout_s=args.timeout_s,
+                              nesterov=bool(args.nesterov), codec=args.codec, deadline_s=args.deadline_s,
                               outer_lr_warmup=args.outer_lr_warmup, outer_momentum_warmup=args.momentum_warmup,
                               error_feedback=None if args.error_feedback < 0 else bool(args.error_feedback),
                               error_feedback_decay=args.ef_decay,
@@ -295,9 +316,12 @@ def main() -> None:
 
         callbacks.append(Diverge())
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if island == args.kill_island and not restarted:
-        callbacks.append(Killer(args.kill_phase, args.kill_step, args.kill_round, args.kill_signal,
-                                out / f"pid_island{island}"))
+    at = args.kill_step if args.kill_phase == "inner" else args.kill_round
+    faults = [f"{args.kill_island}:{args.kill_phase}:{at}:{args.kill_signal}", *args.fault]
+    for fault in faults:
+        who, phase, at, sig = fault.split(":")
+        if int(who) == island and not restarted:
+            callbacks.append(Killer(phase, int(at), int(at), sig, out / f"pid_island{island}"))
     if args.hold_for_rejoin and island != args.kill_island:
         callbacks.append(HoldForRejoin(args.hold_for_rejoin, args.kill_island))
     delay = per_island(args.delays, float)

@@ -31,7 +31,7 @@ if world > 1:  # the island's own group: its ranks on this namespace's loopback
     dist.all_gather(outs, mine)
     record["intra_bps"] = n * 8 / (time.perf_counter() - t0)
 if rank == 0:
-    link = IslandLink(coordinator, island, num_islands, run_id=run_id, lanes=2, timeout=timedelta(seconds=60))
+    link = IslandLink(coordinator, island, num_islands, run_id=run_id, lanes=2, deadline=timedelta(seconds=60))
     link.gather_objects("ready", True)
     link.open_lanes()
     link.all_gather_bytes(torch.zeros(1024, dtype=torch.uint8))

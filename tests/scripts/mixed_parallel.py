@@ -73,7 +73,7 @@ def main() -> None:
     torch.manual_seed(island)  # island 0's initial parameters win
     model = Model(**{**TINY, "n_experts": per_island(args.experts)})
     model.batch_size = per_island(args.batch_sizes)
-    strategy = IslandStrategy(sync_every=args.H, outer_lr=0.7, outer_momentum=0.9, codec=args.codec, timeout_s=60,
+    strategy = IslandStrategy(sync_every=args.H, outer_lr=0.7, outer_momentum=0.9, codec=args.codec, deadline_s=120,
                               tensor_parallel_size=per_island(args.tp), expert_parallel_size=per_island(args.ep))
 
     def save_round(s: IslandStrategy) -> None:

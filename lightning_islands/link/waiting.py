@@ -1,0 +1,49 @@
+"""The one way an island waits for the others: :func:`wait_until`.
+
+Every wait of the link (for headers, a round's decision, its outcome, a rejoin, a start-up object,
+bytes on the lanes) is this loop: a cheap check every ``POLL_S`` (one request to the coordinator for
+the keys waited for), the full scan every ``SCAN_S`` (liveness, failures, decisions made elsewhere;
+over a WAN each request is a round trip, so the poll stays one request), a touch of this island's
+progress at every scan (an island waiting within its deadline is alive), and a deadline past which
+the wait ends with an error that names what was waited for and the fix. Nothing waits without one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.01  # how often the keys waited for are checked (one request)
+SCAN_S = 0.25  # how often the full scan runs (liveness, failures, decisions)
+
+
+def wait_until(ready: Callable[[], T | None], *, deadline: float, expired: Callable[[], Exception],
+               scan: Callable[[], T | None] | None = None, progress: Callable[[], None] | None = None,
+               poll_s: float = POLL_S, scan_s: float = SCAN_S) -> T:
+    """Return the first value other than ``None`` of ``ready()`` (asked every ``poll_s``) or of
+    ``scan()`` (asked every ``scan_s``, the first time after one ``scan_s``); either may raise to
+    end the wait. ``progress()`` is called on entry (reaching a wait is progress) and at every
+    scan. At ``deadline`` (a ``time.monotonic()`` time), ``expired()`` is raised.
+    """
+    if progress is not None:
+        progress()
+    next_scan = time.monotonic() + scan_s
+    while True:
+        found = ready()
+        if found is not None:
+            return found
+        now = time.monotonic()
+        if now >= next_scan:
+            next_scan = now + scan_s
+            if progress is not None:
+                progress()
+            if scan is not None:
+                found = scan()
+                if found is not None:
+                    return found
+            if time.monotonic() >= deadline:
+                raise expired()
+        time.sleep(poll_s)
