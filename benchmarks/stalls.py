@@ -13,9 +13,9 @@ fall once: in round 2's exchange, or after inner step 6 (in round 1):
 
 writes ``DIR/stalls.json`` and ``DIR/stalls.md``: per run, island 0's longest stall between two of
 its rounds and its median round, the time from the fault (island 1 writes its pid just before it
-falls) to island 0's next round, the attempts island 0 ran again, and the rounds the survivors lost
-(of 8) and island 1 missed. Every survivor's global state is checked bit-identical to island 0's in
-every round. Needs root (namespaces and ``tc``).
+falls) to the end of that stall (island 0's first round without it), the attempts island 0 ran
+again, and the rounds the survivors lost (of 8) and island 1 missed. Every survivor's global state
+is checked bit-identical to island 0's in every round. Needs root (namespaces and ``tc``).
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ def one(kind: str, n: int, phase: str, grace: float, link: str, out: Path) -> di
                 raise RuntimeError(f"{kind} x {n} ({phase}): island {i}'s round {r} differs from island 0's")
     times = [first[r][0] for r in sorted(first)]
     gaps = [b - a for a, b in zip(times, times[1:])]
-    after = [t for t in times if fault_at is not None and t >= fault_at]
+    longest = max(range(len(gaps)), key=gaps.__getitem__)
     return {
         "kind": kind, "islands": n, "phase": phase, "fault_seen": fault_at is not None,
         "stall_s": max(gaps), "median_round_s": statistics.median(gaps),
-        "recover_s": (after[0] - fault_at) if after else None,
+        "recover_s": (times[longest + 1] - fault_at) if fault_at is not None else None,
         "attempts_again": len(re.findall(r"^\[island 0\] islands: .*\(attempt \d+\)$", text, re.M)),
         "survivor_rounds_lost": ROUNDS - min(len(rounds[i]) for i in survivors),
         "island1_rounds_missed": ROUNDS - len(rounds[1]),
@@ -111,7 +111,7 @@ def main() -> None:
     (args.out / "stalls.json").write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
                                                       "rows": rows}, indent=2))
     lines = [f"grace_s={args.grace:g}, link {args.link}, {ROUNDS} rounds of H={H}; island 1 falls once",
-             "", "| fault | islands | phase | longest stall (s) | median round (s) | fault to next round (s) "
+             "", "| fault | islands | phase | longest stall (s) | median round (s) | fault to recovery (s) "
              "| attempts run again | survivors' rounds lost | island 1's rounds missed |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

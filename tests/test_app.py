@@ -295,3 +295,36 @@ def test_a_free_port_lies_below_the_range_connections_take_their_source_ports_fr
     assert all(0 < p < 65536 for p in ports)
     if low > 11024:  # Linux: outgoing connections cannot take these ports before the island binds them
         assert all(low - 10000 <= p < low for p in ports), (low, ports)
+
+
+class _RunsCode:
+    """Unpickling it would run ``touch`` (what a hostile meta.pt could do)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_resume_path_is_checked_without_running_what_its_metadata_holds(tmp_path):
+    """The launcher reads a resume folder's meta.pt (is it one island's checkpoint?) with
+    ``weights_only``: plain data is read, an object that would run code is refused by name."""
+    from lightning_islands.app.worker import resume_path
+
+    one = tmp_path / "island0.ckpt"
+    one.mkdir()
+    torch.save({"global_step": 4, "islands": {"round": 1}}, one / "meta.pt")
+    with pytest.raises(ValueError, match=r"is one island's checkpoint; give one per island"):
+        resume_path(str(one), 0, 2, "islands")
+    plain = tmp_path / "fsdp.ckpt"
+    plain.mkdir()
+    torch.save({"global_step": 4, "loops": {}}, plain / "meta.pt")
+    assert resume_path(str(plain), 1, 2, "islands") == str(plain), "a plain checkpoint every island starts from"
+    hostile = tmp_path / "hostile.ckpt"
+    hostile.mkdir()
+    marker = tmp_path / "ran"
+    torch.save({"global_step": 4, "x": _RunsCode(marker)}, hostile / "meta.pt")
+    with pytest.raises(ValueError, match=r"hostile.ckpt/meta.pt holds more than tensors and plain data"):
+        resume_path(str(hostile), 0, 2, "islands")
+    assert not marker.exists(), "nothing in the file ran"

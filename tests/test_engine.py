@@ -267,17 +267,32 @@ def test_time_balance_gives_the_faster_island_more_steps():
                                                    RoundHeader(0, step_seconds=1.0)]) == 32, "at most 8 H"
 
 
-def test_islands_that_differ_are_refused_by_name():
+@pytest.mark.parametrize("kwargs, needle", [
+    ([{"outer_lr": 0.7}, {"outer_lr": 0.5}], r"island 1 has outer=.*'lr': 0.5.* but island 0 has outer=.*'lr': 0.7"),
+    ([{"lanes": 1}, {"lanes": 3}], r"island 1 has lanes=3 but island 0 has lanes=1"),
+    ([{"min_islands": 1}, {"min_islands": 2}], r"island 1 has min_islands=2 but island 0 has min_islands=1"),
+    ([{"grace_s": None}, {"grace_s": 5.0}], r"island 1 has grace_s=5.0 but island 0 has grace_s=None"),
+    ([{"deadline_s": 3600.0}, {"deadline_s": 60.0}], r"island 1 has deadline_s=60.0 but island 0 has deadline_s=3600"),
+], ids=["outer_lr", "lanes", "min_islands", "grace_s", "deadline_s"])
+def test_islands_that_differ_are_refused_by_name_before_the_lanes_open(kwargs, needle):
+    """A setting that would diverge or hang (different lanes wait for groups that never form) is
+    refused at the start, naming it and both values, before any lane is opened."""
     hub = Hub(2)
+    opened = []
 
-    def island(i: int, lr: float) -> None:
-        settings = IslandSettings(sync_every=3, outer_lr=lr)
+    class Watched(MemoryLink):
+        def open_lanes(self) -> None:
+            opened.append(self.island)
+
+    def island(i: int) -> None:
+        settings = IslandSettings(sync_every=3, **kwargs[i])
         layout = CanonicalLayout(SPECS)
         engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-        engine.meet(lambda: MemoryLink(hub, i), settings.fingerprint(layout, 2, False, "cpu"))
+        engine.meet(lambda: Watched(hub, i), settings.fingerprint(layout, 2, False, "cpu"))
 
-    with pytest.raises(RuntimeError, match=r"island 1 has outer=.*'lr': 0.5.* but island 0 has outer=.*'lr': 0.7"):
-        run_threads([lambda: island(0, 0.7), lambda: island(1, 0.5)])
+    with pytest.raises(RuntimeError, match=needle):
+        run_threads([lambda: island(0), lambda: island(1)])
+    assert opened == []
 
 
 def test_islands_built_alike_send_no_initial_state():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 import warnings
@@ -128,7 +129,12 @@ def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> st
         if "{island}" in resume:
             return resume.format(island=island)
         if strategy == "islands" and num_islands > 1 and Path(resume, "meta.pt").exists():
-            meta = torch.load(Path(resume, "meta.pt"), weights_only=False)
+            try:  # tensors and plain data only: a load that could run code is refused
+                meta = torch.load(Path(resume, "meta.pt"), weights_only=True)
+            except pickle.UnpicklingError as err:
+                raise ValueError(f"resume={resume}: {Path(resume, 'meta.pt')} holds more than tensors and plain "
+                                 f"data, and loading it could run code; resume from a checkpoint Lightning wrote "
+                                 f"({str(err).splitlines()[0]})") from err
             if "islands" in meta:
                 raise ValueError(
                     f"resume={resume} is one island's checkpoint; give one per island: "

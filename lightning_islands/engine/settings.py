@@ -231,6 +231,12 @@ class IslandSettings:
             "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
             "resuming": bool(resuming),
+            # the link's: different lanes would wait for groups that never form; a member set or a
+            # wait that islands judge differently would split the run
+            "lanes": self.lanes,
+            "min_islands": self.min_islands,
+            "grace_s": self.grace_s,
+            "deadline_s": self.deadline_s,
             # the merge and the outer step (on the host or the training device) give the same bits on
             # every island only where the float modes agree
             "subnormals": {"host": floatenv.describe("cpu"), "training_device": floatenv.describe(training_device)},
