@@ -217,7 +217,7 @@ class IslandStrategy(FSDP2Strategy):
         s = self.settings
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
-                          grace_s=self.engine.grace_s)  # type: ignore[union-attr]
+                          grace_s=self.engine.grace_s, secret=self._secret)  # type: ignore[union-attr]
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     # ------------------------------------------------------------------ inner steps and rounds

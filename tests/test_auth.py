@@ -25,6 +25,7 @@ from lightning_islands.link.auth import (
     TAG_BYTES,
     AuthenticatedLink,
     AuthenticationError,
+    derive_key,
     load_secret,
 )
 
@@ -325,3 +326,88 @@ def test_bad_secrets_are_refused_with_the_file_and_the_fix(no_secret_env, tmp_pa
     no_secret_env.setenv(ENV_SECRET, "  ")
     with pytest.raises(ValueError, match="LI_SECRET is set but empty.*unset it"):
         load_secret()
+
+
+# ------------------------------------------------------------------------------------------- sealed decisions
+def _sealed_links(run_id: str, n: int = 2) -> tuple[Any, list]:
+    from datetime import timedelta
+
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
+
+    coordinator = Coordinator()
+    links = [IslandLink(coordinator.address, i, n, run_id=run_id, lanes=1, grace_s=1.0, secret=SECRET,
+                        deadline=timedelta(seconds=30)) for i in range(n)]
+    run_threads_ok([link.open_lanes for link in links])
+    return coordinator, links
+
+
+def run_threads_ok(fns: list) -> list:
+    got = outcomes(fns)
+    assert not any(isinstance(g, Exception) for g in got), got
+    return got
+
+
+@pytest.mark.parametrize("forged, key, step", [
+    ("members", "f/round0/a0/members", "meet"),
+    ("outcome", "f/round0/a0/outcome", "settle"),
+    ("ended", "f/ended", "meet"),
+    ("join", "f/join/1", "meet"),
+    ("abort", "f/abort/1", "meet"),
+    ("header", "f/round0/a0/h/1", "meet"),
+], ids=["members", "outcome", "ended", "join", "abort", "header"])
+def test_a_forged_decision_or_report_is_refused_and_named_never_acted_on(forged, key, step, caplog):
+    """With a secret, a value written into the coordinator by a process without it (what anyone who
+    reaches the coordinator's port can do) is refused, naming its key, by the island that reads it:
+    the island ends with AuthenticationError instead of acting on a forged member set, outcome, end
+    of the run, join request, abort report or header (island 1, not at the meeting yet, writes none
+    of its own)."""
+    from lightning_islands.link.membership import Decision
+
+    coordinator, links = _sealed_links("f")
+    values = {"members": Decision(0, 0, (0,), "round0/a0").to_json(), "outcome": "ok", "ended": "0",
+              "join": '{"from": 0, "inc": 1}', "abort": "island 1 failed", "header": "{}"}
+    if step == "settle":
+        run_threads_ok([lambda link=link: link.meet_round(0, {}) for link in links])
+    coordinator.store.set(key, values[forged])  # the forger, without the secret
+    if step == "settle":
+        got = outcomes([lambda link=link: link.settle_round() for link in links])
+    else:  # island 0 meets round 0 and reads what is there while it waits for island 1
+        got = outcomes([lambda: links[0].meet_round(0, {})])
+    refused = [g for g in got if isinstance(g, AuthenticationError)]
+    assert refused, f"the forged {forged} was acted on: {got}"
+    assert f"under {key!r}" in str(refused[0]) and "it carries no MAC" in str(refused[0])
+    assert f"under {key!r}" in caplog.text
+    for link in links:
+        link.close()
+
+
+def test_a_decision_replayed_from_another_round_or_attempt_does_not_verify():
+    """A value sealed for one key (round 0's member set) copied to another (round 1's, or another
+    attempt's) does not verify: the MAC binds the key, which names the run, round and attempt."""
+    coordinator, links = _sealed_links("r")
+    run_threads_ok([lambda link=link: (link.meet_round(0, {}), link.settle_round()) for link in links])
+    store = coordinator.store
+    for target in ("r/round1/a0/members", "r/round0/a1/members"):
+        store.set(target, store.get("r/round0/a0/members"))
+    got = outcomes([lambda link=link: link.meet_round(1, {}) for link in links])
+    refused = [g for g in got if isinstance(g, AuthenticationError)]
+    assert refused and "under 'r/round1/a0/members'" in str(refused[0]), got
+    assert "does not match its MAC" in str(refused[0]) and "replayed" in str(refused[0])
+    for link in links:
+        link.close()
+
+
+def test_sealed_values_round_trip_and_only_absent_values_are_compared():
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.sealed import SealedStore
+
+    store = SealedStore(Coordinator().store, derive_key(SECRET, "s"), 0)
+    store.set("s/a", "1")
+    assert store.get("s/a") == b"1" and store.multi_get(["s/a"]) == [b"1"]
+    assert store.compare_set("s/b", "", "ok") == b"ok" and store.compare_set("s/b", "", "fail") == b"ok"
+    with pytest.raises(ValueError, match="only against an absent value"):
+        store.compare_set("s/b", "ok", "fail")
+    other = SealedStore(store.store, derive_key(OTHER, "s"), 1)
+    with pytest.raises(AuthenticationError, match="does not match its MAC: it was written with another secret"):
+        other.get("s/a")

@@ -166,8 +166,8 @@ class AuthenticatedLink:
     """A :class:`~lightning_islands.link.protocol.Link` whose objects and payloads carry MACs.
 
     Wraps ``link`` (any Link: :class:`~lightning_islands.link.island_link.IslandLink` or a test
-    double) and implements the whole Protocol: what is not authenticated (membership, liveness,
-    status, accounting) it hands to ``link`` method by method. Every island must wrap its link with
+    double) and implements the whole Protocol: what it does not authenticate itself (membership,
+    liveness, status, accounting) it hands to ``link`` method by method. Every island must wrap its link with
     the same ``secret`` and ``run_id``: an island with another secret or none fails at the first
     object (the fingerprints), on every island that checks it, with an :class:`AuthenticationError`
     naming it.
@@ -177,15 +177,16 @@ class AuthenticatedLink:
         from lightning_islands.link.auth import AuthenticatedLink, load_secret
 
         secret = load_secret(secret_file)   # secret_file: a path from the config, or None (LI_SECRET_FILE, LI_SECRET)
-        link = IslandLink(...)
+        link = IslandLink(..., secret=secret)   # seals the coordinator values it acts on
         link = AuthenticatedLink(link, secret, run_id) if secret is not None else link
 
     and put ``"auth": secret is not None`` into the fingerprint, so that an island without the
     secret is also told by the fingerprint comparison. Never put the secret into a config.
 
     Errors are raised (and logged) on the island that checks; the engine's ``agree`` then aborts
-    the link, so the other islands stop too. Payloads and objects are what is authenticated, not
-    ``abort`` messages, heartbeats or the store itself (see ``SECURITY.md``).
+    the link, so the other islands stop too. Payloads and objects are authenticated here; the
+    store values the link acts on (decisions, aborts, beats) are sealed by
+    :class:`~lightning_islands.link.island_link.IslandLink` given the same secret (``SECURITY.md``).
 
     Args:
         link: the link to wrap.
@@ -381,7 +382,7 @@ class AuthenticatedLink:
         self.link.open_lanes()
 
     def settle_round(self) -> None:
-        """The wrapped link's settling of the round (its decisions are not authenticated: SECURITY.md)."""
+        """The wrapped link's settling of the round (its decisions are sealed there, given the secret)."""
         self.link.settle_round()
 
     def end_run(self, round_: int) -> None:
@@ -417,7 +418,7 @@ class AuthenticatedLink:
         self.link.add_wait(seconds)
 
     def abort(self, message: str) -> None:
-        """Tell the other islands that this one failed (not authenticated: see ``SECURITY.md``)."""
+        """Tell the other islands that this one failed (sealed by the wrapped link, given the secret)."""
         self.link.abort(message)
 
     def close(self) -> None:

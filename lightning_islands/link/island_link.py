@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_islands.link import liveness
+from lightning_islands.link.auth import derive_key
 from lightning_islands.link.coordinator import (
     ENV_ISLAND,
     ENV_LINK_IFNAME,
@@ -37,6 +38,7 @@ from lightning_islands.link.coordinator import (
 from lightning_islands.link.lanes import START_LANES, Lanes
 from lightning_islands.link.membership import Decision, Membership
 from lightning_islands.link.protocol import (
+    AuthenticationError,
     CoordinatorLost,
     DeadlinePassed,
     IslandAborted,
@@ -44,6 +46,7 @@ from lightning_islands.link.protocol import (
     LinkStats,
     RoundLost,
 )
+from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import Sweeper
 from lightning_islands.link.waiting import SCAN_S, wait_until
 
@@ -84,6 +87,9 @@ class IslandLink:
             others give it up (a number, or a callable asked each time); ``None``: 60 s.
         incarnation: this island's start count (a restarted island claims its index anew);
             ``None``: from ``TORCHELASTIC_RESTART_COUNT``.
+        secret: the run's shared secret (:func:`~lightning_islands.link.auth.load_secret`): every
+            value this island acts on is then sealed with a MAC (:mod:`lightning_islands.link.sealed`);
+            ``None``: plain values.
     """
 
     def __init__(
@@ -98,6 +104,7 @@ class IslandLink:
         min_islands: int = 1,
         grace_s: float | Callable[[], float] | None = None,
         incarnation: int | None = None,
+        secret: bytes | None = None,
     ) -> None:
         if not 0 <= island < num_islands:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -111,12 +118,18 @@ class IslandLink:
         self.run_id = run_id
         self.deadline = deadline
         try:
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
+            self._plain = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
         except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
             raise ConnectionError(
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "
                 "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
             ) from err
+        key = derive_key(secret, run_id) if secret else None
+
+        def sealed(store: dist.Store) -> dist.Store:
+            return SealedStore(store, key, island) if key is not None else store  # type: ignore[return-value]
+
+        self.store = sealed(self._plain)  # the launcher's status lines stay plain (self._plain)
         self.incarnation = restart_count() if incarnation is None else incarnation
         claims = self.store.add(f"{run_id}/joined/{island}/{self.incarnation}", 1)
         if claims > 1:
@@ -133,13 +146,17 @@ class IslandLink:
                                      self._aborted, self.incarnation)
         self.stats = LinkStats()
         self._rates: deque[float] = deque(maxlen=RATES)  # bytes per second of recent transfers
-        beat_connect = liveness.connector(host, port, timedelta(seconds=liveness.CONNECT_S))
+        connect_beat = liveness.connector(host, port, timedelta(seconds=liveness.CONNECT_S))
+
+        def beat_connect() -> dist.Store:
+            return sealed(connect_beat())
         self.alive = liveness.Beat(beat_connect, self.membership.alive_key(island), self.incarnation,
                                    f"island{island}-alive")
         self.alive.stop_with(self)
         self.membership.progress = self.alive.touch  # an island waiting within its deadline is alive
-        self.membership.sweeper = Sweeper(liveness.connector(host, port, store_timeout), run_id, num_islands,
-                                          lanes, f"island{island}-sweeper")
+        connect_sweeper = liveness.connector(host, port, store_timeout)
+        self.membership.sweeper = Sweeper(lambda: sealed(connect_sweeper()), run_id, num_islands, lanes,
+                                          f"island{island}-sweeper")
 
     def _aborted(self, island: int) -> str | None:
         """Island ``island``'s failure report, or ``None``."""
@@ -316,7 +333,7 @@ class IslandLink:
         """This island made progress (a step): its liveness beat advances; ``status`` is published
         for the launcher to show."""
         self.alive.touch()
-        self.store.set(status_key(self.run_id, self.island), json.dumps(status))
+        self._plain.set(status_key(self.run_id, self.island), json.dumps(status))
 
     def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
         """Count the body as progress, from a background thread (:func:`liveness.beating`), every
@@ -364,7 +381,17 @@ class IslandLink:
 
         wait_until(lambda: True if self.store.check(keys) else None, scan=scan, expired=expired,
                    deadline=time.monotonic() + self.deadline.total_seconds(), progress=self.alive.touch)
-        return [json.loads(value) for value in self.store.multi_get(keys)]
+        return [self._json(keys[i], value) for i, value in enumerate(self.store.multi_get(keys))]
+
+    def _json(self, name: str, value: bytes) -> object:
+        """``value`` (under ``name``) parsed; a sealed value this island cannot read is named."""
+        try:
+            return json.loads(value)
+        except ValueError as err:
+            raise AuthenticationError(
+                f"island {self.island} cannot read the value under {name!r} at the coordinator: it is not plain "
+                f"JSON, as a value sealed with the run's secret is not, while island {self.island} runs without one; "
+                "give every island the same secret (LI_SECRET or the same secret file; see SECURITY.md)") from err
 
     # -- tensors over the lanes ----------------------------------------------------------------
     def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
