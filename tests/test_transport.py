@@ -227,6 +227,7 @@ def test_descriptors_and_threads_stay_bounded_over_100_member_set_changes():
     """Each member-set change builds new lanes (a new store prefix) and moves a payload on them; the
     previous set's groups are destroyed. Groups an abandoned operation is inside are kept until it
     ends (here gloo's 2 s timeout ends it), then destroyed at the next build."""
+    import gc
     import os
 
     from doubles import run_threads
@@ -239,6 +240,7 @@ def test_descriptors_and_threads_stay_bounded_over_100_member_set_changes():
     lanes = [Lanes(connect, 1, timedelta(seconds=2), None, f"island {i}") for i in range(2)]
 
     def counts() -> tuple[int, int]:
+        gc.collect()  # links earlier tests dropped stop their threads once collected
         return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
 
     def change(k: int) -> None:
