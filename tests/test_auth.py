@@ -355,23 +355,26 @@ def run_threads_ok(fns: list) -> list:
     ("join", "f/join/1", "meet"),
     ("abort", "f/abort/1", "meet"),
     ("header", "f/round0/a0/h/1", "meet"),
-], ids=["members", "outcome", "ended", "join", "abort", "header"])
+    ("done", "f/round0/a0/done/1", "settle0"),
+], ids=["members", "outcome", "ended", "join", "abort", "header", "done"])
 def test_a_forged_decision_or_report_is_refused_and_named_never_acted_on(forged, key, step, caplog):
     """With a secret, a value written into the coordinator by a process without it (what anyone who
     reaches the coordinator's port can do) is refused, naming its key, by the island that reads it:
     the island ends with AuthenticationError instead of acting on a forged member set, outcome, end
-    of the run, join request, abort report or header (island 1, not at the meeting yet, writes none
-    of its own)."""
+    of the run, join request, abort report, header or "done" mark (island 1, not there yet, writes
+    none of its own)."""
     from lightning_islands.link.membership import Decision
 
     coordinator, links = _sealed_links("f")
     values = {"members": Decision(0, 0, (0,), "round0/a0").to_json(), "outcome": "ok", "ended": "0",
-              "join": '{"from": 0, "inc": 1}', "abort": "island 1 failed", "header": "{}"}
-    if step == "settle":
+              "join": '{"from": 0, "inc": 1}', "abort": "island 1 failed", "header": "{}", "done": "1"}
+    if step.startswith("settle"):
         run_threads_ok([lambda link=link: link.meet_round(0, {}) for link in links])
     coordinator.store.set(key, values[forged])  # the forger, without the secret
     if step == "settle":
         got = outcomes([lambda link=link: link.settle_round() for link in links])
+    elif step == "settle0":  # island 1 never says it finished: only the forged mark does
+        got = outcomes([lambda: links[0].settle_round()])
     else:  # island 0 meets round 0 and reads what is there while it waits for island 1
         got = outcomes([lambda: links[0].meet_round(0, {})])
     refused = [g for g in got if isinstance(g, AuthenticationError)]

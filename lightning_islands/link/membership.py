@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning_islands.link.coordinator import get_if_set
 from lightning_islands.link.lanes import START_LANES
 from lightning_islands.link.protocol import DeadlinePassed, LateForRound, QuorumLost, RoundLost, RunEnded
+from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import KEEP_ROUNDS, SWEPT, Sweeper
 from lightning_islands.link.waiting import POLL_S, wait_until
 
@@ -365,10 +366,16 @@ class Membership:
         outcome_key = self._k(f"{decision.key}/outcome")
         missing: list[int] = []
 
+        def all_done() -> bool:
+            if not self.store.check(list(keys.values())):
+                return False
+            if isinstance(self.store, SealedStore):  # a forged mark would count an attempt a member left
+                self.store.multi_get(list(keys.values()))  # one request more, with a secret only
+            return True
+
         def ready() -> str | None:
             # every member finished (the usual case): write "ok" unless "fail" is there already
-            return self.store.compare_set(outcome_key, "", "ok").decode() if self.store.check(list(keys.values())) \
-                else None
+            return self.store.compare_set(outcome_key, "", "ok").decode() if all_done() else None
 
         def scan() -> str | None:
             outcome = self._outcome(decision)
@@ -376,7 +383,7 @@ class Membership:
                 return outcome
             self._check_current(decision.round)
             missing[:] = [i for i, k in keys.items() if not self.store.check([k])]
-            if not missing:
+            if not missing and all_done():
                 return self.store.compare_set(outcome_key, "", "ok").decode()
             silent = self._silent(missing, time.monotonic())
             return self.fail(decision) if any(self._gone(i, silent[i], self._incs.get(i)) for i in missing) else None
