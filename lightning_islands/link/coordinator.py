@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -28,6 +29,11 @@ ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 def get_if_set(store: dist.Store, key: str) -> bytes | None:
     """``key``'s value in ``store``, or ``None`` when it is not set (no waiting)."""
     return store.get(key) if store.check([key]) else None
+
+
+def absent(store: dist.Store, keys: Mapping[int, str]) -> list[int]:
+    """The islands whose key in ``keys`` (island -> key) is not set in ``store``, ascending."""
+    return [i for i, key in sorted(keys.items()) if not store.check([key])]
 
 
 def restart_count() -> int:

@@ -30,6 +30,7 @@ from lightning_islands.link.coordinator import (
     ENV_ISLAND,
     ENV_LINK_IFNAME,
     ENV_RUN_ID,
+    absent,
     get_if_set,
     parse_address,
     restart_count,
@@ -363,11 +364,10 @@ class IslandLink:
 
         def scan() -> bool | None:
             self._check_aborts()
-            missing[:] = [i for i, k in enumerate(keys) if not self.store.check([k])]
+            missing[:] = absent(self.store, dict(enumerate(keys)))
             if not missing:
                 return True
-            silent = self.membership._silent(missing, time.monotonic())
-            stopped = [i for i in missing if self.membership.seen(i) and silent[i] > self.membership.grace_s]
+            stopped = self.membership.stopped(missing)
             if stopped:
                 raise IslandAborted(f"islands {stopped} did not reach {key!r} and showed no progress for "
                                     f"{self.membership.grace_s:g} s (grace_s: crashed, hung or cut off); raise "

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_islands.link.coordinator import get_if_set
+from lightning_islands.link.coordinator import absent, get_if_set
 from lightning_islands.link.lanes import START_LANES
 from lightning_islands.link.protocol import DeadlinePassed, LateForRound, QuorumLost, RoundLost, RunEnded
 from lightning_islands.link.sealed import SealedStore
@@ -299,7 +299,7 @@ class Membership:
         missing: list[int] = []
 
         def scan() -> bool | None:
-            missing[:] = [i for i, k in keys.items() if not self.store.check([k])]
+            missing[:] = absent(self.store, keys)
             if not missing:
                 return True
             if self._outcome(decision) == "fail":
@@ -353,6 +353,12 @@ class Membership:
         """Whether island ``island``'s liveness beat has been read here (it started)."""
         return self._watch.seen.get(island, (None, 0.0))[0] is not None
 
+    def stopped(self, islands: Sequence[int]) -> list[int]:
+        """Those of ``islands`` that started (their beat was seen) and then showed no progress for
+        ``grace_s``; an island not seen yet is still starting, not stopped."""
+        silent = self._silent(islands, time.monotonic())
+        return [i for i in islands if self.seen(i) and silent[i] > self.grace_s]
+
     def fail(self, decision: Decision) -> str:
         """Mark the attempt failed (this island lost a peer during it), unless it already counted;
         returns the attempt's outcome (``"fail"``, or ``"ok"`` when it counted first)."""
@@ -382,7 +388,7 @@ class Membership:
             if outcome is not None:
                 return outcome
             self._check_current(decision.round)
-            missing[:] = [i for i, k in keys.items() if not self.store.check([k])]
+            missing[:] = absent(self.store, keys)
             if not missing and all_done():
                 return self.store.compare_set(outcome_key, "", "ok").decode()
             silent = self._silent(missing, time.monotonic())
