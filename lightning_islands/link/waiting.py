@@ -1,7 +1,9 @@
 """The one way an island waits for the others: :func:`wait_until`.
 
-Every wait of the link (for headers, a round's decision, its outcome, a rejoin, a start-up object,
-bytes on the lanes) is this loop: a cheap check every ``POLL_S`` (one request to the coordinator for
+Every wait of the link for keys or peers (headers, a round's decision, its outcome, a rejoin, a
+start-up object) is this loop (a transfer on the lanes is watched at the same ``SCAN_S`` by
+``IslandLink._watched``, which waits on the transfer thread's event instead of polling keys):
+a cheap check every ``POLL_S`` (one request to the coordinator for
 the keys waited for), the full scan every ``SCAN_S`` (liveness, failures, decisions made elsewhere;
 over a WAN each request is a round trip, so the poll stays one request), a touch of this island's
 progress at every scan (an island waiting within its deadline is alive), and a deadline past which
