@@ -127,6 +127,12 @@ def object_mac(key: bytes, name: str, island: int, text: str) -> str:
     return hmac.digest(key, _fields(b"object", name.encode(), _int(island), text.encode()), "sha256").hex()
 
 
+def store_mac(key: bytes, name: str, value: bytes) -> bytes:
+    """The hex MAC (as bytes) of ``value`` written under the coordinator key ``name``
+    (:mod:`lightning_islands.link.sealed`)."""
+    return hmac.digest(key, _fields(b"store", name.encode(), value), "sha256").hex().encode()
+
+
 def payload_header(kind: str, epoch: str, seq: int, sender: int, src: int, num_islands: int, length: int) -> bytes:
     """What a payload's tag binds it to besides its bytes (see the module docstring)."""
     return _fields(kind.encode(), epoch.encode(), _int(seq), _int(sender), _int(src), _int(num_islands),

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-import struct
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from lightning_islands.link.auth import store_mac
 from lightning_islands.link.protocol import AuthenticationError
 
 TAG_HEX = 64  # the hex MAC in front of every sealed value
@@ -34,12 +34,6 @@ log = logging.getLogger(__name__)
 
 def _as_bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
-
-
-def store_mac(key: bytes, name: str, value: bytes) -> bytes:
-    """The hex MAC of ``value`` written under the store key ``name``."""
-    fields = b"".join(struct.pack(">Q", len(p)) + p for p in (b"store", name.encode(), value))
-    return hmac.digest(key, fields, "sha256").hex().encode()
 
 
 class SealedStore:
