@@ -247,11 +247,11 @@ class Membership:
             # a joiner sends its header once the decision names it: it is waited for only if alive
             asking = self.joiners(round_)
             joiners = set(asking) - arrived
-            absent = expected - arrived - joiners
-            silent = self._silent(sorted(absent | joiners), time.monotonic())
-            gone = {i for i in absent | joiners if self._gone(i, silent[i])}
-            alive = arrived | (absent - gone) | (joiners - gone)
-            missing[:] = sorted(absent - gone)
+            away = expected - arrived - joiners
+            silent = self._silent(sorted(away | joiners), time.monotonic())
+            gone = {i for i in away | joiners if self._gone(i, silent[i])}
+            alive = arrived | (away - gone) | (joiners - gone)
+            missing[:] = sorted(away - gone)
             if len(alive) < self.min_islands:
                 raise QuorumLost(
                     f"round {round_}: only islands {sorted(alive)} are alive, fewer than "
