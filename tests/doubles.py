@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_islands.link.protocol import IslandAborted, LinkStats
+from lightning_islands.link.protocol import IslandAborted, LinkStats, PayloadRefused
 
 WAIT_S = 60.0
 
@@ -91,17 +91,24 @@ class MemoryLink:
         self._calls += 1
         return f"{kind}/{self._calls}"
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def _check(self, sizes: dict[int, int], limit: int | None) -> None:
+        bad = {i: n for i, n in sizes.items() if i != self.island and limit is not None and n > limit}
+        if bad:
+            raise PayloadRefused(f"island(s) {sorted(bad)} announced {sorted(bad.values())} bytes, above {limit}")
+
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         posts = self.hub.meet(self._next("gather"), self.island, payload.detach().cpu().clone())
         out = [posts[i] for i in range(self.num_islands)]
+        self._check({i: t.numel() for i, t in enumerate(out)}, limit)
         self.stats.bytes_sent += payload.numel() * (self.num_islands - 1)
         self.stats.bytes_received += sum(t.numel() for i, t in enumerate(out) if i != self.island)
         return out
 
-    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
         key = self._next("broadcast")
         value = payload.detach().cpu().clone() if self.island == src else None
         posts = self.hub.meet(key, self.island, value, needed=[src])
+        self._check({src: posts[src].numel()}, limit)
         if self.island == src:
             self.stats.bytes_sent += value.numel() * (self.num_islands - 1)
         else:

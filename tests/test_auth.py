@@ -114,16 +114,16 @@ class FlipLink(MemoryLink):
 
     AT = 0
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         altered = payload.clone()
         altered[self.AT] ^= 0x01
-        return super().all_gather_bytes(altered)
+        return super().all_gather_bytes(altered, limit)
 
-    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
         if payload is not None:
             payload = payload.clone()
             payload[self.AT] ^= 0x80
-        return super().broadcast_bytes(payload, src)
+        return super().broadcast_bytes(payload, src, limit)
 
 
 class LastByteLink(FlipLink):
@@ -172,9 +172,9 @@ def test_a_round_header_altered_on_the_way_is_rejected():
 class ReplayLink(MemoryLink):
     """Island 1's link, on which its first payload is sent again in place of the second."""
 
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         self.first = getattr(self, "first", payload.clone())
-        return super().all_gather_bytes(self.first)
+        return super().all_gather_bytes(self.first, limit)
 
 
 def test_a_replayed_payload_is_rejected_by_its_sequence_number():

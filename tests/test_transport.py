@@ -11,7 +11,7 @@ import torch
 
 from lightning_islands.link.coordinator import Coordinator, parse_address
 from lightning_islands.link.island_link import IslandLink
-from lightning_islands.link.protocol import DeadlinePassed, IslandAborted
+from lightning_islands.link.protocol import DeadlinePassed, IslandAborted, PayloadRefused
 
 
 def test_parse_address_names_the_fix():
@@ -155,6 +155,41 @@ def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes(sizes):
     stats = links[0].take_stats()
     assert stats.bytes_sent == sizes[0] * (n - 1) and stats.bytes_received == sum(sizes[1:])
     assert links[0].take_stats().bytes_sent == 0
+
+
+@pytest.mark.parametrize("announced", [-4, 2**40], ids=["negative", "oversized"])
+def test_a_payload_size_no_honest_island_sends_is_refused_before_allocating(announced, caplog):
+    """Island 1 announces a size of its payload that is negative, or 1 TiB against a limit of 64
+    bytes (what the codec produces for the chunk): island 0 refuses it, naming island 1, without
+    allocating (1 TiB would not fit), and island 1's next operation learns that island 0 gave up."""
+    coord = Coordinator()
+    links = [IslandLink(coord.address, i, 2, run_id="sizes", lanes=2, grace_s=1,
+                        deadline=timedelta(seconds=30)) for i in range(2)]
+    results: list = [None, None]
+
+    def island(i: int) -> None:
+        links[i].open_lanes()
+        if i == 1:
+            honest = links[1].lanes.sizes
+            links[1].lanes.sizes = lambda n: honest(announced)  # what goes out on the lane, not the payload
+        try:
+            results[i] = links[i].all_gather_bytes(torch.zeros(64, dtype=torch.uint8), limit=64)
+        except Exception as err:  # noqa: BLE001 - the outcome is what the test looks at
+            results[i] = err
+            if i == 0:
+                links[0].abort(f"island 0: {err}")
+
+    threads = [threading.Thread(target=island, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert isinstance(results[0], PayloadRefused), results[0]
+    assert f"island(s) [1] announced [{announced}] bytes, outside 0..64" in str(results[0])
+    assert "refused before allocating" in caplog.text
+    assert isinstance(results[1], Exception), "island 1 does not go on as if the exchange happened"
+    for link in links:
+        link.close()
 
 
 def test_the_lanes_rendezvous_all_at_once_and_a_second_build_reuses_the_connections():

@@ -72,7 +72,7 @@ class ChunkExchange:
                 residual.zero_()
         decoded = [own]
         if self.link is not None:
-            payloads = self.link.all_gather_bytes(payload)
+            payloads = self.link.all_gather_bytes(payload, limit=codec.nbytes(m))
             decoded = [own if i == self.island else
                        codec.decode(payloads[i].to(dev), out=scratch.take(f"decoded{i}", m, device=dev),
                                     scratch=scratch)

@@ -65,7 +65,8 @@ def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: t
             flat = None if flat is None else torch.cat([flat, flat_m])  # type: ignore[list-item]
         island.on_leader(lambda link: link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
         return len(bad)
-    received = island.on_leader(lambda link: link.broadcast_bytes(None, src=src))
+    limit = 4 * n * (2 if has_momentum else 1)
+    received = island.on_leader(lambda link: link.broadcast_bytes(None, src=src, limit=limit))
     if island.index not in bad:
         return len(bad)
     if island.is_leader:

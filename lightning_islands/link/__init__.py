@@ -24,10 +24,11 @@ from lightning_islands.link.protocol import (
     LateForRound,
     Link,
     LinkStats,
+    PayloadRefused,
     QuorumLost,
     RoundLost,
     RunEnded,
 )
 
 __all__ = ["AuthenticationError", "CoordinatorLost", "DeadlinePassed", "IslandAborted", "LateForRound", "Link",
-           "LinkStats", "QuorumLost", "RoundLost", "RunEnded"]
+           "LinkStats", "PayloadRefused", "QuorumLost", "RoundLost", "RunEnded"]

@@ -335,8 +335,9 @@ class AuthenticatedLink:
         if problems:
             raise self._reject([p for _, p in sorted(problems)])
 
-    def all_gather_bytes(self, payload: Tensor) -> list[Tensor]:
-        """Every island's 1-D uint8 payload, in island order, each checked against its tag."""
+    def all_gather_bytes(self, payload: Tensor, limit: int | None = None) -> list[Tensor]:
+        """Every island's 1-D uint8 payload, in island order, each checked against its tag (sizes
+        above ``limit`` refused before they are received)."""
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise TypeError("payload must be a 1-D uint8 tensor")
         epoch, seq = self._next_seq()
@@ -348,7 +349,7 @@ class AuthenticatedLink:
         t0 = time.perf_counter()
         signed = self._signed(payload, header(self.island, payload.numel()))
         t1 = time.perf_counter()
-        got = self.link.all_gather_bytes(signed)
+        got = self.link.all_gather_bytes(signed, None if limit is None else limit + TAG_BYTES)
         t2 = time.perf_counter()
         others = [i for i in self.link.present if i != self.island]
         what = f"all_gather_bytes call {seq}" + (f" of epoch {epoch!r}" if epoch else "")
@@ -357,8 +358,9 @@ class AuthenticatedLink:
         self._account(t1 - t0 + time.perf_counter() - t2)
         return [t[:-TAG_BYTES] if i in others or i == self.island else t for i, t in enumerate(got)]
 
-    def broadcast_bytes(self, payload: Tensor | None, src: int = 0) -> Tensor:
-        """Island ``src``'s uint8 payload on every island, checked against its tag."""
+    def broadcast_bytes(self, payload: Tensor | None, src: int = 0, limit: int | None = None) -> Tensor:
+        """Island ``src``'s uint8 payload on every island, checked against its tag (``limit``: as
+        :meth:`all_gather_bytes`)."""
         epoch, seq = self._next_seq()
 
         def header(length: int) -> bytes:
@@ -370,7 +372,7 @@ class AuthenticatedLink:
             mine = payload if payload is not None else torch.empty(0, dtype=torch.uint8)
             signed = self._signed(mine, header(mine.numel()))
         t1 = time.perf_counter()
-        got = self.link.broadcast_bytes(signed, src=src)
+        got = self.link.broadcast_bytes(signed, src=src, limit=None if limit is None else limit + TAG_BYTES)
         t2 = time.perf_counter()
         if self.island != src:
             what = f"broadcast_bytes call {seq} from island {src}" + (f" of epoch {epoch!r}" if epoch else "")

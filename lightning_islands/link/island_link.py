@@ -11,6 +11,7 @@ counts what it moved. It implements :class:`~lightning_islands.link.protocol.Lin
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -45,11 +46,14 @@ from lightning_islands.link.protocol import (
     IslandAborted,
     LateForRound,
     LinkStats,
+    PayloadRefused,
     RoundLost,
 )
 from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import Sweeper
 from lightning_islands.link.waiting import SCAN_S, wait_until
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_GRACE_S = 60.0  # grace_s when none is given
@@ -394,9 +398,10 @@ class IslandLink:
                 "give every island the same secret (LI_SECRET or the same secret file; see SECURITY.md)") from err
 
     # -- tensors over the lanes ----------------------------------------------------------------
-    def all_gather_bytes(self, payload: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         """All-gather one uint8 CPU tensor per island (sizes may differ); returns them in island order
-        (an empty tensor for an island not present this round).
+        (an empty tensor for an island not present this round). A size announced below 0 or above
+        ``limit`` is :class:`PayloadRefused` before anything is allocated for it.
 
         The time until every island has announced its size is counted as waiting (for the slowest
         island); the rest as exchanging. The payload is cut into ``len(lanes)`` chunks that move in
@@ -414,10 +419,11 @@ class IslandLink:
         t0 = time.perf_counter()
         try:
             sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
+            self._check_sizes("an all-gather", dict(zip(present, sizes)), limit)
             t1 = time.perf_counter()
             incoming = sum(s for i, s in zip(present, sizes) if i != self.island)
             got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes), incoming)
-        except (RoundLost, IslandAborted):
+        except (RoundLost, IslandAborted, PayloadRefused):
             raise
         except RuntimeError as err:
             raise self._lost("an all-gather", err) from err
@@ -430,7 +436,7 @@ class IslandLink:
             out[i] = t
         return out
 
-    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
         """Broadcast a uint8 tensor from island ``src`` to every island present (initial state, repairs)."""
         if self.island == src and len(self.present) < 2:
             return payload.cpu().contiguous() if payload is not None else torch.empty(0, dtype=torch.uint8)
@@ -440,8 +446,9 @@ class IslandLink:
         root, mine = self.present.index(src), payload if self.island == src else None
         try:
             size = self._watched("a broadcast's size", lambda: self.lanes.broadcast_size(mine, root))
+            self._check_sizes("a broadcast", {src: size}, limit)
             buf = self._watched("a broadcast", lambda: self.lanes.broadcast(mine, root, size), size)
-        except (RoundLost, IslandAborted):
+        except (RoundLost, IslandAborted, PayloadRefused):
             raise
         except RuntimeError as err:
             raise self._lost("a broadcast", err) from err
@@ -451,6 +458,16 @@ class IslandLink:
         else:
             self.stats.bytes_received += buf.numel()
         return buf
+
+    def _check_sizes(self, what: str, sizes: dict[int, int], limit: int | None) -> None:
+        """Refuse sizes no honest island announces, before anything is allocated for them."""
+        bad = {i: n for i, n in sizes.items() if i != self.island and (n < 0 or limit is not None and n > limit)}
+        if bad:
+            message = (f"{what}: island(s) {sorted(bad)} announced {sorted(bad.values())} bytes, outside 0.."
+                       f"{limit if limit is not None else 'any'} (what the codec produces for the chunk): a "
+                       "misbehaving or impersonated island; refused before allocating")
+            log.error("lightning_islands: island %d refused a payload: %s", self.island, message)
+            raise PayloadRefused(message)
 
     def add_wait(self, seconds: float) -> None:
         """Count ``seconds`` (spent waiting for other islands outside this link) as waiting."""

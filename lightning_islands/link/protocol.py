@@ -51,6 +51,11 @@ class AuthenticationError(RuntimeError):
     process with a different secret or none."""
 
 
+class PayloadRefused(RuntimeError):
+    """An island announced a payload size no honest island sends (negative, or above what the
+    codec produces for the chunk): refused before anything is allocated for it."""
+
+
 @dataclass
 class LinkStats:
     """Bytes and seconds a link moved since its last :meth:`Link.take_stats`."""
@@ -102,12 +107,13 @@ class Link(Protocol):
         """Every island's JSON-able ``obj`` under ``key``, in island order."""
         ...
 
-    def all_gather_bytes(self, payload: Tensor) -> list[Tensor]:
-        """Every island's 1-D uint8 payload, in island order (:class:`RoundLost` when a peer is lost)."""
+    def all_gather_bytes(self, payload: Tensor, limit: int | None = None) -> list[Tensor]:
+        """Every island's 1-D uint8 payload, in island order (:class:`RoundLost` when a peer is lost).
+        ``limit``: the most bytes an island may send (:class:`PayloadRefused` above it, or below 0)."""
         ...
 
-    def broadcast_bytes(self, payload: Tensor | None, src: int = 0) -> Tensor:
-        """Island ``src``'s uint8 payload on every island."""
+    def broadcast_bytes(self, payload: Tensor | None, src: int = 0, limit: int | None = None) -> Tensor:
+        """Island ``src``'s uint8 payload on every island (``limit``: as :meth:`all_gather_bytes`)."""
         ...
 
     def take_stats(self) -> LinkStats:
