@@ -33,6 +33,7 @@ VARIANTS = {
 def run(name: str, overrides: list[str], args: argparse.Namespace, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "lightning_islands.app.train", *overrides, f"trainer.max_steps={args.steps}",
            f"trainer.val_check_interval={args.steps}", "trainer.checkpoint_every_n_steps=0",
+           "trainer.checkpoint_every_n_rounds=0",
            f"experiment.name=parallelism_{name.split()[0]}", f"seed={args.seed}", *args.extra]
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if proc.returncode:

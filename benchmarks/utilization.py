@@ -53,6 +53,7 @@ CONFIGS = ("none", "sync", "fragments", "fragments+overlap")
 
 def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[str]:
     common = ["model=moe_cpu", "islands=two_equal", "logger=csv", "trainer.checkpoint_every_n_steps=0",
+              "trainer.checkpoint_every_n_rounds=0",
               f"trainer.max_steps={args.steps}", f"trainer.val_check_interval={args.steps}",
               "data.val_windows=16", "data.val_batch_size=16", f"islands.sync_every={args.H}",
               f"islands.codec={args.codec}", f"islands.lanes={args.lanes}", f"seed={args.seed}",

@@ -33,12 +33,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
-from lightning_islands.engine.checkpoint import (
+from lightning_islands.engine.checkpoint import OUTER_DIR, load_global_parameters
+from lightning_islands.engine.safe_metadata import check_metadata
+from lightning_islands.engine.saves import (
     discard,
     explain_unreadable,
-    load_global_parameters,
+    explain_unwritable,
+    is_round_folder,
     previous_path,
     publish,
+    recover,
+    round_checkpoints,
+    round_path,
     staged_path,
 )
 from lightning_islands.fsdp import FSDP2Strategy
@@ -133,6 +139,7 @@ class IslandStrategy(FSDP2Strategy):
         self._beats = 0
         self._start_agreed = False  # this fit took part in the islands' start agreement
         self._resuming = False
+        self._resume_from: bool | str = False  # what the fit resumes from, as the islands compare it
         self._rejoining = False  # a restarted island: the live islands take it back at its first round
         self._secret: bytes | None = None
         self._tp_rank: int | None = None  # this rank's place in its tensor-parallel group
@@ -183,6 +190,9 @@ class IslandStrategy(FSDP2Strategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._start_agreed = False
             self._resuming = trainer.ckpt_path is not None
+            # islands resuming from their round checkpoints agree on a round before loading: all or none do
+            self._resume_from = "round checkpoints" if self._resuming and is_round_folder(
+                Path(str(trainer.ckpt_path))) else self._resuming
             self._rendezvous()
 
     def _rendezvous(self) -> None:
@@ -204,7 +214,8 @@ class IslandStrategy(FSDP2Strategy):
         if self.num_islands > 1:
             self._secret = load_secret(self.secret_file)
             # whether payloads are signed must agree (never the secret itself, nor where it is kept)
-            fingerprint = {**self.engine.fingerprint(self._resuming), "auth": SCHEME if self._secret else False}
+            fingerprint = {**self.engine.fingerprint(self._resuming), "resuming": self._resume_from,
+                           "auth": SCHEME if self._secret else False}
             self._rejoining = restart_count() > 0  # restarted after a crash: the live islands take it back
             self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining)
         if self._rejoining:  # its own parameters stand in until the round that takes it back replaces them
@@ -458,18 +469,37 @@ class IslandStrategy(FSDP2Strategy):
             discard(staged)  # what an interrupted write left
         self.barrier()
         with self._beating("saving checkpoint"):  # written aside, then moved into place: a crash keeps the last one
-            super().save_checkpoint(checkpoint, staged, storage_options)
-            self.engine.save_checkpoint(staged, self._params)
+            failed: BaseException | None = None
+            try:
+                super().save_checkpoint(checkpoint, staged, storage_options)
+                self.engine.save_checkpoint(staged, self._params)
+            except (Exception, CheckpointException) as err:  # ENOSPC, a failed shard: nothing published
+                failed = err
+            if not self.reduce_boolean_decision(failed is None, all=True):
+                if self.global_rank == 0:
+                    discard(staged)
+                self.barrier()
+                err = failed or RuntimeError("another rank of this island could not write its part")
+                kept = sorted(p for p in final.parent.glob("*.ckpt") if p != final or final.exists())
+                raise RuntimeError(explain_unwritable(final, err, kept)) from failed
             self.barrier()
             if self.global_rank == 0:
                 publish(staged, final)
             self.barrier()
 
+    def land(self) -> None:
+        """Land the round in flight now, if any (every rank of the island): a checkpoint taken next
+        then holds whole rounds (:class:`~lightning_islands.callbacks.RoundCheckpoint`)."""
+        if self._ready() and self._stash is None:
+            self.driver.land()  # type: ignore[union-attr]
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self._checkpoint_to_load(Path(self.broadcast(str(checkpoint_path))))
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            for folder in (path, path / OUTER_DIR):  # pickled metadata: refused if it could run code
+                check_metadata(folder)
+            checkpoint = super().load_checkpoint(path, weights_only=True if weights_only is None else weights_only)
         except (Exception, CheckpointException) as err:  # a BaseException in torch: named with the fix
             if isinstance(err, FileNotFoundError) and not previous_path(path).exists():
                 raise
@@ -492,6 +522,25 @@ class IslandStrategy(FSDP2Strategy):
         engine.load_checkpoint(path, meta, self._params)
         self._stepped_batch = meta["stepped_batch"]
         return checkpoint
+
+    def _checkpoint_to_load(self, path: Path) -> Path:
+        """The checkpoint ``path`` names, after a crash during its save is repaired (rank 0): for a
+        folder of round checkpoints, the last round that every island has."""
+        if not is_round_folder(path):
+            if self.global_rank == 0:
+                recover(path)
+            self.barrier()
+            return path
+        rounds = self.broadcast(sorted(round_checkpoints(path)) if self.global_rank == 0 else None)
+        if self._ready() and self.num_islands > 1 and not self._rejoining:
+            chosen = self.engine.agree_on_resume(rounds)  # type: ignore[union-attr]
+            rank_zero_info(f"islands: resuming from round {chosen}, the last round every island has a checkpoint "
+                           f"of (this island has {rounds}): {round_path(path, chosen)}")
+        else:  # alone, or rejoining (the live islands' state replaces the global state at its first round)
+            chosen = rounds[-1]
+            rank_zero_info(f"islands: island {self.island_index} resumes from its round {chosen} checkpoint: "
+                           f"{round_path(path, chosen)}")
+        return round_path(path, chosen)
 
     @override
     def teardown(self) -> None:

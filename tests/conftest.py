@@ -57,9 +57,9 @@ TINY_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.
               "model.seq_len=64", "model.warmup_steps=4"]
 # ...on a small corpus (one cache for every job of the session) with a small validation set.
 TINY_DATA = ["data.max_bytes=300000", "data.val_windows=8", "data.val_batch_size=4"]
+NO_CHECKPOINTS = ["trainer.checkpoint_every_n_steps=0", "trainer.checkpoint_every_n_rounds=0"]
 # The jobs of `finished_runs`: 4 steps, validated after 2 and 4, no checkpoints.
-TINY = [*TINY_MODEL, *TINY_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2",
-        "trainer.checkpoint_every_n_steps=0"]
+TINY = [*TINY_MODEL, *TINY_DATA, "trainer.max_steps=4", "trainer.val_check_interval=2", *NO_CHECKPOINTS]
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_DATA, TINY_MODEL, run_dir_of, train, train_together
+from conftest import NO_CHECKPOINTS, TINY_DATA, TINY_MODEL, run_dir_of, train, train_together
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -164,6 +164,8 @@ def test_main_job_runs_and_prints_its_summary(fsdp_then_islands):
     assert summary["plots"] and all(Path(p).stat().st_size > 0 for p in summary["plots"])
     assert str(run / "report" / "loss_vs_bytes.png") in out
     assert (run / "island0" / "checkpoints" / "last.ckpt").is_dir()
+    for island in (0, 1):  # the last round at the end of the fit: what resume=RUN_FOLDER finds
+        assert sorted(p.name for p in (run / f"island{island}" / "checkpoints").glob("round*")) == ["round000002.ckpt"]
     assert (run / "logs" / "island1" / "metrics.csv").is_file()
 
 
@@ -202,9 +204,9 @@ def moe_and_ddp(tmp_path_factory, app_env):
            # 0.5 s per step on top of the slow island's compute (tens of ms for this model): the fast island
            # stays far more than 1.25x faster (what it needs to be given more steps) even on a loaded machine
            "islands.sync_every=2", "islands.members.1.step_delay_s=0.5", "trainer.max_steps=1000",
-           "trainer.val_check_interval=1000", "trainer.checkpoint_every_n_steps=0", *TINY_MODEL, *TINY_DATA]
+           "trainer.val_check_interval=1000", *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA]
     ddp = ["strategy=ddp", "logger=wandb", "trainer.max_steps=4", "trainer.val_check_interval=2",
-           "trainer.checkpoint_every_n_steps=0", *TINY_MODEL, *TINY_DATA, "experiment.name=smoke"]
+           *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA, "experiment.name=smoke"]
     outs = train_together({"moe": (moe, tmp_path_factory.mktemp("moe")),
                            "ddp": (ddp, tmp_path_factory.mktemp("ddp"))}, app_env)
     return {name: run_dir_of(text) for name, text in outs.items()}
@@ -270,6 +272,13 @@ def test_membership_settings_and_restarts_reach_the_strategy_and_the_launcher(tm
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restart_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
     assert restart_checkpoint(tmp_path / "none") is None, "restarted before its first checkpoint: from nothing"
+    (tmp_path / "round000004.ckpt").mkdir()  # newer than last.ckpt: the folder of rounds, the strategy takes it
+    os.utime(tmp_path / "last.ckpt", (1, 1))
+    assert restart_checkpoint(tmp_path) == str(tmp_path)
+    (tmp_path / "last.ckpt").rename(tmp_path / "last.ckpt.previous")  # a save cut between its renames
+    os.utime(tmp_path / "last.ckpt.previous", (10, 10))
+    os.utime(tmp_path / "round000004.ckpt", (1, 1))
+    assert restart_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
 
 
 def test_a_members_parallelism_reaches_its_strategy_and_the_experiment_composes():
@@ -321,6 +330,8 @@ def test_a_resume_path_is_checked_without_running_what_its_metadata_holds(tmp_pa
     plain.mkdir()
     torch.save({"global_step": 4, "loops": {}}, plain / "meta.pt")
     assert resume_path(str(plain), 1, 2, "islands") == str(plain), "a plain checkpoint every island starts from"
+    (tmp_path / "run" / "island1" / "checkpoints").mkdir(parents=True)  # a run's folder: its round checkpoints
+    assert resume_path(str(tmp_path / "run"), 1, 2, "islands") == str(tmp_path / "run" / "island1" / "checkpoints")
     hostile = tmp_path / "hostile.ckpt"
     hostile.mkdir()
     marker = tmp_path / "ran"

@@ -59,28 +59,6 @@ def test_every_island_non_finite_stops_the_run_with_the_cause():
         run([1], {}, 4, poison=(0, 1, float("nan")))
 
 
-def test_a_checkpoint_is_published_whole_or_not_at_all(tmp_path):
-    from lightning_islands.engine.checkpoint import explain_unreadable, publish, staged_path
-
-    final = tmp_path / "last.ckpt"
-    final.mkdir()
-    (final / "shard").write_text("round 1")
-    staged = staged_path(final)
-    staged.mkdir()
-    (staged / "shard").write_text("round 2, half written")
-    # a crash here leaves the previous checkpoint as it was
-    assert (final / "shard").read_text() == "round 1"
-    (staged / "shard").write_text("round 2")
-    publish(staged, final)
-    assert (final / "shard").read_text() == "round 2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    # a crash between the two renames: the message points to the checkpoint set aside
-    (tmp_path / "last.ckpt.previous").mkdir()
-    message = explain_unreadable(final, ValueError("bad shard"))
-    assert str(final) in message and "last.ckpt.previous holds the checkpoint it replaced" in message
-    assert "resume from an earlier checkpoint" in message
-
-
 @pytest.mark.parametrize("sizes, bad, kw, found", [
     ([2, 1], 1, {}, 1),
     ([1, 2, 1], 0, {"codec": "int4"}, 1),

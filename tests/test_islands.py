@@ -5,10 +5,13 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -660,12 +663,27 @@ def test_a_killed_island_restarts_rejoins_and_ends_bit_identical(tmp_path, phase
         assert abs(faulty - base) <= 0.01 * base + 1e-3, f"loss {faulty:.4f} with the fault, {base:.4f} without"
 
 
-def test_a_lost_coordinator_ends_every_island_naming_it(tmp_path):
-    """The coordinator SIGKILLed mid-run: every island ends with an error that names it and the fix
-    (documented in the README), instead of hanging."""
+def _resumed(out: Path, first: Path, log_dir: Path, *args) -> tuple[dict, dict, str]:
+    """Resume the islands of ``first`` from their round checkpoints into ``out`` (to round 8):
+    ``(island 0's rounds, island 1's rounds, output)``, every island's rounds equal."""
+    _, text = launch([1, 1], ["islands_regression.py", "--out", out, "--steps", 400, "--H", 4, "--max-rounds", 8,
+                              "--resume", first / "rounds_island{island}", "--round-ckpt-every", 1, *args], log_dir)
+    rounds0, rounds1 = load_rounds(out, 0), load_rounds(out, 1)
+    assert sorted(rounds0) == sorted(rounds1) and max(rounds0) == 8, text[-3000:]
+    for r in rounds0:
+        assert rounds0[r]["digest"] == rounds1[r]["digest"], f"round {r}: the resumed islands differ"
+    return rounds0, rounds1, text
+
+
+def test_a_lost_coordinator_ends_every_island_naming_it_and_the_run_resumes(tmp_path):
+    """The coordinator SIGKILLed mid-run of time-balanced islands (so their steps differ): every
+    island ends with an error that names it and the fix (documented in the README), instead of
+    hanging; restarted, the islands resume from the last round both kept a checkpoint of, and
+    train on bit-identical."""
     from lightning_islands.app.launch import free_port, torchrun_command
 
-    port = free_port()
+    port, first = free_port(), tmp_path / "first"
+    balanced = ["--balance", "time", "--delays", "0.02,0.08", "--batch-sizes", "8,8"]
     coordinator = subprocess.Popen([sys.executable, "-m", "lightning_islands.app.cli", "coordinator", "--host",
                                     "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, text=True)
     try:
@@ -674,14 +692,15 @@ def test_a_lost_coordinator_ends_every_island_naming_it(tmp_path):
         for i in range(2):
             env = {**os.environ, "OMP_NUM_THREADS": "1", "LI_ISLAND": str(i), "LI_NUM_ISLANDS": "2",
                    "LI_COORDINATOR": f"127.0.0.1:{port}", "LI_RUN_ID": "lost"}
-            cmd = torchrun_command(1, [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
-                                       "--steps", "400", "--H", "4", "--delays", "0.02"], free_port())
+            cmd = torchrun_command(1, [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(first),
+                                       "--steps", "400", "--H", "4", "--round-ckpt-every", "1", *balanced], free_port())
             islands.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + 120
-        while not (tmp_path / "island0_round3.pt").exists():
-            assert time.monotonic() < deadline, "the islands never reached round 3"
+        while not (first / "rounds_island1" / "round000003.ckpt").exists():
+            assert time.monotonic() < deadline, "the islands never checkpointed round 3"
             time.sleep(0.1)
         coordinator.kill()
+        lost = time.monotonic()
         outs = [p.communicate(timeout=120)[0] for p in islands]
     finally:
         coordinator.kill()
@@ -690,6 +709,65 @@ def test_a_lost_coordinator_ends_every_island_naming_it(tmp_path):
     for i, (p, out) in enumerate(zip(islands, outs)):
         assert p.returncode != 0, f"island {i} went on without its coordinator"
         assert f"lost the coordinator at 127.0.0.1:{port}" in out and "restart the run from" in out, out[-3000:]
+    steps = [{r: s["inner_steps"] for r, s in load_rounds(first, i).items()} for i in (0, 1)]
+    common = max(set(steps[0]) & set(steps[1]))
+    assert steps[0][common] > steps[1][common], f"time balancing gave the fast island more steps: {steps}"
+    rounds0, _, text = _resumed(tmp_path / "resumed", first, tmp_path / "logs", *balanced)
+    back = re.findall(r"resuming from round (\d+), the last round every island has", text)
+    assert len(set(back)) == 1 and int(back[0]) >= 2, text[-3000:]
+    assert min(rounds0) == int(back[0]) + 1, "the resumed run goes on from the round it resumed"
+    first_round = (tmp_path / "resumed" / f"island0_round{min(rounds0)}.pt").stat().st_mtime
+    print(f"resumed from round {back[0]}; {first_round - lost:.1f} s from the lost coordinator to the first round "
+          "after it (two fresh islands, one at a time in this test)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None, reason="mounting a tmpfs needs root")
+def test_a_full_disk_during_a_save_loses_nothing_and_the_restarted_island_resumes(tmp_path):
+    """Island 1 keeps its round checkpoints on a small tmpfs, filled up once round 2 is saved: its
+    next save fails with ENOSPC, named with what is intact and the fix, and the partial write is
+    removed. Space freed, torchrun restarts it; it resumes from its last round checkpoint (whole)
+    and rejoins island 0, which trained on; from its first round back their states are equal."""
+    first, logs = tmp_path / "first", tmp_path / "logs"
+    disk, freed = first / "rounds_island1", first / "disk_freed"
+    disk.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], check=True)
+    failed = "the partial write was removed and the earlier checkpoints are intact"
+    try:
+        def fill_then_free() -> None:  # events only: round 2 saved, then the failure in island 1's log
+            deadline = time.monotonic() + 300
+            while not (disk / "round000002.ckpt").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with suppress(OSError), open(disk / ".filler", "wb") as f:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            log = logs / "island1.log"
+            while not (log.exists() and failed in log.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (disk / ".filler").unlink()
+            freed.touch()
+
+        helper = threading.Thread(target=fill_then_free, daemon=True)
+        helper.start()
+        cmd = [sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(first), "--steps", "48", "--H",
+               "4", "--delays", "0.05", "--round-ckpt-every", "1", "--keep-rounds", "3", "--hold-for-rejoin", "28",
+               "--rejoiner", "1", "--restart-waits-for", str(freed), "--grace-s", "3", "--deadline-s", "60"]
+        results = run_islands([1, 1], cmd, log_dir=logs, max_restarts=1, out=io.StringIO(),
+                              env={"OMP_NUM_THREADS": "1"})
+        helper.join(timeout=60)
+        log = (logs / "island1.log").read_text()
+        assert [r.returncode for r in results] == [0, 0], log[-4000:]
+        assert "no space left on the device of" in log and failed in log, log[-4000:]
+        back = re.search(r"island 1 resumes from its round (\d+) checkpoint", log)
+        assert back and int(back.group(1)) >= 2, log[-4000:]
+        assert sorted(p.name for p in disk.iterdir() if not p.name.startswith("round")) == []
+        rounds0, rounds1 = load_rounds(first, 0), load_rounds(first, 1)
+        restarted = sorted(r for r, saved in rounds1.items() if saved["restarted"])
+        assert restarted and restarted[-1] == max(rounds0), f"island 1 was back for rounds {restarted}"
+        for r in restarted:
+            assert rounds0[r]["digest"] == rounds1[r]["digest"], f"round {r}"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 # Two runs of four islands over a shaped link, each losing two islands: the first among four islands,

@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import ENV_PROGRESS
+from lightning_islands.callbacks import RoundCheckpoint
+from lightning_islands.engine.saves import previous_path, round_checkpoints, staged_path
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
@@ -128,6 +130,9 @@ def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> st
     if isinstance(resume, str):
         if "{island}" in resume:
             return resume.format(island=island)
+        rounds = Path(resume, f"island{island}", "checkpoints")
+        if strategy == "islands" and num_islands > 1 and rounds.is_dir():
+            return str(rounds)  # a run's folder: the last round every island has a checkpoint of
         if strategy == "islands" and num_islands > 1 and Path(resume, "meta.pt").exists():
             try:  # tensors and plain data only: a load that could run code is refused
                 meta = torch.load(Path(resume, "meta.pt"), weights_only=True)
@@ -149,10 +154,18 @@ def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> st
 
 def restart_checkpoint(ckpt_dir: Path) -> str | None:
     """A restarted island (``islands.max_restarts``) resumes from its own latest checkpoint, if it
-    wrote one (its inner optimizer, learning-rate schedule and data position); the round that takes
-    it back replaces its global state with the live islands'. ``None``: a first start, or none yet."""
+    wrote one (its inner optimizer, learning-rate schedule and data position): ``last.ckpt`` or its
+    latest round checkpoint, whichever is newer. The round that takes it back replaces its global
+    state with the live islands'. ``None``: a first start, or none yet."""
+    if restart_count() == 0:
+        return None
     last = ckpt_dir / "last.ckpt"
-    return str(last) if restart_count() > 0 and last.exists() else None
+    found = [p for p in (last, previous_path(last), staged_path(last)) if p.exists()]  # a save cut short too
+    rounds = round_checkpoints(ckpt_dir, repair=False)
+    newest_round = max((p.stat().st_mtime for p in rounds.values() if p.exists()), default=None)
+    if rounds and (not found or newest_round is None or newest_round >= max(p.stat().st_mtime for p in found)):
+        return str(ckpt_dir)  # a folder of round checkpoints: the strategy takes the latest
+    return str(last) if found else None
 
 
 class StepDelay(pl.Callback):
@@ -214,6 +227,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                  every_n_train_steps=int(t.get("checkpoint_every_n_steps", 0) or 0) or None)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [checkpoint, timer]
+    every_rounds = int(t.get("checkpoint_every_n_rounds", 0) or 0)
+    if every_rounds and cfg.strategy.name == "islands":  # found by round: islands resume together
+        callbacks.append(RoundCheckpoint(ckpt_dir, every_n_rounds=every_rounds,
+                                         keep=int(t.get("keep_round_checkpoints", 2))))
     if member.get("step_delay_s"):
         callbacks.append(StepDelay(float(member["step_delay_s"])))
     progress = os.environ.get(ENV_PROGRESS, "1") != "0"

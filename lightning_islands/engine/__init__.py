@@ -22,6 +22,9 @@ One module an idea:
     outer      the math: pseudo-gradients, the merge, expert weighting, outer SGD
     stats      a round's metrics, a chunk at a time
     floatenv   whether a device flushes subnormals (part of the fingerprint)
+    checkpoint the outer state as a distributed checkpoint beside the module's
+    saves      durable saves, their recovery after a crash, checkpoints by round
+    safe_metadata  a distributed checkpoint's .metadata read without running code
 
 It imports torch, the codecs and the transport, never Lightning (a test enforces it).
 """

@@ -8,7 +8,6 @@ back. The folder is ``islands_outer/`` inside the checkpoint.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from torch import Tensor
 from lightning_islands.engine.layout import CanonicalLayout
 
 OUTER_DIR = "islands_outer"
-STAGED, PREVIOUS = ".partial", ".previous"
 STATE_KEYS = ("anchor", "momentum", "residual")
 
 
@@ -67,45 +65,3 @@ def load_global_parameters(checkpoint: Path, params: Sequence[Tensor], locals_: 
     with torch.no_grad():
         for loc, anchor in zip(locals_, load_outer_state(checkpoint, ["anchor"], params, layout, locals_)["anchor"]):
             loc.copy_(anchor)
-
-
-def discard(path: Path) -> None:
-    """Remove the file or folder at ``path``, if there is one."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def staged_path(final: Path) -> Path:
-    """Where a checkpoint meant for ``final`` is written first."""
-    return final.with_name(final.name + STAGED)
-
-
-def previous_path(final: Path) -> Path:
-    """Where the checkpoint at ``final`` is set aside while a new one moves in."""
-    return final.with_name(final.name + PREVIOUS)
-
-
-def publish(staged: Path, final: Path) -> None:
-    """Move a completely written checkpoint from ``staged`` to ``final``. The previous checkpoint at
-    ``final`` is set aside (:func:`previous_path`) until the new one is in place, then removed: a
-    crash while writing leaves the previous one untouched; a crash between the two renames leaves it
-    aside, which :func:`explain_unreadable` points to."""
-    previous = previous_path(final)
-    discard(previous)
-    if final.exists() or final.is_symlink():
-        final.rename(previous)
-    staged.rename(final)
-    discard(previous)
-
-
-def explain_unreadable(path: Path, err: BaseException) -> str:
-    """A message for a checkpoint that could not be read: the path, the cause and the fix."""
-    hints = [f"could not read the checkpoint {path} ({type(err).__name__}: {str(err)[:500]}); it is incomplete or "
-             "damaged: resume from an earlier checkpoint"]
-    for other, what in ((previous_path(path), "the checkpoint it replaced"),
-                        (staged_path(path), "a write that did not finish")):
-        if other.exists():
-            hints.append(f"{other} holds {what}")
-    return "; ".join(hints)

@@ -73,7 +73,8 @@ def adopt_initial_state(island: Island, layout: CanonicalLayout, state: OuterSta
         island.on_leader(lambda link: link.broadcast_bytes(mine.cpu().view(torch.uint8), src=0))  # type: ignore
         state.set_anchors(locals_)
     else:
-        flat = island.on_leader(lambda link: link.broadcast_bytes(None, src=0).view(torch.float32))
+        flat = island.on_leader(lambda link: link.broadcast_bytes(None, src=0, limit=4 * layout.numel).view(
+            torch.float32))
         shards = layout.scatter_from_leader(flat, device)
         # Anchors from the fp32 values received, not from parameters that may hold fewer bits.
         shards = [s.to(loc.device) for s, loc in zip(shards, locals_)]
@@ -94,7 +95,9 @@ def _share_buffers(island: Island, buffers: dict[str, Tensor]) -> None:
         payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
         island.on_leader(lambda link: link.broadcast_bytes(payload, src=0))
         return
-    data = island.with_link(lambda link: link.broadcast_bytes(None, src=0).numpy().tobytes())
+    # the same buffers as island 0's: their bytes, plus room for torch.save's framing
+    limit = 2 * sum(b.numel() * b.element_size() for b in buffers.values()) + 2**20
+    data = island.with_link(lambda link: link.broadcast_bytes(None, src=0, limit=limit).numpy().tobytes())
     received = torch.load(io.BytesIO(data), weights_only=True)
     for name, buf in buffers.items():
         if name in received:
@@ -124,6 +127,23 @@ def agree_on_start(island: Island, digest: str | None, round_: int, more: bool) 
         return [i for i, d in enumerate(found) if not d["more"]]
 
     return island.with_link(compare)
+
+
+def agree_on_resume(island: Island, rounds: list[int]) -> int:
+    """The last round that every island has a checkpoint of (``rounds``: this island's), on every
+    rank; none in common is a ``RuntimeError`` that lists each island's rounds and the fix."""
+
+    def common(link: Link) -> int:
+        found = link.gather_objects("resume_rounds", sorted(rounds))
+        shared = set(found[0]).intersection(*found[1:])
+        if not shared:
+            listed = "; ".join(f"island {i}: {r or 'none'}" for i, r in enumerate(found))
+            raise RuntimeError(f"no round has a checkpoint on every island ({listed}), so they cannot resume together; "
+                               "keep more rounds (keep_round_checkpoints), or give each island a checkpoint of the "
+                               "same round (resume=[...])")
+        return max(shared)
+
+    return island.with_link(common)
 
 
 def settle_start(schedule: Schedule, done: list[int]) -> tuple[bool, str | None, bool]:

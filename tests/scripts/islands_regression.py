@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_islands import IslandStrategy
+from lightning_islands import IslandStrategy, RoundCheckpoint
 
 DIM = 6
 W_TRUE = torch.linspace(-1.0, 1.0, DIM * 2).view(2, DIM)
@@ -211,6 +211,8 @@ def main() -> None:
     p.add_argument("--outer-lrs", default=None, help="outer lr per island (comma list) to provoke mismatches")
     p.add_argument("--inner", default="sgd")
     p.add_argument("--ckpt-every", type=int, default=0)
+    p.add_argument("--round-ckpt-every", type=int, default=0, help="RoundCheckpoint(every_n_rounds), rounds_island{i}")
+    p.add_argument("--keep-rounds", type=int, default=2, help="RoundCheckpoint(keep)")
     p.add_argument("--resume", default=None, help="checkpoint path pattern with {island}")
     p.add_argument("--fail-island", type=int, default=-1)
     p.add_argument("--val-every", type=int, default=0)
@@ -250,6 +252,9 @@ def main() -> None:
                         "in round AT's exchange (PHASE exchange) by SIGNAL (KILL, STOP, LINKDOWN)")
     p.add_argument("--hold-for-rejoin", type=int, default=0,
                    help="islands other than --kill-island pause after this inner step until it asks to rejoin")
+    p.add_argument("--rejoiner", type=int, default=-1, help="the island --hold-for-rejoin waits for (--kill-island)")
+    p.add_argument("--restart-waits-for", default=None, help="a restarted island waits for this file, then resumes "
+                   "from its latest round checkpoint")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
     p.add_argument("--grace-s", type=float, default=0.0, help="the strategy's grace_s (0: default)")
     args = p.parse_args()
@@ -322,8 +327,9 @@ def main() -> None:
         who, phase, at, sig = fault.split(":")
         if int(who) == island and not restarted:
             callbacks.append(Killer(phase, int(at), int(at), sig, out / f"pid_island{island}"))
-    if args.hold_for_rejoin and island != args.kill_island:
-        callbacks.append(HoldForRejoin(args.hold_for_rejoin, args.kill_island))
+    rejoiner = args.rejoiner if args.rejoiner >= 0 else args.kill_island
+    if args.hold_for_rejoin and island != rejoiner:
+        callbacks.append(HoldForRejoin(args.hold_for_rejoin, rejoiner))
     delay = per_island(args.delays, float)
     first_delay = per_island(args.first_step_delay, float)
     if delay or first_delay:
@@ -338,6 +344,9 @@ def main() -> None:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / f"ckpt_island{island}"),
                                                       every_n_train_steps=args.ckpt_every, save_top_k=-1,
                                                       filename="{step}"))
+    if args.round_ckpt_every:
+        callbacks.append(RoundCheckpoint(out / f"rounds_island{island}", every_n_rounds=args.round_ckpt_every,
+                                         keep=args.keep_rounds))
     trainer = pl.Trainer(accelerator=per_island(args.accelerators, str),
                          devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
                          max_steps=per_island(args.steps),
@@ -355,6 +364,10 @@ def main() -> None:
             torch.save({n: t.cpu() for n, t in full.items()}, out / "eval_params.pt")
         return
     ckpt = args.resume.format(island=island) if args.resume else None
+    if restarted and args.restart_waits_for:  # like the app: back from its own latest round checkpoint
+        while not Path(args.restart_waits_for).exists():
+            time.sleep(0.05)
+        ckpt = str(out / f"rounds_island{island}")
     trainer.fit(model, ckpt_path=ckpt)
     if args.final_ckpt:  # like the app's final.ckpt: after the last outer step
         trainer.save_checkpoint(str(out / f"final_island{island}.ckpt"))
