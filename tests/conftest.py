@@ -8,6 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,29 @@ def launch(islands, args, log_dir, expect_ok=True, live=False):
         report_failures(results, err)
         raise AssertionError(f"islands failed:\n{err.getvalue()}\n--- output ---\n{text[-6000:]}")
     return results, text
+
+
+def launch_together(*jobs):
+    """:func:`launch` several independent runs at once, each ``(islands, args, log_dir)``; returns
+    their ``(results, output)`` in order. On 2 cores two launches at once take about 30% less time
+    than one after the other (see ``train_together``)."""
+    outcomes: list = [None] * len(jobs)
+
+    def one(k: int) -> None:
+        try:
+            outcomes[k] = launch(*jobs[k])
+        except BaseException as err:  # noqa: BLE001 - raised below, in the test's thread
+            outcomes[k] = err
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes
 
 
 def load_rounds(out: Path, island: int) -> dict[int, dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, launch, load_rounds
+from conftest import SCRIPTS, launch, launch_together, load_rounds
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_islands import IslandStrategy
@@ -181,16 +181,16 @@ def test_resume_from_checkpoints_is_exact(tmp_path):
     # (3 rounds) must continue where it stopped, so rounds 2 and 3 take 2/3 and all of the outer step
     common = ["--H", 4, "--inner", "adamw", "--batch-sizes", "4,8", "--codec", "int4", "--outer-lr-warmup", 3,
               "--momentum-warmup", 3]
-    launch([2, 1], ["islands_regression.py", "--out", full, "--steps", 12, *common], tmp_path / "l1")
-    launch([2, 1], ["islands_regression.py", "--out", part, "--steps", 6, "--ckpt-every", 6, *common],
-           tmp_path / "l2")
+    launch_together(([2, 1], ["islands_regression.py", "--out", full, "--steps", 12, *common], tmp_path / "l1"),
+                    ([2, 1], ["islands_regression.py", "--out", part, "--steps", 6, "--ckpt-every", 6, *common],
+                     tmp_path / "l2"))
     assert (part / "ckpt_island0" / "step=6.ckpt").is_dir()
     resumed = tmp_path / "resumed"
-    launch([2, 1], ["islands_regression.py", "--out", resumed, "--steps", 12, *common,
-                    "--resume", str(part / "ckpt_island{island}" / "step=6.ckpt")], tmp_path / "l3")
-    # validating the mid-round checkpoint in a fresh process evaluates the global weights (round 1)
-    launch([2], ["islands_regression.py", "--out", tmp_path / "eval", "--val-every", 1, "--eval-ckpt",
-                 str(part / "ckpt_island0" / "step=6.ckpt")], tmp_path / "l4")
+    launch_together(([2, 1], ["islands_regression.py", "--out", resumed, "--steps", 12, *common, "--resume",
+                              str(part / "ckpt_island{island}" / "step=6.ckpt")], tmp_path / "l3"),
+                    # validating the mid-round checkpoint in a fresh process evaluates the global weights (round 1)
+                    ([2], ["islands_regression.py", "--out", tmp_path / "eval", "--val-every", 1, "--eval-ckpt",
+                           str(part / "ckpt_island0" / "step=6.ckpt")], tmp_path / "l4"))
     evaluated = torch.load(tmp_path / "eval" / "eval_params.pt")
     global_round1 = load_rounds(part, 0)[1]["params"]
     for name, t in global_round1.items():
@@ -307,9 +307,9 @@ def test_islands_sign_their_payloads_with_a_shared_secret(tmp_path, island1):
 def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
     full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
     common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
-    launch([1, 1], ["islands_regression.py", "--out", full, "--steps", 8, *common], tmp_path / "l1")
-    launch([1, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common],
-           tmp_path / "l2")
+    launch_together(([1, 1], ["islands_regression.py", "--out", full, "--steps", 8, *common], tmp_path / "l1"),
+                    ([1, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common],
+                     tmp_path / "l2"))
     # the final checkpoint is taken after the islands agreed to stop; a raised max_steps trains on
     launch([1, 1], ["islands_regression.py", "--out", more, "--steps", 8, *common,
                     "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l3")
