@@ -69,6 +69,4 @@ class RoundCheckpoint(pl.Callback):
         strategy.land()
         self._last = strategy.round
         trainer.save_checkpoint(round_path(self.dirpath, self._last))
-        if trainer.is_global_zero:
-            prune_rounds(self.dirpath, self.keep)
-        strategy.barrier("RoundCheckpoint")
+        strategy.on_rank_zero(lambda: prune_rounds(self.dirpath, self.keep))

@@ -15,12 +15,13 @@ The round itself lives in :mod:`lightning_islands.engine` (no Lightning there). 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +37,9 @@ from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettin
 from lightning_islands.engine.checkpoint import OUTER_DIR, load_global_parameters
 from lightning_islands.engine.safe_metadata import check_metadata
 from lightning_islands.engine.saves import (
-    discard,
+    clear_staged,
+    disk_full,
+    drop_rounds_after,
     explain_unreadable,
     explain_unwritable,
     is_round_folder,
@@ -54,6 +57,7 @@ from lightning_islands.link.coordinator import island_identity, restart_count
 from lightning_islands.link.island_link import IslandLink
 from lightning_islands.link.protocol import IslandAborted
 
+T = TypeVar("T")
 _SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
 
 
@@ -465,27 +469,47 @@ class IslandStrategy(FSDP2Strategy):
         checkpoint["islands"] = {**self.engine.checkpoint_meta(self._resuming), "stepped_batch": self._stepped_batch}
         final = Path(self.broadcast(str(filepath)))
         staged = staged_path(final)
-        if self.global_rank == 0:
-            discard(staged)  # what an interrupted write left
-        self.barrier()
+        self.on_rank_zero(lambda: clear_staged(final))  # what an interrupted write left
         with self._beating("saving checkpoint"):  # written aside, then moved into place: a crash keeps the last one
-            failed: BaseException | None = None
+            # each stage ends with every rank knowing whether all wrote their part: none waits in the next
+            failures = self._on_every_rank(lambda: FSDP2Strategy.save_checkpoint(self, checkpoint, staged,
+                                                                                 storage_options))
+            if not failures:
+                failures = self._on_every_rank(lambda: self.engine.save_checkpoint(staged, self._params))  # type: ignore
+            if failures:  # ENOSPC, a failed shard: nothing published, the partial write removed
+                kept = self.on_rank_zero(lambda: (clear_staged(final), sorted(final.parent.glob("*.ckpt")))[1])
+                rank, (full, text) = failures[0]
+                cause = OSError(errno.ENOSPC, f"rank {rank}: {text}") if full else RuntimeError(f"rank {rank}: {text}")
+                raise RuntimeError(explain_unwritable(final, cause, kept))
+            self.on_rank_zero(lambda: publish(staged, final))
+
+    def on_rank_zero(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (steps on the island's files) on rank 0; every rank of the island gets its
+        result, or its error, so that no rank waits in a collective for one that failed."""
+        box: tuple[str, Any] = ("ok", None)
+        if self.global_rank == 0:
             try:
-                super().save_checkpoint(checkpoint, staged, storage_options)
-                self.engine.save_checkpoint(staged, self._params)
-            except (Exception, CheckpointException) as err:  # ENOSPC, a failed shard: nothing published
-                failed = err
-            if not self.reduce_boolean_decision(failed is None, all=True):
-                if self.global_rank == 0:
-                    discard(staged)
-                self.barrier()
-                err = failed or RuntimeError("another rank of this island could not write its part")
-                kept = sorted(p for p in final.parent.glob("*.ckpt") if p != final or final.exists())
-                raise RuntimeError(explain_unwritable(final, err, kept)) from failed
-            self.barrier()
-            if self.global_rank == 0:
-                publish(staged, final)
-            self.barrier()
+                box = ("ok", work())
+            except Exception as err:  # noqa: BLE001 - raised on every rank below
+                box = ("error", f"{type(err).__name__}: {err}")
+        box = self.broadcast(box)
+        if box[0] == "error":
+            raise RuntimeError(f"islands: on rank 0 of island {self.island_index}: {box[1]}")
+        return box[1]
+
+    def _on_every_rank(self, work: Callable[[], Any]) -> list[tuple[int, tuple[bool, str]]]:
+        """Run ``work`` on every rank; returns, on every rank, each failed rank with whether its
+        disk was full and its error (empty: all succeeded)."""
+        mine: tuple[bool, str] | None = None
+        try:
+            work()
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            mine = (disk_full(err), f"{type(err).__name__}: {str(err)[:500]}")
+        everyone: list[Any] = [mine]
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            torch.distributed.all_gather_object(everyone, mine)
+        return [(rank, failure) for rank, failure in enumerate(everyone) if failure is not None]
 
     def land(self) -> None:
         """Land the round in flight now, if any (every rank of the island): a checkpoint taken next
@@ -526,16 +550,25 @@ class IslandStrategy(FSDP2Strategy):
     def _checkpoint_to_load(self, path: Path) -> Path:
         """The checkpoint ``path`` names, after a crash during its save is repaired (rank 0): for a
         folder of round checkpoints, the last round that every island has."""
-        if not is_round_folder(path):
-            if self.global_rank == 0:
+        def look() -> list[int] | None:
+            if not is_round_folder(path):
                 recover(path)
-            self.barrier()
+                return None
+            return sorted(round_checkpoints(path))
+
+        rounds = self.on_rank_zero(look)
+        if rounds is None:
             return path
-        rounds = self.broadcast(sorted(round_checkpoints(path)) if self.global_rank == 0 else None)
+        if not rounds:
+            raise FileNotFoundError(f"{path} holds no complete round checkpoint (only writes that did not finish); "
+                                    "resume from another checkpoint, or start afresh")
         if self._ready() and self.num_islands > 1 and not self._rejoining:
             chosen = self.engine.agree_on_resume(rounds)  # type: ignore[union-attr]
+            # later rounds belong to the run abandoned here: the resumed one writes its own
+            dropped = self.on_rank_zero(lambda: drop_rounds_after(path, chosen))
             rank_zero_info(f"islands: resuming from round {chosen}, the last round every island has a checkpoint "
-                           f"of (this island has {rounds}): {round_path(path, chosen)}")
+                           f"of (this island has {rounds}): {round_path(path, chosen)}"
+                           + (f"; its later rounds {dropped} were removed" if dropped else ""))
         else:  # alone, or rejoining (the live islands' state replaces the global state at its first round)
             chosen = rounds[-1]
             rank_zero_info(f"islands: island {self.island_index} resumes from its round {chosen} checkpoint: "

@@ -330,8 +330,12 @@ def test_a_resume_path_is_checked_without_running_what_its_metadata_holds(tmp_pa
     plain.mkdir()
     torch.save({"global_step": 4, "loops": {}}, plain / "meta.pt")
     assert resume_path(str(plain), 1, 2, "islands") == str(plain), "a plain checkpoint every island starts from"
-    (tmp_path / "run" / "island1" / "checkpoints").mkdir(parents=True)  # a run's folder: its round checkpoints
-    assert resume_path(str(tmp_path / "run"), 1, 2, "islands") == str(tmp_path / "run" / "island1" / "checkpoints")
+    rounds = tmp_path / "run" / "island1" / "checkpoints"  # a run's folder: its round checkpoints
+    rounds.mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"holds no round checkpoints.*trainer.checkpoint_every_n_rounds"):
+        resume_path(str(tmp_path / "run"), 1, 2, "islands")
+    (rounds / "round000003.ckpt").mkdir()
+    assert resume_path(str(tmp_path / "run"), 1, 2, "islands") == str(rounds)
     hostile = tmp_path / "hostile.ckpt"
     hostile.mkdir()
     marker = tmp_path / "ran"

@@ -17,6 +17,7 @@ import pytest
 from lightning_islands.engine import saves
 from lightning_islands.engine.safe_metadata import check_metadata
 from lightning_islands.engine.saves import (
+    drop_rounds_after,
     explain_unreadable,
     explain_unwritable,
     is_round_folder,
@@ -141,6 +142,11 @@ def test_round_checkpoints_are_listed_repaired_and_pruned(tmp_path):
     # a round whose old copy was set aside when its save died between the renames
     round_path(tmp_path, 4).rename(previous_path(round_path(tmp_path, 4)))
     assert sorted(round_checkpoints(tmp_path)) == [3, 4] and _content(round_path(tmp_path, 4)) == "round 4"
+    # a removal cut short leaves nothing under a round's name, and its leftovers are cleared
+    (tmp_path / "round000002.ckpt.deleting").mkdir()
+    assert sorted(round_checkpoints(tmp_path)) == [3, 4] and not (tmp_path / "round000002.ckpt.deleting").exists()
+    # resumed from round 3, the abandoned run's later rounds go (the resumed run writes its own)
+    assert drop_rounds_after(tmp_path, 3) == [4] and sorted(round_checkpoints(tmp_path)) == [3]
 
 
 def test_a_full_disk_is_named_with_what_is_intact_and_the_fix(tmp_path):
@@ -166,4 +172,18 @@ def test_checkpoint_metadata_that_could_run_code_is_refused(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
     with pytest.raises(ValueError, match=r"\.metadata holds more than a checkpoint's metadata .*system"):
         check_metadata(tmp_path)
+
+    def global_call(module: str, name: str, arg: str) -> bytes:  # protocol 4: module, then a (dotted) name
+        def text(t: str) -> bytes:
+            return pickle.SHORT_BINUNICODE + bytes([len(t)]) + t.encode()
+        return (pickle.PROTO + b"\x04" + text(module) + text(name) + pickle.STACK_GLOBAL + text(arg)
+                + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+
+    # what torch's metadata module imports is not its metadata: reached by a dotted name, or by name
+    for module, name in (("torch.distributed.checkpoint.metadata", "os.system"),
+                         ("torch.distributed.checkpoint.planner", "torch.os.system"),
+                         ("torch.distributed.checkpoint.metadata", "dataclass")):
+        (tmp_path / ".metadata").write_bytes(global_call(module, name, f"touch {tmp_path / 'ran'}"))
+        with pytest.raises(ValueError, match=rf"{module}\.{name} is not part of a checkpoint's metadata"):
+            check_metadata(tmp_path)
     assert not (tmp_path / "ran").exists()

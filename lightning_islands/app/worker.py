@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.callbacks import RoundCheckpoint
-from lightning_islands.engine.saves import previous_path, round_checkpoints, staged_path
+from lightning_islands.engine.saves import is_complete, previous_path, round_checkpoints, staged_path
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
@@ -131,8 +131,12 @@ def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> st
         if "{island}" in resume:
             return resume.format(island=island)
         rounds = Path(resume, f"island{island}", "checkpoints")
-        if strategy == "islands" and num_islands > 1 and rounds.is_dir():
-            return str(rounds)  # a run's folder: the last round every island has a checkpoint of
+        if strategy == "islands" and num_islands > 1 and rounds.is_dir():  # a run's folder
+            if not round_checkpoints(rounds, repair=False):
+                raise ValueError(f"resume={resume} is a run folder, but {rounds} holds no round checkpoints; resume "
+                                 "from given checkpoints (resume='[...]'), and let runs write round checkpoints "
+                                 "(trainer.checkpoint_every_n_rounds) to resume them by folder")
+            return str(rounds)  # the last round every island has a checkpoint of
         if strategy == "islands" and num_islands > 1 and Path(resume, "meta.pt").exists():
             try:  # tensors and plain data only: a load that could run code is refused
                 meta = torch.load(Path(resume, "meta.pt"), weights_only=True)
@@ -160,7 +164,9 @@ def restart_checkpoint(ckpt_dir: Path) -> str | None:
     if restart_count() == 0:
         return None
     last = ckpt_dir / "last.ckpt"
-    found = [p for p in (last, previous_path(last), staged_path(last)) if p.exists()]  # a save cut short too
+    found = [p for p in (last, previous_path(last)) if p.exists()]  # or set aside by a save cut short
+    if is_complete(staged_path(last)):  # a save cut short after its write was complete
+        found.append(staged_path(last))
     rounds = round_checkpoints(ckpt_dir, repair=False)
     newest_round = max((p.stat().st_mtime for p in rounds.values() if p.exists()), default=None)
     if rounds and (not found or newest_round is None or newest_round >= max(p.stat().st_mtime for p in found)):

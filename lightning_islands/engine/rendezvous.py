@@ -91,7 +91,7 @@ def _share_buffers(island: Island, buffers: dict[str, Tensor]) -> None:
         return
     if island.index == 0:
         blob = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in buffers.items()}, blob)
+        torch.save({k: v.detach().cpu().clone() for k, v in buffers.items()}, blob)  # no view's whole storage
         payload = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
         island.on_leader(lambda link: link.broadcast_bytes(payload, src=0))
         return

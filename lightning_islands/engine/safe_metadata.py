@@ -25,10 +25,15 @@ _VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 class _Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ANY_NAME or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), _VALUES):
-            return getattr(torch, name)
+        if "." not in name:  # a dotted name walks attributes (``metadata.os.system``): never
+            if (module, name) in _ALLOWED:
+                return super().find_class(module, name)
+            if module in _ANY_NAME:  # only the classes defined there, not what the module imports
+                found = super().find_class(module, name)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+            if module == "torch" and isinstance(getattr(torch, name, None), _VALUES):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 

@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-STAGED, PREVIOUS, COMPLETE = ".partial", ".previous", ".complete"
+STAGED, PREVIOUS, COMPLETE, DELETING = ".partial", ".previous", ".complete", ".deleting"
 _ROUND = re.compile(r"^round(\d{6,})\.ckpt$")
 
 
@@ -106,13 +106,19 @@ def recover(final: Path) -> bool:
         staged.rename(final)
     elif not final.exists() and previous.exists():
         previous.rename(final)
+    if changed:
+        _fsync(final.parent)  # the renames are durable before what they replace goes
     if final.exists():
         discard(previous)
+    clear_staged(final)
+    return final.exists()
+
+
+def clear_staged(final: Path) -> None:
+    """Remove a staged write for ``final`` and its mark (before a new save, or an unfinished one)."""
+    staged = staged_path(final)
     discard(staged)
     discard(_marker(staged))
-    if changed:
-        _fsync(final.parent)
-    return final.exists()
 
 
 def explain_unreadable(path: Path, err: BaseException) -> str:
@@ -163,7 +169,9 @@ def round_path(folder: Path, round_: int) -> Path:
 
 def _named_rounds(folder: Path) -> set[int]:
     rounds = set()
-    for entry in folder.iterdir() if folder.is_dir() else []:
+    for entry in list(folder.iterdir()) if folder.is_dir() else []:
+        if entry.name.endswith(DELETING):
+            continue
         name = entry.name.removesuffix(COMPLETE).removesuffix(STAGED).removesuffix(PREVIOUS)
         m = _ROUND.match(name)
         if m:
@@ -175,6 +183,9 @@ def round_checkpoints(folder: Path, repair: bool = True) -> dict[int, Path]:
     """The round checkpoints in ``folder`` by round, oldest first. ``repair``: first put back (or
     clear away) what a crash during a save left (:func:`recover`; only one process may do that)."""
     found = {}
+    if repair:  # removals a crash cut short
+        for entry in list(folder.glob(f"*{DELETING}")) if folder.is_dir() else []:
+            discard(entry)
     for r in sorted(_named_rounds(folder)):
         path = round_path(folder, r)
         if (recover(path) if repair else path.exists() or is_complete(staged_path(path))
@@ -188,10 +199,29 @@ def is_round_folder(path: Path) -> bool:
     return path.is_dir() and not _ROUND.match(path.name) and bool(_named_rounds(path))
 
 
+def remove(path: Path) -> None:
+    """Remove a checkpoint so that a crash midway never leaves a part of it under its name: it is
+    renamed out of the way first (``round_checkpoints`` clears such leftovers)."""
+    if path.exists():
+        gone = path.with_name(path.name + DELETING)
+        discard(gone)
+        path.rename(gone)
+        discard(gone)
+
+
 def prune_rounds(folder: Path, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` round checkpoints in ``folder``; returns those kept."""
     found = round_checkpoints(folder)
     rounds = sorted(found)
     for r in rounds[: max(0, len(rounds) - keep)]:
-        discard(found[r])
+        remove(found[r])
     return [found[r] for r in rounds[-keep:]] if keep > 0 else []
+
+
+def drop_rounds_after(folder: Path, round_: int) -> list[int]:
+    """Remove the round checkpoints after ``round_`` (a run resumed from ``round_`` abandons them:
+    its own rounds from there on differ); returns the rounds removed."""
+    later = [r for r in round_checkpoints(folder) if r > round_]
+    for r in later:
+        remove(round_path(folder, r))
+    return later

@@ -464,8 +464,8 @@ class IslandLink:
         bad = {i: n for i, n in sizes.items() if i != self.island and (n < 0 or limit is not None and n > limit)}
         if bad:
             message = (f"{what}: island(s) {sorted(bad)} announced {sorted(bad.values())} bytes, outside 0.."
-                       f"{limit if limit is not None else 'any'} (what the codec produces for the chunk): a "
-                       "misbehaving or impersonated island; refused before allocating")
+                       f"{limit if limit is not None else 'any'} (the most an honest island sends here, its tag "
+                       "included): a misbehaving or impersonated island; refused before allocating")
             log.error("lightning_islands: island %d refused a payload: %s", self.island, message)
             raise PayloadRefused(message)
 

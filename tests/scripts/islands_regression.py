@@ -150,10 +150,10 @@ class Killer(pl.Callback):
         inner = getattr(link, "link", link)  # under an AuthenticatedLink
         send = inner.all_gather_bytes
 
-        def dying(payload):
+        def dying(payload, limit=None):
             if trainer.strategy.engine.schedule.round == self.round:
                 self._fall(f"in round {self.round}'s exchange", trainer.strategy.island_index)
-            return send(payload)
+            return send(payload, limit)
 
         inner.all_gather_bytes = dying
 
