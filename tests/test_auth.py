@@ -385,6 +385,40 @@ def test_a_forged_decision_or_report_is_refused_and_named_never_acted_on(forged,
         link.close()
 
 
+def test_values_of_an_islands_earlier_life_replayed_at_their_keys_are_not_acted_on(caplog):
+    """With a secret, a sealed value can still be replayed at the very key it was written under.
+    Island 1's beat, failure report and join request of its first life (incarnation 0), recorded,
+    are replayed after it restarted (its beats now read incarnation 1): island 0 does not count the
+    old beat as progress nor as a restart, and ignores the old report and join request, logging
+    each; a report of its current life is acted on."""
+    coordinator, links = _sealed_links("life")
+    store, m0, one = coordinator.store, links[0].membership, links[1]
+    alive, abort, join = m0.alive_key(1), "life/abort/1", m0._k("join/1")
+    assert m0._silent([1], 0.0)[1] == 0.0
+    one.abort("island 1: RuntimeError: out of memory")  # its first life fails, asks back, and restarts
+    one.membership.request_join(0)
+    recorded = {key: store.get(key) for key in (alive, abort, join)}
+    one.alive.stop()
+    one.alive._thread.join(timeout=30)  # its last beat is written before the restarted life's
+    assert not one.alive._thread.is_alive()
+    one.membership.incarnation = 1
+    store.delete_key(abort)  # what a restarted island does first (IslandLink.rejoin)
+    store.delete_key(join)
+    one.store.set(alive, "1:1")
+    assert m0._silent([1], 1.0)[1] == 0.0 and m0._beat_incarnation(1) == 1
+    for key, raw in recorded.items():  # whoever reaches the coordinator replays them
+        store.set(key, raw)
+    assert m0._silent([1], 5.0)[1] == 4.0, "the replayed beat is not progress"
+    assert m0._beat_incarnation(1) == 1, "nor a restart"
+    assert links[0]._aborted(1) is None and 1 not in m0.joiners(0)
+    assert "ignores island 1's failure report of its incarnation 0" in caplog.text
+    assert "ignores island 1's join request of its incarnation 0" in caplog.text
+    one.abort("island 1: RuntimeError: out of memory again")  # its current life's report counts
+    assert links[0]._aborted(1) == "island 1: RuntimeError: out of memory again"
+    for link in links:
+        link.close()
+
+
 def test_a_decision_replayed_from_another_round_or_attempt_does_not_verify():
     """A value sealed for one key (round 0's member set) copied to another (round 1's, or another
     attempt's) does not verify: the MAC binds the key, which names the run, round and attempt."""

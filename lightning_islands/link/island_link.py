@@ -164,9 +164,17 @@ class IslandLink:
                                           f"island{island}-sweeper")
 
     def _aborted(self, island: int) -> str | None:
-        """Island ``island``'s failure report, or ``None``."""
+        """Island ``island``'s failure report, or ``None`` (also for a report of an earlier life of
+        that island than its beat shows: left behind, or replayed at its key)."""
         raw = get_if_set(self.store, f"{self.run_id}/abort/{island}")
-        return None if raw is None else raw.decode(errors="replace")
+        if raw is None:
+            return None
+        try:
+            report = json.loads(raw)
+            incarnation, message = int(report["inc"]), str(report["message"])
+        except (ValueError, KeyError, TypeError):
+            incarnation, message = None, raw.decode(errors="replace")
+        return None if self.membership.stale_report(island, incarnation) else message
 
     def open_lanes(self) -> None:
         """Build the gloo groups between every island (every island must call this after the
@@ -327,7 +335,8 @@ class IslandLink:
 
     def abort(self, message: str) -> None:
         """Tell the other islands that this one failed, so they stop waiting for it with a clear error."""
-        self.store.set(f"{self.run_id}/abort/{self.island}", message[:2000])
+        self.store.set(f"{self.run_id}/abort/{self.island}",  # bound to this life of the island
+                       json.dumps({"inc": self.membership.incarnation, "message": message[:2000]}))
 
     # -- small objects through the store -------------------------------------------------------
     def publish(self, key: str, obj: object) -> None:

@@ -60,8 +60,9 @@ def connector(host: str, port: int, timeout: timedelta) -> Callable[[], dist.Sto
 
 
 class Beat:
-    """This island's liveness beat: ``key`` reads ``"INCARNATION:COUNT"``, the count advancing at
-    most every ``period`` seconds from a thread of its own (started here, stopped by :meth:`stop`):
+    """This island's liveness beat: ``key`` reads ``"INCARNATION:COUNT"``, the count (from the wall
+    clock's milliseconds at the start) advancing by one at most every ``period`` seconds from a
+    thread of its own (started here, stopped by :meth:`stop`):
     every period until :meth:`settle`, then only after a :meth:`touch` (progress).
 
     ``connect`` opens the thread's own store connection (:func:`connector`). When a ``set`` or a
@@ -101,7 +102,9 @@ class Beat:
 
     def _run(self) -> None:
         store: dist.Store | None = None
-        count, pause, failing_since, logged, beaten = 0, self.period, 0.0, 0.0, -1
+        # the count starts at the wall clock's milliseconds: a later beat of this incarnation (a new
+        # link for a second fit) reads higher, and only a higher beat counts as progress
+        count, pause, failing_since, logged, beaten = time.time_ns() // 1_000_000, self.period, 0.0, 0.0, -1
         while not self._stop.is_set():
             try:
                 progress = self.progress

@@ -21,6 +21,7 @@ waited for. Nothing here knows about tensors or lanes; it reads and writes small
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ from lightning_islands.link.protocol import DeadlinePassed, LateForRound, Quorum
 from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import KEEP_ROUNDS, SWEPT, Sweeper
 from lightning_islands.link.waiting import POLL_S, wait_until
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,15 +71,37 @@ class Decision:
                         tuple(d.get("joining", ())), tuple(d.get("joining_incs", ())))
 
 
+def beat_order(beat: bytes | None) -> tuple[int, int] | None:
+    """A liveness beat ``b"INCARNATION:COUNT"`` as a pair that grows with progress (``None``: none
+    or unreadable)."""
+    try:
+        inc, count = (beat or b"").decode().split(":", 1)
+        return int(inc), int(count)
+    except ValueError:
+        return None
+
+
 @dataclass
 class _Watch:
-    """When each island's liveness beat last changed, as seen from here."""
+    """When each island's liveness beat last advanced, as seen from here, and the furthest beat.
+
+    Only a beat past the furthest one seen (a higher count, or a later incarnation) is progress: a
+    beat replayed at its key (an earlier one of this life, or one of an earlier life) is not, and
+    does not make the island look restarted."""
 
     seen: dict[int, tuple[bytes | None, float]] = field(default_factory=dict)
 
     def silent_for(self, island: int, beat: bytes | None, now: float) -> float:
         last = self.seen.get(island)
-        if last is None or last[0] != beat:
+        if last is None:
+            self.seen[island] = (beat, now)
+            return 0.0
+        new, old = beat_order(beat), beat_order(last[0])
+        if new is not None and old is not None:
+            advanced = new > old
+        else:  # no readable beat yet: any change is progress
+            advanced = old is None and beat != last[0]
+        if advanced:
             self.seen[island] = (beat, now)
             return 0.0
         return now - last[1]
@@ -119,6 +144,7 @@ class Membership:
         self.previous: Decision | None = None  # the last attempt this island took part in
         self.committed: Decision | None = None  # the last attempt that counted
         self._watch = _Watch()
+        self._stale_seen: set[tuple[int, str]] = set()
         self._attempt: dict[int, int] = {}  # round -> the attempt this island is at
         # whether this island still holds the lanes every island opened at the start: only then may it
         # propose them (an island that was left behind, or restarted, has lost them)
@@ -185,9 +211,29 @@ class Membership:
             raw = self._get(self._k(f"join/{i}")) if i != self.island else None
             if raw is not None:
                 request = json.loads(raw)
-                if int(request["from"]) <= round_:
+                seen = self._beat_incarnation(i)
+                if seen is not None and int(request["inc"]) < seen:  # from an earlier life: replayed, or stale
+                    self._stale(i, f"join request of its incarnation {request['inc']}", seen)
+                elif int(request["from"]) <= round_:
                     found[i] = int(request["inc"])
         return found
+
+    def _stale(self, island: int, what: str, seen: int) -> None:
+        """Log (once per value) that island ``island``'s ``what`` belongs to an earlier life."""
+        if (island, what) not in self._stale_seen:
+            self._stale_seen.add((island, what))
+            log.warning("lightning_islands: island %d ignores island %d's %s: that island is in its incarnation "
+                        "%d now (a value of its earlier life, left or replayed at its key)", self.island, island,
+                        what, seen)
+
+    def stale_report(self, island: int, incarnation: int | None) -> bool:
+        """Whether a failure report that island ``island``'s ``incarnation`` wrote is of an earlier
+        life than the one its beat shows (then it is ignored, and logged once)."""
+        seen = self._beat_incarnation(island)
+        if incarnation is None or seen is None or incarnation >= seen:
+            return False
+        self._stale(island, f"failure report of its incarnation {incarnation}", seen)
+        return True
 
     # ------------------------------------------------------------------ one round
     def decide(self, round_: int, header: dict[str, Any]) -> tuple[Decision, list[dict[str, Any] | None]]:

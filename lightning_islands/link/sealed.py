@@ -11,8 +11,10 @@ key (and logged): the island ends with that error rather than act on it.
 
 What it cannot do: keep the coordinator (or anyone who reaches it) from withholding or deleting
 values (the islands then wait until their deadline), or from replaying a value at the very key it
-was written under. Counters (``add``), the launcher's status lines and gloo's lanes rendezvous
-are not sealed (a forged rendezvous address can only withhold: every payload carries its own MAC).
+was written under (beats, join requests and failure reports carry the writer's incarnation, so
+the membership ignores those of an earlier life). Counters (``add``), the launcher's status lines
+and gloo's lanes rendezvous are not sealed (a forged rendezvous address can only withhold: every
+payload carries its own MAC).
 """
 
 from __future__ import annotations
