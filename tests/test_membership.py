@@ -230,6 +230,38 @@ def test_an_island_left_behind_is_no_joiner_of_that_rounds_later_attempts():
     assert m0.joiners(3) == {} and m0.joiners(4) == {1: 0}
 
 
+def test_a_joiners_header_of_its_earlier_life_replayed_at_its_key_is_refused(caplog):
+    """Island 1's second life (incarnation 1) asks to rejoin; once the round takes it in, its first
+    life's header (incarnation 0; under a secret, a sealed value replayed at its very key) appears
+    where the joiner's goes: island 0 refuses it, naming both incarnations, instead of merging it."""
+    from lightning_islands.link.protocol import AuthenticationError
+
+    coordinator = Coordinator()
+    m0 = Membership(coordinator.store, "old", 0, 2, 1, 30.0, None, lambda i: None)
+    m1 = Membership(coordinator.store, "old", 1, 2, 1, 30.0, None, lambda i: None, incarnation=1)
+    coordinator.store.set(m0.alive_key(1), "1:1")  # the second life beats
+    m1.request_join(0)
+    got: list = []
+
+    def decide() -> None:
+        try:
+            got.append(m0.decide(0, {"tokens": 1}))
+        except Exception as err:  # noqa: BLE001 - the outcome is what the test looks at
+            got.append(err)
+
+    worker = threading.Thread(target=decide)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not coordinator.store.check(["old/round0/a0/members"]):  # until the round takes island 1 in
+        assert time.monotonic() < deadline, "island 0 never decided round 0"
+        time.sleep(0.02)
+    coordinator.store.set("old/round0/a0/h/1", json.dumps({"tokens": 7, "_inc": 0}))  # its first life's header
+    worker.join(timeout=60)
+    assert isinstance(got[0], AuthenticationError), got
+    assert "island 0 refused island 1's round 0 header: it was written by island 1's incarnation 0" in str(got[0])
+    assert "takes in its incarnation 1" in caplog.text
+
+
 def test_a_member_restarted_mid_round_counts_as_lost_at_once():
     """Its new process beats, but the process that was a member is gone: the attempt fails without
     waiting out the grace window."""

@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from lightning_islands.link.coordinator import absent, get_if_set
 from lightning_islands.link.lanes import START_LANES
-from lightning_islands.link.protocol import DeadlinePassed, LateForRound, QuorumLost, RoundLost, RunEnded
+from lightning_islands.link.protocol import (
+    AuthenticationError,
+    DeadlinePassed,
+    LateForRound,
+    QuorumLost,
+    RoundLost,
+    RunEnded,
+)
 from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import KEEP_ROUNDS, SWEPT, Sweeper
 from lightning_islands.link.waiting import POLL_S, wait_until
@@ -260,6 +267,13 @@ class Membership:
                 self.retry(decision)
                 continue
             self._incs = {i: int(h.pop("_inc", 0)) for i, h in enumerate(headers) if h is not None}
+            for j, inc in zip(decision.joining, decision.joining_incs):
+                if j in self._incs and self._incs[j] != inc:
+                    message = (f"island {self.island} refused island {j}'s round {round_} header: it was written by "
+                               f"island {j}'s incarnation {self._incs[j]}, but the round takes in its incarnation "
+                               f"{inc} (a header of its earlier life, replayed at its key)")
+                    log.error("lightning_islands: %s", message)
+                    raise AuthenticationError(message)
             self._note(decision)
             return decision, headers
 
