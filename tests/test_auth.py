@@ -385,6 +385,21 @@ def test_a_forged_decision_or_report_is_refused_and_named_never_acted_on(forged,
         link.close()
 
 
+def test_a_header_replayed_from_another_round_is_refused_and_named(caplog):
+    """Island 1's sealed round-0 header copied to its round-1 key (before island 1 writes its own)
+    does not verify there: island 0 refuses it, naming the key, instead of merging with it."""
+    coordinator, links = _sealed_links("hr")
+    run_threads_ok([lambda link=link: (link.meet_round(0, {"tokens": 1}), link.settle_round()) for link in links])
+    store = coordinator.store
+    store.set("hr/round1/a0/h/1", store.get("hr/round0/a0/h/1"))
+    got = outcomes([lambda: links[0].meet_round(1, {"tokens": 1})])
+    assert isinstance(got[0], AuthenticationError), got
+    assert "under 'hr/round1/a0/h/1'" in str(got[0]) and "replayed" in str(got[0])
+    assert "under 'hr/round1/a0/h/1'" in caplog.text
+    for link in links:
+        link.close()
+
+
 def test_values_of_an_islands_earlier_life_replayed_at_their_keys_are_not_acted_on(caplog):
     """With a secret, a sealed value can still be replayed at the very key it was written under.
     Island 1's beat, failure report and join request of its first life (incarnation 0), recorded,
