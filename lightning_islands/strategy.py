@@ -35,19 +35,17 @@ from typing_extensions import override
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
 from lightning_islands.engine.checkpoint import OUTER_DIR, load_global_parameters
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.rendezvous import checkpoint_to_load
 from lightning_islands.engine.safe_metadata import check_metadata
 from lightning_islands.engine.saves import (
     clear_staged,
     disk_full,
-    drop_rounds_after,
     explain_unreadable,
     explain_unwritable,
     is_round_folder,
     previous_path,
     publish,
-    recover,
-    round_checkpoints,
-    round_path,
     staged_path,
 )
 from lightning_islands.fsdp import FSDP2Strategy
@@ -485,17 +483,15 @@ class IslandStrategy(FSDP2Strategy):
 
     def on_rank_zero(self, work: Callable[[], T]) -> T:
         """Run ``work`` (steps on the island's files) on rank 0; every rank of the island gets its
-        result, or its error, so that no rank waits in a collective for one that failed."""
-        box: tuple[str, Any] = ("ok", None)
-        if self.global_rank == 0:
-            try:
-                box = ("ok", work())
-            except Exception as err:  # noqa: BLE001 - raised on every rank below
-                box = ("error", f"{type(err).__name__}: {err}")
-        box = self.broadcast(box)
-        if box[0] == "error":
-            raise RuntimeError(f"islands: on rank 0 of island {self.island_index}: {box[1]}")
-        return box[1]
+        result, or its error, so that no rank waits in a collective for one that failed
+        (:meth:`~lightning_islands.engine.island.Island.agree`)."""
+        return self._island().agree(work)
+
+    def _island(self) -> Island:
+        """This rank's island (the engine's, or, before one exists, one over this island's ranks)."""
+        if self.engine is not None:
+            return self.engine.side
+        return Island(self.island_index, self.num_islands, TorchGroup(self.root_device))
 
     def _on_every_rank(self, work: Callable[[], Any]) -> list[tuple[int, tuple[bool, str]]]:
         """Run ``work`` on every rank; returns, on every rank, each failed rank with whether its
@@ -548,32 +544,13 @@ class IslandStrategy(FSDP2Strategy):
         return checkpoint
 
     def _checkpoint_to_load(self, path: Path) -> Path:
-        """The checkpoint ``path`` names, after a crash during its save is repaired (rank 0): for a
-        folder of round checkpoints, the last round that every island has."""
-        def look() -> list[int] | None:
-            if not is_round_folder(path):
-                recover(path)
-                return None
-            return sorted(round_checkpoints(path))
-
-        rounds = self.on_rank_zero(look)
-        if rounds is None:
-            return path
-        if not rounds:
-            raise FileNotFoundError(f"{path} holds no complete round checkpoint (only writes that did not finish); "
-                                    "resume from another checkpoint, or start afresh")
-        if self._ready() and self.num_islands > 1 and not self._rejoining:
-            chosen = self.engine.agree_on_resume(rounds)  # type: ignore[union-attr]
-            # later rounds belong to the run abandoned here: the resumed one writes its own
-            dropped = self.on_rank_zero(lambda: drop_rounds_after(path, chosen))
-            rank_zero_info(f"islands: resuming from round {chosen}, the last round every island has a checkpoint "
-                           f"of (this island has {rounds}): {round_path(path, chosen)}"
-                           + (f"; its later rounds {dropped} were removed" if dropped else ""))
-        else:  # alone, or rejoining (the live islands' state replaces the global state at its first round)
-            chosen = rounds[-1]
-            rank_zero_info(f"islands: island {self.island_index} resumes from its round {chosen} checkpoint: "
-                           f"{round_path(path, chosen)}")
-        return round_path(path, chosen)
+        """The checkpoint ``path`` names, repaired; for a folder of round checkpoints, the round
+        the islands agree on (:func:`~lightning_islands.engine.rendezvous.checkpoint_to_load`)."""
+        agree = self._ready() and self.num_islands > 1 and not self._rejoining  # a rejoiner takes its latest
+        path, message = checkpoint_to_load(self._island(), path, agree)
+        if message:
+            rank_zero_info(message)
+        return path
 
     @override
     def teardown(self) -> None:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.callbacks import RoundCheckpoint
-from lightning_islands.engine.saves import is_complete, previous_path, round_checkpoints, staged_path
+from lightning_islands.engine.saves import holder, round_checkpoints
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
@@ -164,14 +164,12 @@ def restart_checkpoint(ckpt_dir: Path) -> str | None:
     if restart_count() == 0:
         return None
     last = ckpt_dir / "last.ckpt"
-    found = [p for p in (last, previous_path(last)) if p.exists()]  # or set aside by a save cut short
-    if is_complete(staged_path(last)):  # a save cut short after its write was complete
-        found.append(staged_path(last))
-    rounds = round_checkpoints(ckpt_dir, repair=False)
-    newest_round = max((p.stat().st_mtime for p in rounds.values() if p.exists()), default=None)
-    if rounds and (not found or newest_round is None or newest_round >= max(p.stat().st_mtime for p in found)):
+    held = holder(last)  # also where a save cut short left it
+    rounds = [holder(p) for p in round_checkpoints(ckpt_dir, repair=False).values()]
+    newest_round = max((p.stat().st_mtime for p in rounds if p is not None), default=None)
+    if newest_round is not None and (held is None or newest_round >= held.stat().st_mtime):
         return str(ckpt_dir)  # a folder of round checkpoints: the strategy takes the latest
-    return str(last) if found else None
+    return str(last) if held is not None else None
 
 
 class StepDelay(pl.Callback):

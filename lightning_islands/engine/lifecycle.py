@@ -121,11 +121,6 @@ class IslandEngineBase:
             return [] if more else [self.island]
         return rendezvous.agree_on_start(self.side, self.global_state_digest(), self.schedule.round, more)
 
-    def agree_on_resume(self, rounds: list[int]) -> int:
-        """The last of ``rounds`` (this island's round checkpoints) that every island has a
-        checkpoint of (a collective of the island; :func:`rendezvous.agree_on_resume`)."""
-        return rendezvous.agree_on_resume(self.side, rounds)
-
     def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
         """Act on the start agreement (:func:`rendezvous.settle_start`)."""
         return rendezvous.settle_start(self.schedule, done)

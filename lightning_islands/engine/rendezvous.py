@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 import io
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_islands.engine import saves
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.schedule import Schedule
@@ -144,6 +146,34 @@ def agree_on_resume(island: Island, rounds: list[int]) -> int:
         return max(shared)
 
     return island.with_link(common)
+
+
+def checkpoint_to_load(island: Island, path: Path, agree: bool) -> tuple[Path, str | None]:
+    """The checkpoint ``path`` names, after the leader repaired what a crash during its save left;
+    for a folder of round checkpoints, the last round every island has (``agree``: the islands meet
+    on it, and this island's later rounds, of the run abandoned there, are removed) or, not
+    agreeing (alone, rejoining, not fitting), its own latest. Returns it and a line for the log."""
+    def look() -> list[int] | None:
+        if not saves.is_round_folder(path):
+            saves.recover(path)
+            return None
+        return sorted(saves.round_checkpoints(path))
+
+    rounds = island.agree(look)
+    if rounds is None:
+        return path, None
+    if not rounds:
+        raise FileNotFoundError(f"{path} holds no complete round checkpoint (only writes that did not finish); "
+                                "resume from another checkpoint, or start afresh")
+    if not agree:
+        return saves.round_path(path, rounds[-1]), (f"islands: island {island.index} resumes from its round "
+                                                    f"{rounds[-1]} checkpoint: {saves.round_path(path, rounds[-1])}")
+    chosen = agree_on_resume(island, rounds)
+    dropped = island.agree(lambda: saves.drop_rounds_after(path, chosen))
+    return saves.round_path(path, chosen), (
+        f"islands: resuming from round {chosen}, the last round every island has a checkpoint of (this island "
+        f"has {rounds}): {saves.round_path(path, chosen)}" + (f"; its later rounds {dropped} were removed"
+                                                              if dropped else ""))
 
 
 def settle_start(schedule: Schedule, done: list[int]) -> tuple[bool, str | None, bool]:

@@ -114,6 +114,14 @@ def recover(final: Path) -> bool:
     return final.exists()
 
 
+def holder(final: Path) -> Path | None:
+    """Where the checkpoint that :func:`recover` would put under ``final`` lies now (the staged
+    write once complete, else ``final``, else the one set aside), without touching anything;
+    ``None``: there is none."""
+    staged, previous = staged_path(final), previous_path(final)
+    return staged if is_complete(staged) else final if final.exists() else previous if previous.exists() else None
+
+
 def clear_staged(final: Path) -> None:
     """Remove a staged write for ``final`` and its mark (before a new save, or an unfinished one)."""
     staged = staged_path(final)
@@ -188,8 +196,7 @@ def round_checkpoints(folder: Path, repair: bool = True) -> dict[int, Path]:
             discard(entry)
     for r in sorted(_named_rounds(folder)):
         path = round_path(folder, r)
-        if (recover(path) if repair else path.exists() or is_complete(staged_path(path))
-                or previous_path(path).exists()):
+        if recover(path) if repair else holder(path) is not None:
             found[r] = path
     return found
 
