@@ -185,7 +185,8 @@ def main() -> None:
     parser.add_argument("--codec", default="fp32")
     parser.add_argument("--lanes", type=int, default=2)
     parser.add_argument("--rate", default="auto",
-                        help="link rate (tc units, e.g. 40mbit) or auto; ',RTT' appends a delay (e.g. 40mbit,100ms)")
+                        help="link rate in bits per second (e.g. 40mbit) or auto; "
+                             "',RTT' appends a delay (e.g. 40mbit,100ms)")
     parser.add_argument("--rtt", default=None,
                         help="a round-trip time between the islands for --rate auto (e.g. 100ms; netem, else the "
                              "link's delay line)")

@@ -34,7 +34,9 @@ needs_root = pytest.mark.skipif(
 # ----------------------------------------------------------------------------------------- parsing
 @pytest.mark.parametrize("text, rate, rtt, tcp", [
     ("1gbit,100ms", 10**9, 0.1, "default"), ("200mbit", 200 * 10**6, 0.0, "default"),
-    ("12.5mbps", 10**8, 0.0, "default"), (" 1GBit , 0.25s ", 10**9, 0.25, "default"),
+    ("100mbit", 10**8, 0.0, "default"), (" 1GBit , 0.25s ", 10**9, 0.25, "default"),
+    ("25G", 25 * 10**9, 0.0, "default"), ("25e9,100ms", 25 * 10**9, 0.1, "default"),
+    ("1 Gbit/s", 10**9, 0.0, "default"), ("12.5mbit", 12_500_000, 0.0, "default"),
     ("100kbit,500us", 10**5, 0.0005, "default"), ("1mibit", 2**20, 0.0, "default"),
     ("1gbit,100ms,tuned", 10**9, 0.1, "tuned"), ("1gbit, Tuned", 10**9, 0.0, "tuned"),
     ("1gbit,100ms,default", 10**9, 0.1, "default"),
@@ -48,8 +50,9 @@ def test_a_link_is_a_rate_an_optional_rtt_and_the_hosts_tcp(text, rate, rtt, tcp
 
 
 @pytest.mark.parametrize("text, says", [
-    ("1gbit,100ms,1", "too many parts"), ("1gbit,tuned,100ms", "too many parts"), ("tuned", "tc unit"),
-    ("", "empty"), ("1000", "tc unit"), ("fast", "tc unit"),
+    ("1gbit,100ms,1", "too many parts"), ("1gbit,tuned,100ms", "too many parts"), ("tuned", "cannot read the rate"),
+    ("", "empty"), ("1000", "below 8kbit"), ("fast", "cannot read the rate"), ("inf", "unlimited"),
+    ("12.5mbps", "write 12.5mbit for 12.5 Mbit/s or 100mbit for 12.5 MB/s"), ("1gbps,100ms", "ambiguous"),
     ("1gbit,100", "time unit"), ("1gbit,100mb", "time unit"), ("1bit", "below 8kbit"), ("1gbit,20s", "above 10 s"),
 ])
 def test_a_bad_link_names_the_accepted_form(text, says):

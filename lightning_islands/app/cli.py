@@ -1,5 +1,6 @@
 """``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``,
-``report`` (a table and plots from finished runs), ``plan`` (predicted utilization for a link)."""
+``report`` (a table and plots from finished runs), ``plan`` (predicted utilization for a link);
+``--version``."""
 
 from __future__ import annotations
 
@@ -9,27 +10,27 @@ import sys
 import time
 
 USAGE = """usage: lightning-islands COMMAND ...
+       lightning-islands --version
 
 commands:
   train [hydra overrides...]     compose the Hydra config and run the job (see README)
   run --islands 2,1 -- CMD ...   run CMD as one torch.distributed.run per island, with a coordinator
         [--link 1gbit,100ms]     ... each island in a network namespace behind a tc-shaped link
+                                 ... RATE in bits per second (1gbit, 200mbit, 25G); 25gbps is refused
         [--max-restarts N]       ... restart an island that died; it rejoins the others
   coordinator --port P           serve a coordinator for islands started elsewhere
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
-  plan [overrides...] --link-bps 25G --rtt-ms 100 --step-seconds 0.5,0.8
+  plan [overrides...] --link-bps 25gbit --rtt-ms 100 --step-seconds 0.5,0.8
                                  predict utilization and the link a target needs (docs/PLANNING.md)
+
+options:
+  -V, --version                  print the installed version: lightning-islands X.Y.Z
+  -h, --help                     print this message
 """
 
 
-def _run(argv: list[str]) -> int:
-    from lightning_islands.app.launch import parse_islands, report_failures, run_islands
-
-    if "--" in argv:
-        split = argv.index("--")
-        own, command = argv[:split], argv[split + 1 :]
-    else:
-        own, command = argv, []
+def _run_parser() -> argparse.ArgumentParser:
+    """The options of ``lightning-islands run`` (the command follows ``--``)."""
     parser = argparse.ArgumentParser(prog="lightning-islands run",
                                      description="Run a training script as several islands on this machine.")
     parser.add_argument("--islands", required=True, help="processes per island, e.g. 2,1")
@@ -39,16 +40,47 @@ def _run(argv: list[str]) -> int:
                         help="one live status line per island (default: when attached to a terminal)")
     parser.add_argument("--link", default=None, metavar="RATE[,RTT][,tuned]",
                         help="put each island in its own network namespace behind a link shaped by tc, e.g. "
-                             "1gbit,100ms (the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
+                             "1gbit,100ms (RATE in bits per second: 1gbit, 200mbit, 25G; byte units such as 25gbps "
+                             "are refused; the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
                              "for a long-fat link); needs root and iproute2")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart an island whose process died up to N times (as torchrun does) while the others "
                              "train on; it rejoins them (default 0: a failed island ends the run)")
-    args = parser.parse_args(own)
+    return parser
+
+
+def _checked_islands(parser: argparse.ArgumentParser, args: argparse.Namespace, command: list[str]) -> list[int]:
+    """The processes per island, once every option of ``run`` but ``--link`` is known good; anything
+    wrong ends the command here with ``parser.error`` (exit code 2), before anything starts."""
+    from lightning_islands.app.launch import check_log_dir, parse_islands
+
+    try:
+        islands = parse_islands(args.islands)
+    except ValueError as err:
+        parser.error(str(err))
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if not command:
         parser.error("give the command after --, e.g. lightning-islands run --islands 2,1 -- python train.py")
+    if args.log_dir is not None:
+        try:
+            check_log_dir(args.log_dir)
+        except ValueError as err:
+            parser.error(f"--log-dir: {err}")
+    return islands
+
+
+def _run(argv: list[str]) -> int:
+    from lightning_islands.app.launch import report_failures, run_islands
+
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1 :]
+    else:
+        own, command = argv, []
+    parser = _run_parser()
+    args = parser.parse_args(own)
+    islands = _checked_islands(parser, args, command)
     link = None
     if args.link is not None:
         from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
@@ -62,19 +94,41 @@ def _run(argv: list[str]) -> int:
             print(f"lightning-islands run: {err}", file=sys.stderr)
             return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
-    results = run_islands(parse_islands(args.islands), command, log_dir=args.log_dir, run_id=args.run_id, live=live,
+    results = run_islands(islands, command, log_dir=args.log_dir, run_id=args.run_id, live=live,
                           link=link, max_restarts=args.max_restarts)
     return report_failures(results)
 
 
+def _listen_problem(host: str, port: int, err: Exception | None = None) -> str:
+    """The one line that says why the coordinator cannot listen on ``host:port``, and the fix."""
+    if err is None or "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+        return (f"lightning-islands coordinator: port {port} is already in use on this machine; choose another "
+                f"--port (--port 0 picks a free one) or stop the process holding it (ss -ltnp 'sport = :{port}' "
+                "names it)")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (f"lightning-islands coordinator: cannot listen on {host}:{port}: {first}; check that --host is an "
+            "address of this machine (0.0.0.0: all) and that --port is free and allowed (below 1024 needs root)")
+
+
 def _coordinator(argv: list[str]) -> int:
-    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.app.launch import port_in_use
 
     parser = argparse.ArgumentParser(prog="lightning-islands coordinator")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=29400)
+    parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: a free one; default 29400)")
     args = parser.parse_args(argv)
-    coordinator = Coordinator(args.host, args.port)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port} is not a TCP port; give one from 0 to 65535 (0: a free one)")
+    if args.port and port_in_use(args.port):
+        print(_listen_problem(args.host, args.port), file=sys.stderr)
+        return 1
+    from lightning_islands.link.coordinator import Coordinator
+
+    try:
+        coordinator = Coordinator(args.host, args.port)
+    except (OSError, RuntimeError) as err:  # torch's DistNetworkError is a RuntimeError
+        print(_listen_problem(args.host, args.port, err), file=sys.stderr)
+        return 1
     print(f"lightning-islands coordinator listening on {args.host}:{coordinator.port}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -84,12 +138,28 @@ def _coordinator(argv: list[str]) -> int:
         return 0
 
 
+def version() -> str:
+    """The installed package's version (its metadata), else the one in ``lightning_islands.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("lightning-islands")
+    except PackageNotFoundError:
+        from lightning_islands import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a sub-command."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"lightning-islands {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         from lightning_islands.app import train

@@ -10,6 +10,7 @@ network namespace behind a shaped link (:mod:`lightning_islands.app.netns`).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -66,18 +67,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ISLANDS_FORM = "processes per island, comma-separated, each at least 1, e.g. 2,1 (two islands: 2 processes and 1)"
+
+
 def parse_islands(spec: str | Sequence[int]) -> list[int]:
-    """``"2,1"`` -> ``[2, 1]``: processes per island."""
+    """``"2,1"`` -> ``[2, 1]``: processes per island; a ValueError names the value and the form."""
     if isinstance(spec, str):
-        try:
-            sizes = [int(x) for x in spec.split(",") if x.strip()]
-        except ValueError as err:
-            raise ValueError(f"--islands {spec!r} must be comma-separated process counts, e.g. 2,1") from err
+        parts = [x.strip() for x in spec.split(",") if x.strip()]
+        bad = next((x for x in parts if not x.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"--islands {spec!r}: {bad!r} is not a whole number; give {ISLANDS_FORM}")
+        sizes = [int(x) for x in parts]
     else:
         sizes = [int(x) for x in spec]
-    if not sizes or any(n < 1 for n in sizes):
-        raise ValueError(f"every island needs at least one process, got {spec!r}")
+    if not sizes:
+        raise ValueError(f"--islands {spec!r} names no island; give {ISLANDS_FORM}")
+    empty = [i for i, n in enumerate(sizes) if n < 1]
+    if empty:
+        raise ValueError(f"--islands {spec!r}: island {empty[0]} has {sizes[empty[0]]} processes; give {ISLANDS_FORM}")
     return sizes
+
+
+def check_log_dir(path: str | os.PathLike) -> None:
+    """Raise a ValueError naming ``path`` and the fix unless this process can make (or has) the log
+    folder ``path`` and write in it. Creates nothing."""
+    folder = Path(os.path.abspath(path))
+    nearest = next(p for p in (folder, *folder.parents) if os.path.lexists(p))  # "/" exists
+    if not nearest.is_dir():
+        where = "it is" if nearest == folder else f"{nearest} is"
+        what = "a file, not" if nearest.is_file() else "a link to nothing, not" if nearest.is_symlink() else "not"
+        raise ValueError(f"log folder {str(path)!r} cannot be made: {where} {what} a folder; give a folder path "
+                         "that is not a file or under one")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"log folder {str(path)!r} cannot be written: {nearest} does not let this user write in it; "
+                         f"give a folder you can write to, or allow it (e.g. chmod u+w {nearest})")
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a process on this machine listens on TCP ``port`` (a test bind on every address, as
+    a server with ``SO_REUSEADDR`` binds: a listener makes it fail, connections in TIME_WAIT do not)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
 
 
 def torchrun_command(nproc: int, command: Sequence[str], master_port: int, max_restarts: int = 0) -> list[str]:

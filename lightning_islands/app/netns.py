@@ -77,6 +77,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from lightning_islands.app import rates
+
 T = TypeVar("T")
 
 PREFIX = "li-"
@@ -88,14 +90,10 @@ _CLONE_NEWNET = 0x40000000
 _SEQ = itertools.count()
 _SEQ_LOCK = threading.Lock()
 
-_RATE_UNITS = {  # as tc(8) reads them; the *bps units are bytes per second
-    "bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-    "kibit": 2**10, "mibit": 2**20, "gibit": 2**30, "tibit": 2**40,
-    "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12,
-}
+_SPEC_UNITS = (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1))  # LinkSpec's text
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
                "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
-_FORM = "RATE[,RTT][,tuned] with tc units, e.g. 1gbit,100ms or 200mbit or 1gbit,100ms,tuned"
+_FORM = "RATE[,RTT][,tuned], RATE in bits per second, e.g. 1gbit,100ms or 200mbit or 1gbit,100ms,tuned"
 TCP_HOSTS = ("default", "tuned")  # the island namespaces' TCP: as a new namespace has it, or TUNED_TCP
 # what an operator sets on the leaders' hosts of a long-fat link: send buffers that may grow to the
 # bandwidth-delay product (32 MiB: 1 Gbit/s at 250 ms), and no return to slow start between rounds
@@ -113,13 +111,12 @@ class LinkUnavailable(RuntimeError):
 
 # ----------------------------------------------------------------------------------------- parsing
 def parse_rate(text: str) -> int:
-    """A tc rate (``1gbit``, ``200mbit``, ``12.5mbps``: *bps are bytes per second) in bits per second."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _RATE_UNITS:
-        raise ValueError(f"link rate {text!r} is not a number with a tc unit ({', '.join(_RATE_UNITS)}); "
-                         f"give the link as {_FORM}")
-    bps = round(float(m.group(1)) * _RATE_UNITS[unit])
+    """A link rate in bits per second, as :func:`lightning_islands.app.rates.parse_rate` reads it
+    (``1gbit``, ``200mbit``, ``25G``, ``25e9``; ``25gbps`` and other byte-ish units are refused)."""
+    try:
+        bps = round(rates.parse_rate(text))
+    except ValueError as err:
+        raise ValueError(f"{err}; give the link as {_FORM}") from None
     if bps < 8_000:
         raise ValueError(f"link rate {text!r} is below 8kbit; give the link as {_FORM}")
     return bps
@@ -155,10 +152,10 @@ class LinkSpec:
     tcp: str = "default"
 
     def __str__(self) -> str:
-        unit = next(u for u in ("tbit", "gbit", "mbit", "kbit", "bit") if self.rate_bps % _RATE_UNITS[u] == 0)
+        unit, scale = next((u, scale) for u, scale in _SPEC_UNITS if self.rate_bps % scale == 0)
         rtt = f",{self.rtt_s * 1e3:g}ms" if self.rtt_s else ""
         tcp = f",{self.tcp}" if self.tcp != "default" else ""
-        return f"{self.rate_bps // _RATE_UNITS[unit]}{unit}{rtt}{tcp}"
+        return f"{self.rate_bps // scale}{unit}{rtt}{tcp}"
 
 
 def parse_link(spec: str | LinkSpec) -> LinkSpec:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_islands.app import rates
 from lightning_islands.plan.config import inputs_from_islands, per_island
 from lightning_islands.plan.hardware import DEFAULT_MFU, accelerator, step_seconds
 from lightning_islands.plan.inputs import LinkSpec, PlanInputs
@@ -22,22 +22,19 @@ from lightning_islands.plan.result import PlanResult
 from lightning_islands.plan.search import LinkNeed, min_link_bps
 from lightning_islands.plan.simulate import simulate
 
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-
 
 class PlanError(ValueError):
     """A problem with what ``lightning-islands plan`` was given, with its fix."""
 
 
 def parse_rate(text: str) -> float:
-    """Bits per second from ``25e9``, ``25G``, ``25gbit``, ``200M``, ``inf``."""
-    cleaned = text.strip().lower().replace("bit/s", "").replace("bps", "").replace("bit", "")
-    if cleaned in ("inf", "infinity", "unlimited"):
-        return math.inf
-    m = re.fullmatch(r"([0-9.]+(?:e[+-]?[0-9]+)?)\s*([kmgtp]?)", cleaned)
-    if not m:
-        raise PlanError(f"cannot read the rate {text!r}: write bits per second, e.g. 25e9, 25G, 200M or inf")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    """Bits per second from ``25gbit``, ``25G``, ``25e9``, ``200M`` or ``inf``: the syntax of
+    ``run --link`` (:func:`lightning_islands.app.rates.parse_rate`); ``25gbps`` and other byte-ish
+    units are refused with a :class:`PlanError` that gives the bit form."""
+    try:
+        return rates.parse_rate(text, allow_inf=True)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
 
 
 def _rate_argument(text: str) -> float:
@@ -83,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--path", choices=["leader", "sliced"], default="leader",
                    help="leader: every round through rank 0 (today); sliced: each rank exchanges its own slice")
     k = p.add_argument_group("link")
-    k.add_argument("--link-bps", required=True, type=_rate_argument, help="bits per second per island egress "
-                   "(25e9, 25G, 200M, inf)")
+    k.add_argument("--link-bps", required=True, type=_rate_argument, help="bits per second per island egress, "
+                   "as run --link reads it (25gbit, 25G, 25e9, 200mbit, inf; byte units such as 25gbps are refused)")
     k.add_argument("--rtt-ms", type=float, default=0.0, help="round-trip time between islands (default 0)")
     k.add_argument("--tcp-window-mib", type=float, help="bytes in flight per TCP stream, in MiB (default: half "
                    "the smaller of this machine's tcp_rmem and tcp_wmem maxima)")
