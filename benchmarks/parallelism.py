@@ -26,7 +26,7 @@ from round_share import share  # benchmarks/round_share.py, beside this script
 VARIANTS = {
     "fsdp": [],
     "tensor parallel": ["experiment=mixed_parallel"],
-    "expert parallel": ["+islands.members.0.expert_parallel_size=2"],
+    "expert parallel": ["islands.members.0.expert_parallel_size=2"],
 }
 
 

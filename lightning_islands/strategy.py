@@ -14,7 +14,6 @@ The round itself lives in :mod:`lightning_islands.engine` (no Lightning there). 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +55,6 @@ from lightning_islands.link.island_link import IslandLink
 from lightning_islands.link.protocol import IslandAborted
 
 T = TypeVar("T")
-_SETTINGS = {f.name for f in dataclasses.fields(IslandSettings) if f.init}
 
 
 def batch_weight(module: pl.LightningModule, batch: Any) -> int:
@@ -88,10 +86,9 @@ class IslandStrategy(FSDP2Strategy):
     takes an outer SGD step on the anchor, which then becomes the island's parameters. Global state
     is bit-identical on all islands after every outer step.
 
-    The islands' settings (``sync_every`` to ``overlap_alpha``) are those of
-    :class:`~lightning_islands.engine.IslandSettings`, which documents each. The others:
-
     Args:
+        settings: how the islands train together (:class:`~lightning_islands.engine.IslandSettings`,
+            every field documented there and in docs/SETTINGS.md); default ``IslandSettings()``.
         island, num_islands, coordinator, run_id: this island's identity; default from the
             environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
         secret_file: a file holding the islands' shared secret (mode 600); default ``LI_SECRET_FILE``,
@@ -100,27 +97,19 @@ class IslandStrategy(FSDP2Strategy):
         unit_classes, reshard_after_forward, process_group_backend, tensor_parallel_size,
             expert_parallel_size: as :class:`FSDP2Strategy`; islands may parallelize differently
             (they meet in the canonical layout, whatever their DTensor placements).
+        **values: settings by name, replacing those of ``settings`` (``IslandStrategy(sync_every=100,
+            codec="int2")``); a name that is not a setting is a TypeError naming it.
     """
 
     strategy_name = "islands"
 
-    def __init__(self, sync_every: int = 50, sync_warmup: Sequence[int] | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, outer_lr_warmup: int = 0,
-                 outer_momentum_warmup: int = 0, codec: str = "fp32", block_size: int = 128,
-                 error_feedback: bool | None = None, error_feedback_decay: float = 1.0, island: int | None = None,
+    def __init__(self, settings: IslandSettings | None = None, *, island: int | None = None,
                  num_islands: int | None = None, coordinator: str | None = None, run_id: str | None = None,
-                 steps_per_round: int | None = None, lanes: int = 2, outer_device: str | None = None,
-                 weighting: str = "tokens", expert_weighting: bool = False, balance: str = "none",
-                 max_rounds: int | None = None, deadline_s: float = 3600.0,
-                 exchange_chunk_mib: float | None = 1024.0, exclude_norm_ratio: float | None = 16.0,
-                 fragments: int = 1, fragment_layout: str = "strided",
-                 overlap_steps: int = 0, overlap_alpha: float = 0.0, min_islands: int = 1,
-                 grace_s: float | None = None, secret_file: str | None = None,
-                 unit_classes: Sequence[str] | None = None,
+                 secret_file: str | None = None, unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None,
-                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> None:
-        # every argument that is a setting of the islands (the same names) goes to IslandSettings
-        self.settings = IslandSettings(**{k: v for k, v in locals().items() if k in _SETTINGS})
+                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **values: Any) -> None:
+        self.settings = IslandSettings.with_values(settings, values, "IslandStrategy")
+        deadline_s = self.settings.deadline_s
         super().__init__(
             unit_classes=unit_classes, reshard_after_forward=reshard_after_forward, save_distributed_checkpoint=True,
             process_group_backend=process_group_backend, tensor_parallel_size=tensor_parallel_size,

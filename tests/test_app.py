@@ -284,8 +284,7 @@ def test_membership_settings_and_restarts_reach_the_strategy_and_the_launcher(tm
 def test_a_members_parallelism_reaches_its_strategy_and_the_experiment_composes():
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=mixed_parallel"])
-    assert [dict(m) for m in cfg.islands.members] == [{"devices": 2, "batch_size": 16, "tensor_parallel_size": 2},
-                                                      {"devices": 1, "batch_size": 16}]
+    assert [(m.devices, m.batch_size, m.tensor_parallel_size) for m in cfg.islands.members] == [(2, 16, 2), (1, 16, 1)]
     os.environ.pop("LI_COORDINATOR", None)
     cfg.islands.members = [cfg.islands.members[0]]
     strategy = build_strategy(cfg, 0, island_member(cfg, 0))

@@ -1,4 +1,5 @@
-"""The README against the code: its key table, its two commands and the subcommands it shows.
+"""The README against the code: its two commands, the subcommands it shows and its links (the
+settings reference, docs/SETTINGS.md, is generated from the types: tests/test_settings.py).
 
 Fast (no training, no imports of the package): these read files only.
 """
@@ -10,15 +11,10 @@ import re
 import shlex
 from pathlib import Path
 
-import pytest
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-CONFIG = ROOT / "conf" / "islands" / "two_hetero.yaml"
 CI = ROOT / ".ci" / "run"
 CLI = ROOT / "lightning_islands" / "app" / "cli.py"
-WORKER = ROOT / "lightning_islands" / "app" / "worker.py"
 
 
 def _readme() -> str:
@@ -40,83 +36,6 @@ def _section(text: str, heading: str) -> str:
                 body.append(rest)
             return "\n".join(body)
     raise AssertionError(f"README.md has no section {heading!r}")
-
-
-def _cells(row: str) -> list[str]:
-    return [c.strip() for c in row.strip().strip("|").split("|")]
-
-
-def _key_table() -> dict[str, tuple[str, str]]:
-    """The README's table of ``islands.*`` keys: key -> (meaning, default), code quotes removed."""
-    body = _section(_readme(), "### Island settings")
-    rows = [line for line in body.splitlines() if line.startswith("|")]
-    assert rows, "README.md: the Island settings section has no table"
-    assert _cells(rows[0]) == ["key", "meaning", "default"], f"unexpected table header: {rows[0]}"
-    table = {}
-    for row in rows[2:]:  # header, then the |---| line
-        cells = _cells(row)
-        assert len(cells) == 3, f"a key table row without three cells: {row}"
-        key = cells[0].strip("`")
-        assert key not in table, f"key {key!r} appears twice in the README's key table"
-        table[key] = (cells[1], cells[2])
-    return table
-
-
-def _config() -> dict:
-    return yaml.safe_load(CONFIG.read_text(encoding="utf-8"))
-
-
-def _normalise(value: object) -> str:
-    """A value as the table writes it: null, true/false, else str() (so 1.0 and 1 differ)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def _member_fields() -> set[str]:
-    """The fields of an ``islands.members`` entry that the worker reads."""
-    source = WORKER.read_text(encoding="utf-8")
-    fields = set(re.findall(r"""\bmember(?:\.get\(|\[)["'](\w+)["']""", source))
-    fields |= set(re.findall(r"""["'](\w+)["'] in member\b""", source))
-    assert fields, "found no member fields in lightning_islands/app/worker.py"
-    return fields
-
-
-def test_every_config_key_is_in_the_readme_table_and_back():
-    table = {k for k in _key_table() if not k.startswith("members[")}
-    config = set(_config())
-    assert not config - table, f"islands.* keys missing from the README's key table: {sorted(config - table)}"
-    assert not table - config, f"README key table rows that are not islands.* keys: {sorted(table - config)}"
-
-
-def test_the_member_fields_in_the_readme_are_those_the_worker_reads():
-    rows = {k for k in _key_table() if k.startswith("members[")}
-    listed = set()
-    for key in rows:
-        m = re.fullmatch(r"members\[i\]\.(\w+)", key)
-        assert m, f"write member rows as members[i].FIELD, not {key!r}"
-        listed.add(m.group(1))
-    worker = _member_fields()
-    assert listed == worker, (f"README member fields {sorted(listed)} differ from those "
-                              f"lightning_islands/app/worker.py reads: {sorted(worker)}")
-
-
-@pytest.mark.parametrize("key", sorted(yaml.safe_load(CONFIG.read_text(encoding="utf-8"))))
-def test_the_readme_default_is_the_config_value(key):
-    table = _key_table()
-    assert key in table, f"islands.{key} has no row in the README's key table"
-    _, cell = table[key]
-    written = cell.strip("`")
-    value = _config()[key]
-    if isinstance(value, (list, dict)):
-        assert yaml.safe_load(written) == value, f"README default of {key}: {written}, config: {value}"
-        return
-    # YAML reads null/Null/~ as None and true/True as True; Python's None counts as null too (a bare
-    # lowercase none stays the string it is in the config, e.g. balance: none)
-    got = "null" if written == "None" else _normalise(yaml.safe_load(written))
-    assert got == _normalise(value), f"README default of islands.{key} is {written}, conf says {_normalise(value)}"
 
 
 def _code_blocks(text: str) -> list[str]:

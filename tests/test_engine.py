@@ -64,7 +64,9 @@ class Plan:
 
 def _rank_main(plan: Plan, island: int, rank: int, group: ThreadGroup, hub: Hub, resume: dict | None = None
                ) -> dict[str, Any]:
-    settings = IslandSettings(**{"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **plan.settings})
+    # fp32 unless a plan says otherwise: the reference DiLoCo below merges exact pseudo-gradients
+    settings = IslandSettings(**{"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "fp32",
+                                 **plan.settings})
     layout = CanonicalLayout(SPECS, group)
     engine = IslandEngine(settings, layout, island, len(plan.sizes), torch.device("cpu"), torch.device("cpu"))
     start = initial_flat(0 if plan.same_seed else island)

@@ -46,6 +46,7 @@ def free_island(devices: int = 1, step: float = 0.5) -> IslandSpec:
 
 def plan(islands, numel=1_000_000, bps=INF, rtt=0.0, poll=0.0, **kw) -> PlanInputs:
     kw.setdefault("exchange_chunk_mib", 0)
+    kw.setdefault("codec", "fp32")  # the closed forms below count fp32 payloads
     return PlanInputs(tuple(islands), numel=numel, link=LinkSpec(bps=bps, rtt_s=rtt, poll_s=poll,
                                                                  tcp_window_bytes=kw.pop("window", INF)), **kw)
 
@@ -296,7 +297,7 @@ def test_the_planner_imports_neither_lightning_nor_torch_distributed():
 
 # ---------------------------------------------------------------------------------------------- the CLI
 def test_cli_json_has_the_promised_keys(capsys):
-    code = cli_main(["plan", "islands.sync_every=24", "++islands.fragments=4", "++islands.overlap_steps=2",
+    code = cli_main(["plan", "islands.sync_every=24", "islands.fragments=4", "islands.overlap_steps=2",
                      "islands.balance=time", "--step-seconds", "0.3,0.6", "--link-bps", "200M", "--rtt-ms", "1",
                      "--json"])
     assert code == 0
@@ -317,8 +318,8 @@ def test_cli_table_from_flops(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["islands.sync_every=30", "++islands.fragments=4", "--step-seconds", "0.3", "--link-bps", "1G"],
-     "multiple of islands.fragments"),
+    (["islands.sync_every=30", "islands.fragments=4", "--step-seconds", "0.3", "--link-bps", "1G"],
+     "but H=30 is not; change islands.sync_every/sync_warmup or islands.fragments"),
     (["--step-seconds", "0.3", "--link-bps", "fast"], "cannot read the rate"),
     (["--link-bps", "1G", "--params", "1e6"], "give --step-seconds"),
     (["--step-seconds", "0.3,0.4,0.5", "--link-bps", "1G"], "one per island"),

@@ -104,7 +104,7 @@ def _members(job: Any, strategy: str) -> tuple[str, int | None]:
     """``"2x8+1x16"`` and the batch size per process (the only one, or None when islands differ)."""
     if strategy == "islands":
         members = list(job.islands.members)
-        sizes = [int(m.batch_size) if "batch_size" in m else int(job.data.batch_size) for m in members]
+        sizes = [int(m.get("batch_size") or job.data.batch_size) for m in members]
         text = "+".join(f"{int(m.devices)}x{b}" for m, b in zip(members, sizes))
         return text, sizes[0] if len(set(sizes)) == 1 else None
     devices = int(job.strategy.get("devices", 1) or 1)

@@ -9,17 +9,20 @@ multirun (``-m``) sweeps work: each job is one launch.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_islands.app.launch import report_failures, run_islands
 from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
 from lightning_islands.app.report import build_report
+from lightning_islands.app.settings import check_islands
 from lightning_islands.app.summary import format_summary, summarize
 
 
@@ -29,6 +32,38 @@ def config_dir() -> str:
     if (checkout / "config.yaml").exists():
         return str(checkout)
     return "pkg://lightning_islands.conf"
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created and written, or ``None`` when it can."""
+    probe = folder
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user"
+    return None
+
+
+class Preflight(Callback):
+    """Hydra callback (``hydra.callbacks.preflight``): refuse a run or sweep folder that cannot be
+    written before Hydra creates it, with the folder and the fix instead of a traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(Path(config.hydra.run.dir), "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(folder: Path, key: str) -> None:
+        why = unwritable_folder(folder.resolve())
+        if why:
+            raise SystemExit(f"lightning-islands: cannot write the run folder {folder}: {why}; write runs elsewhere "
+                             f"with {key}=PATH (or run from a folder you can write)")
 
 
 def island_plan(cfg: DictConfig) -> list[int]:
@@ -51,6 +86,11 @@ def link_spec(cfg: DictConfig) -> str | None:
 
 def drive(cfg: DictConfig) -> dict[str, Any]:
     """Run the composed job to the end; returns the summary (raises SystemExit if an island failed)."""
+    if cfg.strategy.name == "islands":  # every setting checked before anything starts
+        try:
+            check_islands(cfg.islands)
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"lightning-islands: {err}") from err
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     job = OmegaConf.to_container(cfg, resolve=True)

@@ -24,18 +24,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.launch import ENV_PROGRESS
+from lightning_islands.app.settings import engine_settings
 from lightning_islands.callbacks import RoundCheckpoint
 from lightning_islands.engine.saves import holder, round_checkpoints
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
 
-# settings that were removed, with what replaced them
-REMOVED_SETTINGS = {
-    "timeout_s": "an island without progress is given up after islands.grace_s, and every wait ends at "
-                 "islands.deadline_s",
-    "max_wait_s": "it became islands.deadline_s, the longest one round may take",
-}
 _TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
                  "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")
 
@@ -64,36 +59,16 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
         return "auto"
     if name == "ddp":
         return "ddp"
-    parallel = {"tensor_parallel_size": int(member.get("tensor_parallel_size", 1)),
-                "expert_parallel_size": int(member.get("expert_parallel_size", 1))}
+    parallel = {"tensor_parallel_size": int(member.get("tensor_parallel_size") or 1),
+                "expert_parallel_size": int(member.get("expert_parallel_size") or 1)}
     if name == "fsdp":
         return FSDP2Strategy(unit_classes=cfg.strategy.get("unit_classes"),
                              reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel)
     if name == "islands":
-        isl = cfg.islands
-        for old in REMOVED_SETTINGS:
-            if old in isl:
-                raise ValueError(f"islands.{old} is no longer a setting: {REMOVED_SETTINGS[old]}; remove it from "
-                                 "your islands config (or the command line)")
-        return IslandStrategy(
-            sync_every=isl.sync_every, sync_warmup=isl.get("sync_warmup"),
-            outer_lr=isl.outer_lr, outer_momentum=isl.outer_momentum,
-            nesterov=isl.nesterov, outer_lr_warmup=int(isl.get("outer_lr_warmup", 0)),
-            outer_momentum_warmup=int(isl.get("outer_momentum_warmup", 0)), codec=isl.codec, block_size=isl.block_size,
-            error_feedback=isl.error_feedback,
-            error_feedback_decay=float(isl.get("error_feedback_decay", 1.0)), lanes=isl.lanes, weighting=isl.weighting,
-            outer_device=isl.outer_device, deadline_s=float(isl.get("deadline_s", 3600.0)),
-            exchange_chunk_mib=isl.get("exchange_chunk_mib", 1024),
-            expert_weighting=bool(isl.get("expert_weighting", False)), balance=isl.get("balance", "none"),
-            max_rounds=isl.get("max_rounds"), exclude_norm_ratio=isl.get("exclude_norm_ratio", 16.0),
-            fragments=int(isl.get("fragments", 1)),
-            fragment_layout=isl.get("fragment_layout", "strided"), overlap_steps=int(isl.get("overlap_steps", 0)),
-            overlap_alpha=float(isl.get("overlap_alpha", 0.0)), secret_file=isl.get("secret_file"),
-            min_islands=int(isl.get("min_islands", 1)), grace_s=isl.get("grace_s"),
-            steps_per_round=member.get("steps_per_round"),
-            unit_classes=cfg.strategy.get("unit_classes"),
-            reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel,
-        )
+        settings = engine_settings(cfg.islands, steps_per_round=member.get("steps_per_round"))
+        return IslandStrategy(settings, secret_file=cfg.islands.get("secret_file"),
+                              unit_classes=cfg.strategy.get("unit_classes"),
+                              reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel)
     raise ValueError(f"unknown strategy {name!r}; choose single, ddp, fsdp or islands")
 
 
@@ -218,13 +193,13 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if island:
         pl.seed_everything(int(cfg.seed) + island, workers=True, verbose=False)
     data_kwargs: dict[str, Any] = {}
-    if "batch_size" in member:
+    if member.get("batch_size") is not None:
         data_kwargs["batch_size"] = member["batch_size"]
     datamodule = instantiate(cfg.data, **data_kwargs)
     strategy = build_strategy(cfg, island, member)
     t = cfg.trainer
     trainer_kwargs = {k: t[k] for k in _TRAINER_KEYS if k in t and t[k] is not None}
-    if "precision" in member:
+    if member.get("precision") is not None:
         trainer_kwargs["precision"] = member["precision"]
     ckpt_dir = run_dir / f"island{island}" / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -27,143 +28,201 @@ def sync_warmup_list(value: Any) -> list[int]:
     return [int(h) for h in value]
 
 
+_KINDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _conforms(value: Any, kind: Any) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_types(obj: Any, prefix: str) -> None:
+    """A ValueError naming the first field of the dataclass ``obj`` whose value is not of its declared
+    type (ints stay ints: ``2.5`` for an int is refused, not cut to 2); ints given for floats become
+    floats. Lists are checked by their own validators."""
+    hints = get_type_hints(type(obj))
+    for f in fields(obj):
+        value, hint = getattr(obj, f.name), hints[f.name]
+        args = [a for a in get_args(hint) if a is not type(None)]
+        optional = type(None) in get_args(hint)
+        kind = args[0] if optional and len(args) == 1 else hint
+        if (value is None and optional) or get_origin(kind) is list or kind is Any:
+            continue
+        if kind in _KINDS and not _conforms(value, kind):
+            null = " or null" if optional else ""
+            raise ValueError(f"{f.name} must be {_KINDS[kind]}{null} ({prefix}.{f.name}), got {value!r}")
+        if kind is float:
+            setattr(obj, f.name, float(value))
+
+
+def setting(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A settings field with its default and its help (the one place both live; the reference in
+    docs/SETTINGS.md is generated from them)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class IslandSettings:
-    """How the islands train together. Validated on construction: a bad value raises a ValueError
-    that names it and the fix. Everything that must agree between islands enters :meth:`fingerprint`.
+    """How the islands train together: every engine setting, its default, its check and its help
+    (``IslandSettings.help(name)``; all of them in docs/SETTINGS.md). Validated on construction: a
+    bad value raises a ValueError that names it and the fix. Everything that must agree between
+    islands enters :meth:`fingerprint`.
 
-    Args:
-        sync_every: inner steps per round (H).
-        sync_warmup: H of the first rounds, one entry per round, before ``sync_every`` applies
-            (e.g. ``[10, 20, 40]``: sync often while the islands' models still diverge quickly, then
-            rarely). An island with a fixed ``steps_per_round`` scales it by ``H_round / sync_every``.
-        outer_lr, outer_momentum, nesterov: the outer SGD (lr 1, momentum 0: plain averaging).
-        outer_lr_warmup, outer_momentum_warmup: rounds over which the outer learning rate and the
-            outer momentum rise linearly to ``outer_lr`` and ``outer_momentum`` (round ``r`` of
-            ``W`` uses ``r / W`` of each; 0: no warm-up). Each round logs the values it used.
-        codec: wire format of pseudo-gradients (``fp32``, ``bf16``, ``fp8``, ``int8``, ``int4``,
-            ``int2``, ``sign``, ``topk:F`` or ``topk:F+int4``); ``block_size`` its block.
-        error_feedback: keep what quantization dropped for the next round; ``None`` = on for 4
-            bits and below.
-        error_feedback_decay: the share of the residual a round carries into the next: each round
-            sends ``pseudo_gradient + decay * residual`` (1: all of it, plain error feedback; 0: none,
-            the same as no error feedback). Below 1, what a codec held back for many rounds fades
-            instead of arriving late, after the model has moved on. Needs error feedback on.
-        steps_per_round: inner steps this island runs per round (defaults to ``sync_every``; a
-            slower island may run fewer, the merge stays token-weighted).
-        lanes: parallel TCP streams between islands.
-        outer_device: where anchors, outer momentum, the error-feedback residual (each rank its
-            shards of all three) and the leader's round exchange (encoding, decoding, merging) live:
-            ``"cpu"`` offloads them. ``None``: all on the training device (on a GPU the exchange
-            runs the codecs' Triton kernels there, a chunk at a time).
-        weighting: ``"tokens"`` (merge weighted by tokens processed) or ``"equal"``.
-        expert_weighting: weight each expert's pseudo-gradient by the tokens each island routed to
-            that expert in the round (the module must implement ``island_token_counts()`` and
-            ``reset_island_token_counts()``, as the provided MoE does).
-        balance: ``"none"`` (every island runs ``steps_per_round``) or ``"time"``: after each round
-            the islands agree on a wall-clock budget (H times the slowest island's step time) and
-            each runs the inner steps that fit, so a fast island does not wait idle.
-        max_rounds: stop training after this many outer rounds (needed with ``balance="time"``,
-            where islands run different numbers of steps; set the Trainer's ``max_steps`` high).
-        deadline_s: the longest one round may take on an island, from its first meeting of the
-            round until the round counts, all attempts included (it replaces ``max_wait_s``,
-            ``timeout_s`` and the fixed count of attempts); also the longest the start waits for an
-            island that has not arrived, and the bound of a transfer nothing abandons first. Past
-            it the run ends with an error that names the islands waited for. The island's own
-            process group (its ranks other than the leader wait in it meanwhile) gets a timeout of
-            at least twice this.
-        fragments: split the parameters into this many fragments (whole blocks each, see
-            :mod:`~lightning_islands.engine.fragments`); a round syncs one of them, every ``H / F``
-            inner steps, in turn, so each fragment still syncs every H steps while the bytes of
-            one sync, and the peak bandwidth, drop about F times (Streaming DiLoCo). H must be a
-            multiple of F. Outer momentum and its step count, error feedback and payloads are
-            per fragment.
-        fragment_layout: ``"strided"`` (fragment f holds blocks f, f + F, ...) or ``"sequential"``.
-        overlap_steps: tau; a round's exchange runs in the background while the island takes this
-            many more inner steps, then the outer step lands (0: the island waits for it). At most
-            one fragment is in flight: tau < H / F (a round that comes sooner, under time
-            balancing, lands the one in flight first). The last round never overlaps.
-        overlap_alpha: with overlap, the fragment's local parameters become
-            ``global + alpha * (local - global)`` when its outer step lands: 0 takes the new global
-            parameters (the steps taken meanwhile are dropped for the fragment), 1 keeps local.
-        exclude_norm_ratio: a round merges without an island whose pseudo-gradient is not finite, or
-            whose norm is more than this many times the (lower) median of the islands' norms (0 or
-            ``None``: only non-finite ones); that island adopts the merged result.
-        min_islands: the fewest islands a round may go on with. A round proceeds with the islands
-            that arrive; one that died (silent for ``grace_s``) is left out, the others' merge
-            weights renormalized over those present, and it is taken back when it restarts (it
-            rejoins). Fewer islands alive than this ends the run with an error naming them.
-        grace_s: how long an island may make no progress (no step, no validation batch, no
-            checkpoint write, no wait or transfer within its deadline) before the others give it up
-            and go on without it: a deadlocked, stopped or cut-off island alike. ``None``: the
-            expected length of a round (this island's last one), at least 10 s. Until an island's
-            first round counts (start-up, compilation) it counts as alive while its process runs.
-            It must exceed the longest step.
-        exchange_chunk_mib: the round exchanges the flat pseudo-gradient in chunks of this many MiB
-            of fp32 (rounded down to whole codec blocks and packing groups), one after another:
-            gathered to the leader, compensated, encoded, exchanged, decoded, merged and scattered
-            back, so the leader holds one chunk's copies at a time (the error-feedback residual stays
-            sharded like the anchors: each rank adds its shards before the gather and gets its
-            shards of the new residual back). ``None`` or 0: one chunk. Top-k keeps its fraction
-            of each chunk. Part of the fingerprint.
+    The defaults are DiLoCo's outer step (SGD with Nesterov momentum 0.9, lr 0.7) and the codec the
+    default job measured best here: int4 with error feedback (docs/BENCHMARKS.md).
     """
 
-    sync_every: int = 50
-    sync_warmup: Sequence[int] | None = None
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    outer_lr_warmup: int = 0
-    outer_momentum_warmup: int = 0
-    codec: str = "fp32"
-    block_size: int = 128
-    error_feedback: bool | None = None
-    error_feedback_decay: float = 1.0
-    steps_per_round: int | None = None
-    lanes: int = 2
-    outer_device: str | None = None
-    weighting: str = "tokens"
-    expert_weighting: bool = False
-    balance: str = "none"
-    max_rounds: int | None = None
-    deadline_s: float = 3600.0
-    exchange_chunk_mib: float | None = 1024.0
-    exclude_norm_ratio: float | None = 16.0
-    fragments: int = 1
-    fragment_layout: str = "strided"
-    overlap_steps: int = 0
-    overlap_alpha: float = 0.0
-    min_islands: int = 1
-    grace_s: float | None = None
-    # derived, set by __post_init__
-    use_error_feedback: bool = field(init=False)
-    exchange_chunk: int | None = field(init=False)
+    sync_every: int = setting(50, "Inner steps per round (H).")
+    sync_warmup: list[int] | None = setting(
+        None, "H of the first rounds, one entry per round, before `sync_every` applies (e.g. `[10, 20, 40]`: sync "
+              "often while the islands' models still diverge quickly, then rarely). An island with a fixed "
+              "`steps_per_round` scales it by `H_round / sync_every`.")
+    outer_lr: float = setting(0.7, "Learning rate of the outer SGD (lr 1 with momentum 0: plain averaging).")
+    outer_momentum: float = setting(0.9, "Momentum of the outer SGD (0: none).")
+    nesterov: bool = setting(True, "Nesterov momentum in the outer SGD (needs `outer_momentum` > 0).")
+    outer_lr_warmup: int = setting(
+        0, "Rounds over which the outer learning rate rises linearly to `outer_lr` (round r of W uses r / W of it; "
+           "0: no warm-up). Each round logs the value it used.")
+    outer_momentum_warmup: int = setting(
+        0, "Rounds over which the outer momentum rises linearly to `outer_momentum` (0: no warm-up).")
+    codec: str = setting(
+        "int4", "Wire format of pseudo-gradients: `fp32`, `bf16`, `fp8`, `int8`, `int4`, `int2`, `sign`, `topk:F` "
+                "or `topk:F+int4` (F: the fraction kept).")
+    block_size: int = setting(128, "Values per codec block (one scale each).")
+    error_feedback: bool | None = setting(
+        None, "Keep what quantization dropped and send it the next round; null: on for 4 bits and below.")
+    error_feedback_decay: float = setting(
+        1.0, "Share of the residual a round carries into the next: each round sends `pseudo_gradient + decay * "
+             "residual` (1: plain error feedback; 0: none). Below 1, what a codec held back for many rounds fades "
+             "instead of arriving after the model moved on. Needs error feedback on.")
+    steps_per_round: int | None = setting(
+        None, "Inner steps this island runs per round (null: `sync_every`); a slower island may run fewer, the "
+              "merge stays token-weighted. Per island in the app: `members[i].steps_per_round`.")
+    lanes: int = setting(2, "Parallel TCP streams between islands.")
+    outer_device: str | None = setting(
+        None, "Where anchors, outer momentum, the error-feedback residual (each rank its shards) and the leader's "
+              "round exchange (encode, decode, merge) live: `cpu` offloads them; null: the training device (on a GPU "
+              "the codecs' Triton kernels run there, a chunk at a time).")
+    weighting: str = setting("tokens", "Merge weights: `tokens` (tokens processed in the round) or `equal`.")
+    expert_weighting: bool = setting(
+        False, "Weight each expert's pseudo-gradient by the tokens each island routed to it in the round (the "
+               "module implements `island_token_counts()` and `reset_island_token_counts()`, as the provided MoE "
+               "does).")
+    balance: str = setting(
+        "none", "`none` (every island runs `steps_per_round`) or `time`: after each round the islands agree on a "
+                "wall-clock budget (H times the slowest island's step time) and each runs the inner steps that "
+                "fit, so a fast island does not wait idle.")
+    max_rounds: int | None = setting(
+        None, "Stop after this many outer rounds (needed with `balance=time`, where islands run different numbers "
+              "of steps; raise the Trainer's `max_steps`).")
+    deadline_s: float = setting(
+        3600.0, "The longest one round may take on an island, from its first meeting until the round counts, all "
+                "attempts included; also the longest the start waits for an island, and the bound of a transfer "
+                "nothing abandons first. Past it the run ends naming the islands waited for. The island's own "
+                "process group gets a timeout of at least twice this.")
+    exchange_chunk_mib: float | None = setting(
+        1024.0, "Exchange the flat pseudo-gradient in chunks of this many MiB of fp32 (whole codec blocks), one "
+                "after another, so the leader holds one chunk's copies at a time; null or 0: one chunk. Top-k keeps "
+                "its fraction of each chunk.")
+    exclude_norm_ratio: float | None = setting(
+        16.0, "A round merges without an island whose pseudo-gradient is not finite or whose norm exceeds this "
+              "many times the (lower) median of the islands' norms (0 or null: only non-finite ones); that island "
+              "adopts the merged result.")
+    fragments: int = setting(
+        1, "Streaming DiLoCo: split the parameters into this many fragments of whole blocks; a round syncs one, "
+           "every H / F inner steps in turn, so each still syncs every H steps while the bytes of one sync (and "
+           "the peak bandwidth) drop about F times. H must be a multiple of F.")
+    fragment_layout: str = setting("strided", "`strided` (fragment f: blocks f, f + F, ...) or `sequential`.")
+    overlap_steps: int = setting(
+        0, "tau: a round's exchange runs in the background while the island takes this many more inner steps, "
+           "then the outer step lands (0: wait for it). One fragment in flight: tau < H / F. The last round never "
+           "overlaps.")
+    overlap_alpha: float = setting(
+        0.0, "With overlap, a fragment's local parameters become `global + alpha * (local - global)` when its outer "
+             "step lands (0: the new global parameters; 1: keep local).")
+    min_islands: int = setting(
+        1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
+           "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "
+           "the run naming them.")
+    grace_s: float | None = setting(
+        None, "How long an island may make no progress (no step, validation batch, checkpoint write, or wait or "
+              "transfer within its deadline) before the others go on without it; null: this island's last round "
+              "length, at least 10 s. It must exceed the longest step.")
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The help text of the setting ``name``."""
+        return {f.name: f.metadata["help"] for f in fields(cls)}[name]
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every setting's name, in declaration order."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def with_values(cls, base: IslandSettings | None, values: Mapping[str, Any], where: str) -> IslandSettings:
+        """``base`` (or the defaults) with ``values`` replaced; an unknown name is a TypeError that names
+        it, the closest setting and where the settings are listed."""
+        unknown = sorted(set(values) - set(cls.names()))
+        if unknown:
+            close = {name: difflib.get_close_matches(name, cls.names(), 1) for name in unknown}
+            hints = [f"{name!r} (did you mean {close[name][0]!r}?)" if close[name] else repr(name) for name in unknown]
+            raise TypeError(f"{where} got unknown setting(s) {', '.join(hints)}; the settings are the fields of "
+                            "IslandSettings (docs/SETTINGS.md); the launcher's (link, members, max_restarts) are "
+                            "options of `lightning-islands run` and keys of the Hydra app's islands group")
+        return replace(base, **values) if base is not None else cls(**values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], steps_per_round: int | None = None) -> IslandSettings:
+        """The settings among ``values`` (a job's ``islands`` group: other keys, the launcher's, are
+        ignored); ``steps_per_round`` (one island's) replaces the group's own."""
+        names = cls.names()
+        chosen = {k: v for k, v in values.items() if k in names}
+        if steps_per_round is not None:
+            chosen["steps_per_round"] = steps_per_round
+        return cls(**chosen)
+
+    @property
+    def use_error_feedback(self) -> bool:
+        """Whether the error-feedback residual is kept (``error_feedback``, or the codec's default)."""
+        return default_error_feedback(self.codec) if self.error_feedback is None else bool(self.error_feedback)
+
+    @property
+    def exchange_chunk(self) -> int | None:
+        """Values per exchange chunk: whole codec blocks and packing groups (``None``: one chunk)."""
+        return outer.exchange_chunk_numel(self.exchange_chunk_mib, self.make_codec().alignment)
 
     def __post_init__(self) -> None:
+        check_types(self, "islands")
+        self.sync_warmup = sync_warmup_list(self.sync_warmup)
         if not self.deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0 (islands.deadline_s), got {self.deadline_s!r}")
-        if isinstance(self.min_islands, bool) or not isinstance(self.min_islands, int) or self.min_islands < 1:
+        if self.min_islands < 1:
             raise ValueError(f"min_islands must be an int >= 1 (islands.min_islands), got {self.min_islands!r}")
         if self.grace_s is not None and not self.grace_s > 0:
             raise ValueError(f"grace_s must be > 0 or null (the expected round length), got {self.grace_s!r}")
         if self.sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
-        self.sync_warmup = sync_warmup_list(self.sync_warmup)
         if self.weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {self.weighting!r}")
         if self.balance not in ("none", "time"):
             raise ValueError(f"balance must be 'none' or 'time', got {self.balance!r}")
         if self.max_rounds is not None and self.max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
+        if self.steps_per_round is not None and self.steps_per_round < 1:
+            raise ValueError(f"steps_per_round must be >= 1 or null (sync_every), got {self.steps_per_round}")
         self._check_streaming()
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         self.outer_optimizer()  # validates the outer step's settings
-        codec = self.make_codec()
-        # whole blocks and packing groups per chunk: a chunked round sends the values one chunk would
-        self.exchange_chunk = outer.exchange_chunk_numel(self.exchange_chunk_mib, codec.alignment)
-        self.use_error_feedback = (default_error_feedback(self.codec) if self.error_feedback is None
-                                   else bool(self.error_feedback))
+        self.exchange_chunk  # noqa: B018  (validates exchange_chunk_mib against the codec's blocks)
         self.error_feedback_decay = check_decay(self.error_feedback_decay,
                                                 "error_feedback_decay (islands.error_feedback_decay)")
         if self.error_feedback_decay != 1.0 and not self.use_error_feedback:
@@ -175,7 +234,7 @@ class IslandSettings:
     def _check_streaming(self) -> None:
         """Fragments and overlap: whole steps per fragment, one fragment in flight."""
         f, tau = self.fragments, self.overlap_steps
-        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+        if f < 1:
             raise ValueError(f"fragments must be an int >= 1 (islands.fragments), got {f!r}")
         if self.fragment_layout not in LAYOUTS:
             raise ValueError(f"fragment_layout must be one of {LAYOUTS} (islands.fragment_layout), "
@@ -185,7 +244,7 @@ class IslandSettings:
             raise ValueError(f"with {f} fragments every H must be a multiple of {f} (a fragment syncs every H / F "
                              f"steps), but H={uneven[0]} is not; change islands.sync_every/sync_warmup or "
                              "islands.fragments")
-        if isinstance(tau, bool) or not isinstance(tau, int) or not 0 <= tau < self.sync_every // f:
+        if not 0 <= tau < self.sync_every // f:
             raise ValueError(f"overlap_steps must be an int in [0, H / F = {self.sync_every // f}) (one fragment in "
                              f"flight at a time, landed before the next one's sync), got {tau!r}; lower "
                              "islands.overlap_steps or raise sync_every")

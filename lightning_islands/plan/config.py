@@ -3,9 +3,9 @@
 :func:`inputs_from_islands` reads the same keys training does: ``sync_every``, ``fragments``,
 ``fragment_layout``, ``overlap_steps``, ``codec``, ``block_size``, ``error_feedback``, ``lanes``,
 ``balance``, ``exchange_chunk_mib``, ``sync_warmup`` and ``members[i].devices`` /
-``members[i].steps_per_round``; keys a config does not have yet take the engine's defaults (one
-fragment, no overlap). :func:`prediction_for` is the one call a validation needs: the settings of a
-measured run in, the prediction out.
+``members[i].steps_per_round``, through :class:`~lightning_islands.engine.IslandSettings` (its
+defaults for keys a config does not have, its checks). :func:`prediction_for` is the one call a
+validation needs: the settings of a measured run in, the prediction out.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_islands.engine.settings import IslandSettings
 from lightning_islands.plan.fragments import fragment_sizes
 from lightning_islands.plan.hardware import ACCELERATORS
 from lightning_islands.plan.inputs import LinkSpec, PlanInputs, island_specs
@@ -58,32 +61,30 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
                          per_island(intra_bytes_per_s, n, "intra-island bandwidth"),
                          per_island(leader_bytes_per_s, n, "leader codec throughput"),
                          [None if f is None else int(f) for f in fixed])
-    warmup = islands.get("sync_warmup") or ()
-    fragments = int(islands.get("fragments", 1) or 1)
+    plain = OmegaConf.to_container(islands, resolve=True) if isinstance(islands, DictConfig) else dict(islands)
+    settings = IslandSettings.from_mapping(plain)  # the engine's defaults and checks, as training reads them
     sizes = None
     if block_sizes is not None:
         rest = int(numel) - sum(int(b) for b in block_sizes)
         if rest < 0:
             raise ValueError(f"the blocks hold {sum(block_sizes)} values, more than numel={numel}")
-        sizes = fragment_sizes([int(b) for b in block_sizes], fragments,
-                               str(islands.get("fragment_layout", "strided")), rest=rest)
-    error_feedback = islands.get("error_feedback")
+        sizes = fragment_sizes([int(b) for b in block_sizes], settings.fragments, settings.fragment_layout, rest=rest)
     return PlanInputs(
         islands=specs,
         numel=int(numel),
         link=link,
-        sync_every=int(islands.get("sync_every", 50)),
-        fragments=fragments,
-        overlap_steps=int(islands.get("overlap_steps", 0) or 0),
-        codec=str(islands.get("codec", "fp32")),
-        block_size=int(islands.get("block_size", 128)),
-        error_feedback=None if error_feedback is None else bool(error_feedback),
-        lanes=int(islands.get("lanes", 2)),
-        balance=str(islands.get("balance", "none")),
-        exchange_chunk_mib=islands.get("exchange_chunk_mib", 1024.0),
+        sync_every=settings.sync_every,
+        fragments=settings.fragments,
+        overlap_steps=settings.overlap_steps,
+        codec=settings.codec,
+        block_size=settings.block_size,
+        error_feedback=settings.error_feedback,
+        lanes=settings.lanes,
+        balance=settings.balance,
+        exchange_chunk_mib=settings.exchange_chunk_mib,
         fragment_sizes=sizes,
         rounds=rounds,
-        sync_warmup=tuple(int(h) for h in warmup),
+        sync_warmup=tuple(settings.sync_warmup or ()),
         exchange_path=exchange_path,
     )
 

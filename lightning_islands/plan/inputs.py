@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lightning_islands.codecs import Codec, default_error_feedback, make_codec
+from lightning_islands.engine.settings import IslandSettings
+
+_ENGINE = IslandSettings()  # the engine's defaults: a plan of a config assumes what training does
 
 # Linux's defaults: net.ipv4.tcp_rmem max 6 MiB, tcp_wmem max 4 MiB; about half of a socket buffer
 # holds data (the rest is bookkeeping), so a stream keeps about 2 MiB in flight.
@@ -162,15 +165,15 @@ class PlanInputs:
     islands: tuple[IslandSpec, ...]
     numel: int
     link: LinkSpec
-    sync_every: int = 50
-    fragments: int = 1
-    overlap_steps: int = 0
-    codec: str = "fp32"
-    block_size: int = 128
-    error_feedback: bool | None = None
-    lanes: int = 2
-    balance: str = "none"
-    exchange_chunk_mib: float | None = 1024.0
+    sync_every: int = _ENGINE.sync_every
+    fragments: int = _ENGINE.fragments
+    overlap_steps: int = _ENGINE.overlap_steps
+    codec: str = _ENGINE.codec
+    block_size: int = _ENGINE.block_size
+    error_feedback: bool | None = _ENGINE.error_feedback
+    lanes: int = _ENGINE.lanes
+    balance: str = _ENGINE.balance
+    exchange_chunk_mib: float | None = _ENGINE.exchange_chunk_mib
     fragment_sizes: tuple[int, ...] | None = None
     rounds: int | None = None
     sync_warmup: tuple[int, ...] = ()
