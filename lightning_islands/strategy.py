@@ -297,11 +297,15 @@ class IslandStrategy(FSDP2Strategy):
         return summed
 
     def _log(self, metrics: dict[str, float]) -> None:
+        """The round's ``islands/*`` metrics to the loggers (rank 0) and to ``trainer.callback_metrics``
+        (every rank), where callbacks such as ``ModelCheckpoint(monitor=...)`` read them."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not self.global_rank == 0:
+        if trainer is None:
             return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        trainer.callback_metrics.update({k: torch.tensor(float(v)) for k, v in metrics.items()})
+        if self.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def _publish_status(self) -> None:
         link = self.engine.link if self.engine else None

@@ -15,8 +15,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from lightning_islands.app.components import build_loggers
 from lightning_islands.app.train import config_dir, island_plan
-from lightning_islands.app.worker import build_loggers, build_strategy, island_member
+from lightning_islands.app.worker import build_strategy, island_member
 
 CONF = Path(config_dir())
 GROUPS = ["model", "data", "strategy", "islands", "trainer", "logger", "experiment"]
@@ -118,12 +119,17 @@ def fsdp_then_islands(tmp_path_factory, app_env):
     out = train([*fsdp, "trainer.max_steps=16"], cwd, app_env)
     ckpt = run_dir_of(out) / "island0" / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir(), out[-3000:]
+    # a callback and a Trainer keyword from the command line; the callback (tests/scripts) records
+    # the islands/* metrics it saw in trainer.callback_metrics
+    seen = "+callbacks.seen={_target_:round_metrics.RoundMetricsSeen,path:'${li:run_dir}/seen${li:island}.json'}"
+    scripts = str(Path(__file__).parent / "scripts")
+    env = {**app_env, "PYTHONPATH": os.pathsep.join(p for p in (scripts, app_env.get("PYTHONPATH")) if p)}
     outs = train_together({  # each in a folder of its own: runs started in the same second share a name
         "resumed": ([*fsdp, "trainer.max_steps=20", f"resume={ckpt}"], tmp_path_factory.mktemp("resumed")),
         "islands": ([*TINY_MODEL, *TINY_DATA, "trainer.max_steps=22", "trainer.val_check_interval=6",
-                     "trainer.checkpoint_every_n_steps=6", "islands.sync_every=3", f"resume={ckpt}"],
-                    tmp_path_factory.mktemp("islands")),
-    }, app_env)
+                     "trainer.checkpoint_every_n_steps=6", "islands.sync_every=3", f"resume={ckpt}", seen,
+                     "+trainer.num_sanity_val_steps=0"], tmp_path_factory.mktemp("islands")),
+    }, env)
     return {name: (text, run_dir_of(text)) for name, text in {"fsdp": out, **outs}.items()}
 
 
@@ -167,6 +173,9 @@ def test_main_job_runs_and_prints_its_summary(fsdp_then_islands):
     for island in (0, 1):  # the last round at the end of the fit: what resume=RUN_FOLDER finds
         assert sorted(p.name for p in (run / f"island{island}" / "checkpoints").glob("round*")) == ["round000002.ckpt"]
     assert (run / "logs" / "island1" / "metrics.csv").is_file()
+    for island in (0, 1):  # a callback from the command line saw the last round's metrics
+        seen = _json(run / f"seen{island}.json")
+        assert seen["islands/round"] == 2.0 and seen["islands/round_tokens"] > 0
 
 
 @pytest.mark.slow
@@ -255,6 +264,19 @@ def test_tensorboard_logger_writes_events_in_the_run_folder(tmp_path):
     logger.log_metrics({"train/loss": 1.0}, step=0)
     logger.finalize("success")
     assert list((tmp_path / "tb" / "island1").glob("events.out.tfevents.*"))
+
+
+def test_wandb_groups_a_launch_and_names_each_island_a_job_type_beside_other_loggers(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["logger=[csv,wandb]", "experiment.name=exp"])
+    launch = tmp_path / "2026-12-06_07-00-00"
+    csv_logger, wandb_logger = build_loggers(cfg, launch, 1)
+    assert Path(csv_logger.log_dir) == launch / "logs" / "island1"
+    init = wandb_logger._wandb_init
+    assert (init["group"], init["job_type"], init["name"]) == ("exp-2026-12-06_07-00-00", "island1", "exp-island1")
+    assert init["config"]["islands"]["codec"] == "int4", "the whole job is the W&B run's config"
+    assert isinstance(init["config"]["model"], dict), "as data: nothing in it is instantiated"
 
 
 def test_membership_settings_and_restarts_reach_the_strategy_and_the_launcher(tmp_path, monkeypatch):

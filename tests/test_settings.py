@@ -98,6 +98,10 @@ def test_values_of_the_wrong_type_are_refused_not_coerced(values, message):
     (["islands.codec=int3"], "int3"),
     (["islands.max_restarts=-1"], "max_restarts must be an int >= 0 (islands.max_restarts), got -1"),
     (["hydra.run.dir={tmp}/a_file/run"], "cannot write the run folder {tmp}/a_file/run: {tmp}/a_file is a file"),
+    (["+trainer.max_step=5"], "trainer.max_step is not a keyword of lightning.pytorch.Trainer"),
+    (["+trainer.devices=4"], "trainer.devices is set by the app; use islands.members[i].devices"),
+    (["+callbacks.lr=1"], "callbacks.lr has no _target_"),
+    (["strategy=centralized", "strategy.devices=3"], "32 windows a step, which 3 data-parallel processes cannot"),
 ])
 def test_bad_settings_end_the_app_before_any_island_starts(overrides, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("")

@@ -19,6 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from lightning_islands.app import placeholders
+from lightning_islands.app.components import centralized_batch, check_job
 from lightning_islands.app.launch import report_failures, run_islands
 from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
 from lightning_islands.app.report import build_report
@@ -86,15 +88,20 @@ def link_spec(cfg: DictConfig) -> str | None:
 
 def drive(cfg: DictConfig) -> dict[str, Any]:
     """Run the composed job to the end; returns the summary (raises SystemExit if an island failed)."""
-    if cfg.strategy.name == "islands":  # every setting checked before anything starts
-        try:
+    try:  # every setting checked before anything starts
+        if cfg.strategy.name == "islands":
             check_islands(cfg.islands)
-        except (TypeError, ValueError) as err:
-            raise SystemExit(f"lightning-islands: {err}") from err
+        check_job(cfg)
+        batch = centralized_batch(cfg) if cfg.strategy.get("match_islands") else None
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"lightning-islands: {err}") from err
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    placeholders.clear()  # ${li:...} stays for each island's process to fill
     job = OmegaConf.to_container(cfg, resolve=True)
     job["run_dir"] = str(run_dir)  # type: ignore[index]
+    if batch is not None:  # the centralized baseline at the islands' windows per step
+        job["data"]["batch_size"] = batch  # type: ignore[index]
     job_path = run_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(job), job_path)
     plan = island_plan(cfg)

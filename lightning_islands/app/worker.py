@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_islands.app.components import build_callbacks, build_loggers, trainer_options
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.app.settings import engine_settings
 from lightning_islands.callbacks import RoundCheckpoint
@@ -30,9 +31,6 @@ from lightning_islands.engine.saves import holder, round_checkpoints
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
 from lightning_islands.link.coordinator import ENV_ISLAND, ENV_NUM_ISLANDS, restart_count
 from lightning_islands.strategy import IslandStrategy
-
-_TRAINER_KEYS = ("accelerator", "precision", "max_steps", "val_check_interval", "limit_val_batches",
-                 "log_every_n_steps", "gradient_clip_val", "accumulate_grad_batches")
 
 
 def island_identity() -> tuple[int, int]:
@@ -70,31 +68,6 @@ def build_strategy(cfg: DictConfig, island: int, member: dict[str, Any]) -> Any:
                               unit_classes=cfg.strategy.get("unit_classes"),
                               reshard_after_forward=cfg.strategy.get("reshard_after_forward", True), **parallel)
     raise ValueError(f"unknown strategy {name!r}; choose single, ddp, fsdp or islands")
-
-
-def build_loggers(cfg: DictConfig, run_dir: Path, island: int) -> list:
-    """One logger run per island, named after the experiment (W&B: grouped by experiment)."""
-    kind = cfg.logger.kind
-    version = f"island{island}"
-    if kind == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        return [CSVLogger(save_dir=str(run_dir), name="logs", version=version)]
-    if kind == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        return [TensorBoardLogger(save_dir=str(run_dir), name="tb", version=version)]
-    if kind == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        if cfg.logger.get("offline", True):
-            os.environ.setdefault("WANDB_MODE", "offline")
-        return [WandbLogger(project=cfg.logger.project, name=f"{cfg.experiment.name}-{version}",
-                            group=cfg.experiment.name, save_dir=str(run_dir), offline=cfg.logger.get("offline", True),
-                            config=OmegaConf.to_container(cfg, resolve=True))]
-    if kind == "none":
-        return []
-    raise ValueError(f"unknown logger kind {kind!r}; choose csv, tensorboard, wandb or none")
 
 
 def resume_path(resume: Any, island: int, num_islands: int, strategy: str) -> str | None:
@@ -198,7 +171,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(cfg.data, **data_kwargs)
     strategy = build_strategy(cfg, island, member)
     t = cfg.trainer
-    trainer_kwargs = {k: t[k] for k in _TRAINER_KEYS if k in t and t[k] is not None}
+    trainer_kwargs = trainer_options(t)
     if member.get("precision") is not None:
         trainer_kwargs["precision"] = member["precision"]
     ckpt_dir = run_dir / f"island{island}" / "checkpoints"
@@ -212,13 +185,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                          keep=int(t.get("keep_round_checkpoints", 2))))
     if member.get("step_delay_s"):
         callbacks.append(StepDelay(float(member["step_delay_s"])))
-    progress = os.environ.get(ENV_PROGRESS, "1") != "0"
-    trainer = pl.Trainer(
-        devices=int(member.get("devices", 1)), num_nodes=1, strategy=strategy,
-        logger=build_loggers(cfg, run_dir, island) or False, callbacks=callbacks,
-        use_distributed_sampler=False, enable_progress_bar=progress, enable_model_summary=False,
-        **trainer_kwargs,
-    )
+    loggers = build_loggers(cfg, run_dir, island)
+    callbacks.extend(build_callbacks(cfg))
+    trainer_kwargs.setdefault("enable_progress_bar", os.environ.get(ENV_PROGRESS, "1") != "0")
+    trainer_kwargs.setdefault("enable_model_summary", False)
+    trainer = pl.Trainer(devices=int(member.get("devices", 1)), num_nodes=1, strategy=strategy,
+                         logger=loggers or False, callbacks=callbacks, use_distributed_sampler=False, **trainer_kwargs)
     ckpt_path = restart_checkpoint(ckpt_dir) or resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
     # Lightning's own DDP leaves a gloo world to interpreter finalization, where its worker threads
     # can abort the process after a successful run; our strategies register this themselves.
