@@ -147,3 +147,16 @@ def test_the_readme_links_to_sections_that_exist():
         path = ROOT / target if target else README
         assert path.exists(), f"README links to {target}, which does not exist"
         assert anchor in anchors(path), f"README links to {target or 'README.md'}#{anchor}, no such heading"
+
+
+def test_every_islands_metric_the_code_logs_is_in_the_metrics_reference():
+    source = "\n".join(p.read_text() for p in (ROOT / "lightning_islands").rglob("*.py"))
+    logged = set(re.findall(r'"(islands/[a-z_0-9]+)"', source))
+    link_totals = re.search(r"LINK_TOTALS = \(([^)]*)\)", source)
+    assert link_totals, "LINK_TOTALS moved: read the per-link metric names from where they are now"
+    for name in re.findall(r'"([a-z_]+)"', link_totals.group(1)):  # islands/{key} and islands/total_{key}
+        logged |= {f"islands/{name}", f"islands/total_{name}"}
+    page = (ROOT / "docs" / "METRICS.md").read_text()
+    listed = set(re.findall(r"`(islands/[a-z_0-9]+)`", page))
+    assert len(logged) > 25 and not logged - listed, f"docs/METRICS.md lacks {sorted(logged - listed)}"
+    assert not listed - logged, f"docs/METRICS.md lists metrics the code does not log: {sorted(listed - logged)}"

@@ -17,7 +17,7 @@ from typing import Any
 from lightning_islands.app import rates
 from lightning_islands.plan.config import inputs_from_islands, per_island
 from lightning_islands.plan.hardware import DEFAULT_MFU, accelerator, step_seconds
-from lightning_islands.plan.inputs import LinkSpec, PlanInputs
+from lightning_islands.plan.inputs import LinkSpec, PlanInputs, with_link
 from lightning_islands.plan.result import PlanResult
 from lightning_islands.plan.search import LinkNeed, min_link_bps
 from lightning_islands.plan.simulate import simulate
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 0.97)")
     o.add_argument("--rounds", type=int, help="simulate a whole run of this many rounds (default: steady state)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    o.add_argument("--plot", metavar="FILE.png", help="also draw each island's utilization against link bandwidth "
+                   "(1/100 to 100x the given link, the target and the smallest link for it marked)")
     return p
 
 
@@ -278,4 +280,41 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(summary(inputs, result, need), indent=2))
     else:
         print(format_plan(inputs, result, need))
+    if args.plot:
+        plot_utilization(inputs, need, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def utilization_curve(inputs: PlanInputs, points: int = 25) -> list[tuple[float, list[float]]]:
+    """``(link bits per second, each island's utilization)`` from 1/100 to 100x the plan's link (from
+    1 Mbit/s to 1 Tbit/s when it is unlimited), evenly on a log scale."""
+    center = inputs.link.bps if math.isfinite(inputs.link.bps) else 1e9
+    low, high = (center / 100, center * 100) if math.isfinite(inputs.link.bps) else (1e6, 1e12)
+    rates = [low * (high / low) ** (k / (points - 1)) for k in range(points)]
+    return [(bps, list(simulate(with_link(inputs, bps)).utilization)) for bps in rates]
+
+
+def plot_utilization(inputs: PlanInputs, need: LinkNeed, path: str) -> None:
+    """Each island's predicted utilization against link bandwidth, written to ``path`` (PNG)."""
+    from lightning_islands.app.report import _pyplot
+
+    curve = utilization_curve(inputs)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i in range(inputs.num_islands):
+        ax.plot([bps / 1e9 for bps, _ in curve], [u[i] for _, u in curve], marker="o", markersize=3,
+                label=f"island {i} ({inputs.islands[i].devices} devices)")
+    ax.axhline(need.target, linestyle=":", color="grey", label=f"target {need.target:g}")
+    if need.bps is not None and math.isfinite(need.bps):
+        ax.axvline(need.bps / 1e9, linestyle="--", color="grey", label=f"smallest link for it: {_bits(need.bps)}")
+    if math.isfinite(inputs.link.bps):
+        ax.axvline(inputs.link.bps / 1e9, color="black", linewidth=1, label=f"given link: {_bits(inputs.link.bps)}")
+    ax.set(xscale="log", xlabel="link bandwidth (Gbit/s, log scale)", ylabel="predicted utilization (compute / wall)",
+           ylim=(0, 1.02), title=f"H={inputs.sync_every}, F={inputs.fragments}, tau={inputs.overlap_steps}, "
+                                 f"{inputs.codec}, RTT {inputs.link.rtt_s * 1e3:g} ms")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -2,8 +2,8 @@
 
 Every ``summary.json`` under ``RUNS_DIR`` (searched recursively, so single runs, multirun sweeps and
 benchmark folders all work) is one row. The row's settings come from the run's ``job.yaml`` (the
-resolved config the driver wrote), its results from ``summary.json``, and the validation curve from
-the CSV log of island 0 (``logs/island0/metrics.csv``).
+resolved config the driver wrote), its results from ``summary.json``, and its curves and rounds from
+the run's own history (``island*/history.jsonl``, whatever the logger; older runs: island 0's CSV log).
 
 Written to ``--out`` (default ``RUNS_DIR/report``):
 
@@ -11,7 +11,10 @@ Written to ``--out`` (default ``RUNS_DIR/report``):
   the centralized baseline when the set has one (a run of strategy ``fsdp``, ``single`` or ``ddp``;
   with several, the one that trains the most tokens per step, or the one named by ``--baseline``);
 - ``report.csv``: the same rows with every setting in its own column;
-- ``val_loss_vs_tokens.png`` and ``loss_vs_bytes.png`` (matplotlib, a dependency of the package).
+- ``val_loss_vs_tokens.png``, ``val_loss_vs_time.png`` and ``loss_vs_bytes.png`` (matplotlib, a
+  dependency of the package), centralized runs dashed beside the islands;
+- ``rounds_<run>.png`` for each islands run: bytes per round, where each island's round time went
+  (compute, exchange, wait) and membership over time.
 
 ``lightning-islands train`` writes the same for each run it finishes, into ``RUN_DIR/report``.
 """
@@ -30,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from lightning_islands.app.history import run_histories
+from lightning_islands.app.round_plots import plot_rounds, val_points
 
 CENTRALIZED = ("fsdp", "single", "ddp")
 # Columns of report.md: (header, attribute of RunRecord or "ratio").
@@ -279,13 +285,20 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
             writer.writerow({k: ("" if v is None else v) for k, v in row.items()})
 
 
-def val_curve(record: RunRecord) -> list[tuple[float, float]]:
-    """(tokens, val loss) points of island 0 from its CSV log; empty without one.
+def val_curve(record: RunRecord, by: str = "tokens") -> list[tuple[float, float]]:
+    """(tokens of all islands, or seconds since the start with ``by="time"``; val loss) of island 0,
+    from the run's own history (``island*/history.jsonl``, whatever the logger); runs written
+    before it existed fall back to the CSV log (tokens only). Empty without either."""
+    points = val_points(run_histories(record.run_dir))
+    if points:
+        return [((tokens if by == "tokens" else t), loss) for tokens, t, loss in points]
+    return _csv_val_curve(record) if by == "tokens" else []
 
-    Lightning logs validation inside ``fit`` at ``global_step - 1`` (its step counter moves after
-    the validation hook) and the final ``validate`` at ``global_step``: both are mapped to the number
-    of optimizer steps done, and the last value for each wins.
-    """
+
+def _csv_val_curve(record: RunRecord) -> list[tuple[float, float]]:
+    """Island 0's CSV log: Lightning logs validation inside ``fit`` at ``global_step - 1`` (its step
+    counter moves after the validation hook) and the final ``validate`` at ``global_step``: both
+    are mapped to the optimizer steps done, and the last value for each wins."""
     path = Path(record.run_dir) / "logs" / "island0" / "metrics.csv"
     if not path.exists() or not record.tokens_per_step:
         return []
@@ -309,27 +322,38 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_val_loss_vs_tokens(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
-    """Validation loss of island 0 against tokens trained, one line per run; False when no run has a
-    validation curve."""
-    if not any(val_curve(r) for r in records):
+def plot_val_loss(records: Sequence[RunRecord], path: str | Path, by: str = "tokens",
+                  title: str | None = None) -> bool:
+    """Validation loss of island 0 against the tokens all islands trained (``by="tokens"``) or wall
+    time (``by="time"``), one line per run, centralized ones dashed; False when no run has a curve."""
+    curves = [(r, val_curve(r, by)) for r in records]
+    if not any(points for _, points in curves):
         return False
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in records:
-        points = val_curve(r)
+    for r, points in curves:
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", markersize=3, linestyle="--" if r.centralized else "-", label=r.label)
-    ax.set_xlabel("tokens trained (all islands)")
+    ax.set_xlabel("tokens trained (all islands)" if by == "tokens" else "seconds since the start of training")
     ax.set_ylabel("validation loss (global model)")
-    ax.set_title(title or "validation loss vs tokens")
+    ax.set_title(title or f"validation loss vs {'tokens' if by == 'tokens' else 'wall time'}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def plot_val_loss_vs_tokens(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
+    """:func:`plot_val_loss` against tokens."""
+    return plot_val_loss(records, path, "tokens", title)
+
+
+def plot_val_loss_vs_time(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
+    """:func:`plot_val_loss` against wall time."""
+    return plot_val_loss(records, path, "time", title)
 
 
 def plot_loss_vs_bytes(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
@@ -388,10 +412,16 @@ def build_report(runs_dir: str | Path, out: str | Path | None = None, baseline: 
     write_csv([r.row() for r in records], out_dir / "report.csv")
     written: list[Path] = []
     if plots:
-        plotters = ((plot_val_loss_vs_tokens, "val_loss_vs_tokens.png"), (plot_loss_vs_bytes, "loss_vs_bytes.png"))
+        plotters = ((plot_val_loss_vs_tokens, "val_loss_vs_tokens.png"),
+                    (plot_val_loss_vs_time, "val_loss_vs_time.png"), (plot_loss_vs_bytes, "loss_vs_bytes.png"))
         for fn, file in plotters:
             if fn(records, out_dir / file):
                 written.append(out_dir / file)
+        for r in records:  # each islands run: its rounds (bytes, where the time went, membership)
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", r.name)
+            file = out_dir / ("rounds.png" if r.name == "." else f"rounds_{safe}.png")
+            if not r.centralized and plot_rounds(run_histories(r.run_dir), file, r.label):
+                written.append(file)
     return Report(records=records, baseline=base, table=table, out=out_dir, plots=written)
 
 

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.components import build_callbacks, build_loggers, trainer_options
+from lightning_islands.app.history import History
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.app.settings import engine_settings
 from lightning_islands.callbacks import RoundCheckpoint
@@ -185,12 +186,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                                          keep=int(t.get("keep_round_checkpoints", 2))))
     if member.get("step_delay_s"):
         callbacks.append(StepDelay(float(member["step_delay_s"])))
+    tp = int(member.get("tensor_parallel_size") or 1)  # tensor-parallel ranks read the same batch
+    history = History(run_dir / f"island{island}" / "history.jsonl", island, tokens_per_step=0.0)
+    callbacks.append(history)
     loggers = build_loggers(cfg, run_dir, island)
     callbacks.extend(build_callbacks(cfg))
     trainer_kwargs.setdefault("enable_progress_bar", os.environ.get(ENV_PROGRESS, "1") != "0")
     trainer_kwargs.setdefault("enable_model_summary", False)
     trainer = pl.Trainer(devices=int(member.get("devices", 1)), num_nodes=1, strategy=strategy,
                          logger=loggers or False, callbacks=callbacks, use_distributed_sampler=False, **trainer_kwargs)
+    history.tokens_per_step = (datamodule.batch_size * model.hparams.seq_len * trainer.world_size
+                               * trainer.accumulate_grad_batches / tp)
     ckpt_path = restart_checkpoint(ckpt_dir) or resume_path(cfg.get("resume"), island, num_islands, cfg.strategy.name)
     # Lightning's own DDP leaves a gloo world to interpreter finalization, where its worker threads
     # can abort the process after a successful run; our strategies register this themselves.
