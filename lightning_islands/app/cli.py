@@ -1,6 +1,6 @@
 """``lightning-islands``: ``train`` (the Hydra app), ``run`` (islands for any script), ``coordinator``,
-``report`` (a table and plots from finished runs), ``plan`` (predicted utilization for a link);
-``--version``."""
+``report`` (a table and plots from finished runs), ``plan`` (predicted utilization for a link),
+``export`` (a run's trained model as one file); ``--version``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ commands:
         [--max-restarts N]       ... restart an island that died; it rejoins the others
   coordinator --port P           serve a coordinator for islands started elsewhere
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
+  export RUN_DIR --out FILE      the trained model as one file (.safetensors or .pt)
   plan [overrides...] --link-bps 25gbit --rtt-ms 100 --step-seconds 0.5,0.8
                                  predict utilization and the link a target needs (docs/PLANNING.md)
 
@@ -175,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_islands.app.report import main as report_main
 
         return report_main(rest)
+    if command == "export":
+        from lightning_islands.app.export import main as export_main
+
+        return export_main(rest)
     if command == "plan":
         from lightning_islands.app.plan import main as plan_main
 
