@@ -160,3 +160,9 @@ def test_every_islands_metric_the_code_logs_is_in_the_metrics_reference():
     listed = set(re.findall(r"`(islands/[a-z_0-9]+)`", page))
     assert len(logged) > 25 and not logged - listed, f"docs/METRICS.md lacks {sorted(logged - listed)}"
     assert not listed - logged, f"docs/METRICS.md lists metrics the code does not log: {sorted(listed - logged)}"
+
+
+def test_the_readme_stays_a_guide_and_the_benchmarks_page_stays_current():
+    assert len(_readme()) <= 15_000, "README.md is over 15,000 characters: move reference material to docs/"
+    lines = len((ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines())
+    assert lines < 600, f"docs/BENCHMARKS.md has {lines} lines: keep each question's current table, drop the rest"

@@ -1,4 +1,5 @@
-"""Offline byte-level data: the cached corpus, per-island sharding, datasets and the datamodule."""
+"""Offline byte-level data: the cached corpus, per-island sharding, datasets and the datamodule; a
+sampler that shards any map-style dataset by island and rank."""
 
 from lightning_islands.data.corpus import (
     CACHE_ENV,
@@ -21,6 +22,7 @@ from lightning_islands.data.corpus import (
     split_point,
     stdlib_dir,
 )
+from lightning_islands.data.sampler import IslandSampler
 
 __all__ = [
     "CACHE_ENV",
@@ -30,6 +32,7 @@ __all__ = [
     "VOCAB_SIZE",
     "ByteCorpus",
     "ByteCorpusDataModule",
+    "IslandSampler",
     "ShardSpec",
     "TrainWindows",
     "ValWindows",
