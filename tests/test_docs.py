@@ -166,3 +166,11 @@ def test_the_readme_stays_a_guide_and_the_benchmarks_page_stays_current():
     assert len(_readme()) <= 15_000, "README.md is over 15,000 characters: move reference material to docs/"
     lines = len((ROOT / "docs" / "BENCHMARKS.md").read_text(encoding="utf-8").splitlines())
     assert lines < 600, f"docs/BENCHMARKS.md has {lines} lines: keep each question's current table, drop the rest"
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_environment_reference():
+    source = "\n".join(p.read_text() for p in (ROOT / "lightning_islands").rglob("*.py"))
+    read = set(re.findall(r"\b(LI_[A-Z_]+|LIGHTNING_ISLANDS_[A-Z_]+)\b", source))
+    page = (ROOT / "docs" / "ENVIRONMENT.md").read_text()
+    listed = set(re.findall(r"`((?:LI|LIGHTNING_ISLANDS)_[A-Z_]+)`", page))
+    assert len(read) >= 10 and read == listed, (sorted(read - listed), sorted(listed - read))
