@@ -115,7 +115,7 @@ def test_a_coordinator_port_in_use_is_one_line_naming_it(held_port, capsys):
 
 
 def test_a_port_taken_after_the_check_gives_the_same_line(held_port, capsys, monkeypatch):
-    monkeypatch.setattr(launch, "port_in_use", lambda port: False)  # as if taken between check and bind
+    monkeypatch.setattr(launch, "port_in_use", lambda port, host="": False)  # as if taken between check and bind
     code, err = _main(["coordinator", "--host", "127.0.0.1", "--port", str(held_port)], capsys)
     _assert_port_message(code, err, held_port)
 

@@ -49,6 +49,32 @@ def test_each_round_s_time_splits_into_compute_exchange_and_wait(tmp_path):
     assert not plot_rounds({0: [{"event": "start", "t": 0.0}]}, tmp_path / "none.png", "no rounds")
 
 
+def test_a_restarted_island_continues_its_clock_and_its_rounds_count_from_the_restart(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_islands.app.history import History
+
+    path = tmp_path / "island1" / "history.jsonl"
+    _write(path, [{"event": "start", "t": 0.0, "wall": 1000.0},
+                  {"event": "round", "round": 1, "t": 10.0, "tokens": 5, "wall": 1010.0}])
+    restarted = History(path, island=1, tokens_per_step=1.0)
+    trainer = SimpleNamespace(global_rank=0, global_step=0, strategy=SimpleNamespace())
+    restarted.on_fit_start(trainer, None)  # the restarted process: its clock goes on from the file's start
+    start = read_history(path)[-1]
+    assert start["event"] == "start" and start["t"] == pytest.approx(start["wall"] - 1000.0)
+    records = [*read_history(path), {"event": "round", "round": 2, "t": start["t"] + 4.0, "tokens": 9}]
+    assert round_rows(records)[-1]["compute"] == pytest.approx(4.0), "measured from the restart, not round 1"
+
+
+def test_a_multirun_job_s_launch_name_carries_its_sweep():
+    from pathlib import Path
+
+    from lightning_islands.app.components import launch_name
+
+    assert launch_name(Path("runs/exp/multirun_2026-12-06_07-00-00/3")) == "multirun_2026-12-06_07-00-00-3"
+    assert launch_name(Path("runs/exp/2026-12-06_07-00-00")) == "2026-12-06_07-00-00"
+
+
 @pytest.mark.parametrize("points", [5])
 def test_plan_draws_utilization_against_link_bandwidth(tmp_path, points):
     from lightning_islands.app.plan import plot_utilization, utilization_curve

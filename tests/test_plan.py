@@ -285,6 +285,13 @@ def test_prediction_for_reads_the_islands_config():
         prediction_for(islands, numel=10, step_seconds=[0.1, 0.2, 0.3], link_bps=1e9)
 
 
+def test_the_islands_steps_per_round_reaches_the_plan_as_it_reaches_training():
+    islands = {"members": [{"devices": 1}, {"devices": 1, "steps_per_round": 5}], "sync_every": 20,
+               "steps_per_round": 10}
+    inputs = inputs_from_islands(islands, numel=1000, step_seconds=0.1, link=LinkSpec(bps=1e9))
+    assert [spec.steps_per_round for spec in inputs.islands] == [10, 5]
+
+
 def test_the_planner_imports_neither_lightning_nor_torch_distributed():
     for path in PLAN_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -69,6 +69,15 @@ def test_the_strategy_takes_settings_or_their_names_and_refuses_other_names():
         IslandStrategy(link="1gbit", num_islands=1)
 
 
+def test_numpy_numbers_are_settings_and_a_positional_h_is_named():
+    import numpy as np
+
+    s = IslandSettings(sync_every=np.int64(10), outer_lr=np.float32(0.5), nesterov=np.bool_(False))
+    assert (type(s.sync_every), type(s.outer_lr), type(s.nesterov)) == (int, float, bool)
+    with pytest.raises(TypeError, match=r"first argument is an IslandSettings, got 50; pass settings by name"):
+        IslandStrategy(50, num_islands=1)
+
+
 @pytest.mark.parametrize("values, message", [
     ({"fragments": 2.5}, "fragments must be an int (islands.fragments), got 2.5"),
     ({"sync_every": True}, "sync_every must be an int (islands.sync_every), got True"),
@@ -102,6 +111,11 @@ def test_values_of_the_wrong_type_are_refused_not_coerced(values, message):
     (["+trainer.devices=4"], "trainer.devices is set by the app; use islands.members[i].devices"),
     (["+callbacks.lr=1"], "callbacks.lr has no _target_"),
     (["strategy=centralized", "strategy.devices=3"], "32 windows a step, which 3 data-parallel processes cannot"),
+    (["+trainer.enable_checkpointing=false"], "trainer.enable_checkpointing is set by the app"),
+    (["islands.members.0.steps_per_round=0"], "islands.members[0].steps_per_round must be >= 1 or null, got 0"),
+    (["+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitr}"],
+     "callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitr cannot be imported"),
+    (["islands.link=25gbps"], "islands.link: rate '25gbps' is ambiguous"),
 ])
 def test_bad_settings_end_the_app_before_any_island_starts(overrides, message, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("")
@@ -120,7 +134,7 @@ def test_bad_settings_end_the_app_before_any_island_starts(overrides, message, t
     out = capsys.readouterr()
     said = f"{out.err}{out.out}{ended.value.code if isinstance(ended.value.code, str) else ''}"
     assert message.replace("{tmp}", str(tmp_path)) in said, said
-    assert not (run_dir / "island0").exists()
+    assert not (run_dir / "island0").exists() and not (run_dir / "job.yaml").exists()
 
 
 def test_the_default_group_passes_the_same_check_the_driver_runs():

@@ -120,7 +120,7 @@ def _coordinator(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is not a TCP port; give one from 0 to 65535 (0: a free one)")
-    if args.port and port_in_use(args.port):
+    if args.port and port_in_use(args.port, args.host):
         print(_listen_problem(args.host, args.port), file=sys.stderr)
         return 1
     from lightning_islands.link.coordinator import Coordinator

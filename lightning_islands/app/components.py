@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app import placeholders
@@ -33,6 +33,9 @@ SET_BY_THE_APP = {
     "logger": "the logger group (logger=csv, or +logger.NAME={_target_: ...})",
     "callbacks": "+callbacks.NAME={_target_: ...}",
     "use_distributed_sampler": "the data module shards by island and rank itself",
+    "enable_checkpointing": "the app always writes last.ckpt and final.ckpt; trainer.checkpoint_every_n_steps=0 "
+                            "and trainer.checkpoint_every_n_rounds=0 write no others",
+    "barebones": "the app needs checkpoints and loggers; drop it",
 }
 
 
@@ -48,14 +51,30 @@ def _nodes(cfg: DictConfig, key: str) -> list[tuple[str, Any]]:
         if not isinstance(node, Mapping) or "_target_" not in node:
             raise ValueError(f"{key}.{name} has no _target_: give the class to build, e.g. "
                              f"+{key}.{name}={{_target_: lightning.pytorch.callbacks.LearningRateMonitor}}")
+        try:
+            get_object(str(node["_target_"]))
+        except Exception as err:  # Hydra wraps the import error in its own
+            raise ValueError(f"{key}.{name}._target_={node['_target_']} cannot be imported ({err}); check the "
+                             "dotted path and that its package is installed") from None
         nodes.append((str(name), node))
     return nodes
+
+
+def launch_name(run_dir: Path) -> str:
+    """One name per launch: the run folder's, prefixed by its sweep's for a multirun job (whose own
+    folder is just its number)."""
+    return f"{run_dir.parent.name}-{run_dir.name}" if run_dir.name.isdigit() else run_dir.name
+
+
+def fill_placeholders(island: int, run_dir: Path) -> None:
+    """This process's ``${li:island}``, ``${li:run_dir}`` and ``${li:launch}``."""
+    placeholders.fill(island=island, run_dir=str(run_dir), launch=launch_name(run_dir))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, island: int) -> list[Any]:
     """Every ``logger.NAME`` node, built for ``island`` (W&B: offline when the node says so, the job
     as its config)."""
-    placeholders.fill(island=island, run_dir=str(run_dir), launch=run_dir.name)
+    fill_placeholders(island, run_dir)
     loggers = []
     for _, node in _nodes(cfg, "logger"):
         spec = OmegaConf.to_container(node, resolve=True)

@@ -9,8 +9,9 @@ per event on the island's rank 0:
   blocking, islands present, left out and repaired (:data:`ROUND_KEYS`);
 - ``{"event": "val", "step", "t", "tokens", "round", "val_loss"}`` after every validation.
 
-``t`` is seconds since the fit started. :func:`read_history` reads it back; ``lightning-islands
-report`` draws from it (docs/METRICS.md lists every metric).
+``t`` is seconds since the island's first start (a restarted island continues the file and its
+clock: its own ``start`` line marks the restart). :func:`read_history` reads it back;
+``lightning-islands report`` draws from it (docs/METRICS.md lists every metric).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class History(pl.Callback):
         self.path = Path(path)
         self.island = island
         self.tokens_per_step = float(tokens_per_step)
-        self._started = time.monotonic()
+        self._origin = time.time()  # wall time of the island's first start (the file's first line)
         self._trainer: pl.Trainer | None = None
 
     def _write(self, record: dict[str, Any]) -> None:
@@ -49,10 +50,13 @@ class History(pl.Callback):
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.write(json.dumps({**record, "t": round(time.monotonic() - self._started, 4)}) + "\n")
+            now = time.time()
+            f.write(json.dumps({**record, "t": round(now - self._origin, 4), "wall": now}) + "\n")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._trainer, self._started = trainer, time.monotonic()
+        self._trainer = trainer
+        earlier = read_history(self.path) if self.path.exists() else []
+        self._origin = float(earlier[0]["wall"]) if earlier and "wall" in earlier[0] else time.time()
         hooks = getattr(trainer.strategy, "round_callbacks", None)
         if hooks is not None and self._round not in hooks:
             hooks.append(self._round)

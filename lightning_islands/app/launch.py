@@ -103,13 +103,14 @@ def check_log_dir(path: str | os.PathLike) -> None:
                          f"give a folder you can write to, or allow it (e.g. chmod u+w {nearest})")
 
 
-def port_in_use(port: int) -> bool:
-    """Whether a process on this machine listens on TCP ``port`` (a test bind on every address, as
-    a server with ``SO_REUSEADDR`` binds: a listener makes it fail, connections in TIME_WAIT do not)."""
+def port_in_use(port: int, host: str = "") -> bool:
+    """Whether a process on this machine listens on TCP ``port`` at ``host`` (a test bind there, as a
+    server with ``SO_REUSEADDR`` binds: a listener makes it fail, connections in TIME_WAIT do not;
+    ``""`` or ``0.0.0.0``: every address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("", port))
+            s.bind(("" if host == "0.0.0.0" else host, port))
         except OSError as err:
             return err.errno == errno.EADDRINUSE
     return False

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning_islands.app import rates
@@ -269,6 +270,9 @@ def main(argv: Sequence[str]) -> int:
     except SystemExit as stop:  # argparse has printed the problem (or the help)
         return int(stop.code or 0)
     try:
+        if args.plot and not Path(args.plot).resolve().parent.is_dir():
+            raise PlanError(f"--plot {args.plot}: the folder {Path(args.plot).resolve().parent} does not exist; "
+                            "create it or write the plot elsewhere")
         cfg = compose_config(args.overrides)
         inputs = build_inputs(args, cfg)
         result = simulate(inputs)
@@ -297,10 +301,10 @@ def utilization_curve(inputs: PlanInputs, points: int = 25) -> list[tuple[float,
 
 def plot_utilization(inputs: PlanInputs, need: LinkNeed, path: str) -> None:
     """Each island's predicted utilization against link bandwidth, written to ``path`` (PNG)."""
-    from lightning_islands.app.report import _pyplot
+    from lightning_islands.app.report import headless_pyplot
 
     curve = utilization_curve(inputs)
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i in range(inputs.num_islands):
         ax.plot([bps / 1e9 for bps, _ in curve], [u[i] for _, u in curve], marker="o", markersize=3,

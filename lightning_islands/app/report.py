@@ -313,7 +313,8 @@ def _csv_val_curve(record: RunRecord) -> list[tuple[float, float]]:
     return [(s * record.tokens_per_step, loss) for s, loss in sorted(done.items())]
 
 
-def _pyplot() -> Any:
+def headless_pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -329,7 +330,7 @@ def plot_val_loss(records: Sequence[RunRecord], path: str | Path, by: str = "tok
     curves = [(r, val_curve(r, by)) for r in records]
     if not any(points for _, points in curves):
         return False
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for r, points in curves:
         if points:
@@ -359,7 +360,7 @@ def plot_val_loss_vs_time(records: Sequence[RunRecord], path: str | Path, title:
 def plot_loss_vs_bytes(records: Sequence[RunRecord], path: str | Path, title: str | None = None) -> bool:
     """Final validation loss against cross-island bytes (log x); runs that exchange nothing (centralized
     or one island alone) are horizontal reference lines."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     exchanged = [r for r in records if r.bytes_exchanged > 0]
     for r in exchanged:

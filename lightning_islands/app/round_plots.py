@@ -44,7 +44,12 @@ def round_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
     ``compute`` (the rest), ``exchange`` (the training thread's time on the exchange: all of it, or
     when it flew only the blocking part) and ``wait`` (for the other islands), ``present``."""
     rows, last_t = [], 0.0
-    for r in _events(records, "round"):
+    for r in records:
+        if r.get("event") == "start":  # a (re)start: the next round's time counts from here
+            last_t = float(r.get("t", last_t))
+            continue
+        if r.get("event") != "round":
+            continue
         t = float(r["t"])
         waited = float(r.get("seconds_waiting", 0.0))
         if "seconds_blocking" in r:  # the exchange flew: the training thread's share, its wait included
@@ -66,9 +71,9 @@ def plot_rounds(histories: Histories, path: str | Path, title: str) -> bool:
     rows = {i: round_rows(h) for i, h in sorted(histories.items())}
     if not any(rows.values()):
         return False
-    from lightning_islands.app.report import _pyplot
+    from lightning_islands.app.report import headless_pyplot
 
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, (bytes_ax, time_ax, members_ax) = plt.subplots(3, 1, figsize=(9, 10))
     n = max(len(rows), 1)
     width = 0.8 / n

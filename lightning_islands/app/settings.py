@@ -52,6 +52,8 @@ class Member:
                              f"devices={self.devices}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"islands.members[i].batch_size must be >= 1 or null, got {self.batch_size}")
+        if self.steps_per_round is not None and self.steps_per_round < 1:
+            raise ValueError(f"islands.members[i].steps_per_round must be >= 1 or null, got {self.steps_per_round}")
         if self.step_delay_s < 0:
             raise ValueError(f"islands.members[i].step_delay_s must be >= 0, got {self.step_delay_s}")
 
@@ -136,7 +138,14 @@ def check_islands(islands: Mapping[str, Any]) -> IslandsConfig:
     unknown = sorted(set(values) - {f.name for f in fields(IslandsConfig)})
     if unknown:
         raise ValueError(f"islands.{unknown[0]} is not a setting; remove it (docs/SETTINGS.md lists them)")
-    return IslandsConfig(**values)
+    checked = IslandsConfig(**values)
+    for i, member in enumerate(checked.members):  # each island's settings, as its worker will build them
+        if member.steps_per_round is not None:
+            try:
+                engine_settings(values, member.steps_per_round)
+            except ValueError as err:
+                raise ValueError(f"islands.members[{i}].steps_per_round={member.steps_per_round}: {err}") from None
+    return checked
 
 
 def settings_reference() -> str:

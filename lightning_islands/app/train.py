@@ -95,6 +95,13 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
         batch = centralized_batch(cfg) if cfg.strategy.get("match_islands") else None
     except (TypeError, ValueError) as err:
         raise SystemExit(f"lightning-islands: {err}") from err
+    link = link_spec(cfg)
+    if link is not None:  # before anything starts: a bad spec or a machine without root/iproute2
+        try:
+            parse_link(link)
+            check_link_support()
+        except (ValueError, LinkUnavailable) as err:
+            raise SystemExit(f"lightning-islands: islands.link: {err}") from err
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     placeholders.clear()  # ${li:...} stays for each island's process to fill
@@ -105,13 +112,6 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
     job_path = run_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(job), job_path)
     plan = island_plan(cfg)
-    link = link_spec(cfg)
-    if link is not None:  # before anything starts: a bad spec or a machine without root/iproute2
-        try:
-            parse_link(link)
-            check_link_support()
-        except (ValueError, LinkUnavailable) as err:
-            raise SystemExit(f"lightning-islands: islands.link: {err}") from err
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
     restarts = int(cfg.islands.get("max_restarts", 0) or 0) if cfg.strategy.name == "islands" else 0
     results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_islands.app.components import build_callbacks, build_loggers, trainer_options
+from lightning_islands.app.components import build_callbacks, build_loggers, fill_placeholders, trainer_options
 from lightning_islands.app.history import History
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.app.settings import engine_settings
@@ -159,6 +159,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Train this process's part of the job; returns (and on rank 0 writes) the island's result."""
     island, num_islands = island_identity()
     run_dir = Path(cfg.run_dir)
+    fill_placeholders(island, run_dir)  # before anything of the job is read: ${li:...} anywhere resolves
     member = island_member(cfg, island)
     # Every island builds the same initial model (so no island has to broadcast its weights at the
     # start), then continues with its own random stream.

@@ -12,7 +12,8 @@ How the indices are split, each epoch:
    part is cut to a multiple of its world size (``drop_last=True``) or padded with its own first
    indices (``drop_last=False``), and rank ``r`` takes every ``world_size``-th index from ``r``.
 
-So one island (``num_islands=1``) samples exactly like ``DistributedSampler(seed=seed)``; the
+So one island (``num_islands=1``) samples exactly like ``DistributedSampler(seed=seed,
+drop_last=drop_last)`` (mind the defaults: ``drop_last`` is True here, False there); the
 islands' parts are disjoint and cover the dataset, whatever each island's size; inside an island
 every rank gets the same number of indices (sharded models need every rank to run the same steps).
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_args, get_origin, get_type_hints
 
+import numpy as np
 import torch
 
 from lightning_islands.codecs import Codec, check_decay, default_error_feedback, make_codec
@@ -33,11 +35,11 @@ _KINDS = {int: "an int", float: "a number", bool: "true or false", str: "a strin
 
 def _conforms(value: Any, kind: Any) -> bool:
     if kind is bool:
-        return isinstance(value, bool)
+        return isinstance(value, (bool, np.bool_))
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     return isinstance(value, kind)
 
 
@@ -56,8 +58,8 @@ def check_types(obj: Any, prefix: str) -> None:
         if kind in _KINDS and not _conforms(value, kind):
             null = " or null" if optional else ""
             raise ValueError(f"{f.name} must be {_KINDS[kind]}{null} ({prefix}.{f.name}), got {value!r}")
-        if kind is float:
-            setattr(obj, f.name, float(value))
+        if kind in (int, float, bool):  # numpy scalars and ints for floats become plain Python values
+            setattr(obj, f.name, kind(value))
 
 
 def setting(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> Any:
@@ -177,6 +179,9 @@ class IslandSettings:
             raise TypeError(f"{where} got unknown setting(s) {', '.join(hints)}; the settings are the fields of "
                             "IslandSettings (docs/SETTINGS.md); the launcher's (link, members, max_restarts) are "
                             "options of `lightning-islands run` and keys of the Hydra app's islands group")
+        if base is not None and not isinstance(base, IslandSettings):
+            raise TypeError(f"{where}'s first argument is an IslandSettings, got {base!r}; pass settings by name, "
+                            "e.g. IslandStrategy(sync_every=50)")
         return replace(base, **values) if base is not None else cls(**values)
 
     @classmethod

@@ -56,13 +56,14 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
     members = _members(islands)
     n = len(members)
     devices = [int(m.get("devices", 1)) for m in members]
-    fixed = [m.get("steps_per_round") for m in members]
+    plain = OmegaConf.to_container(islands, resolve=True) if isinstance(islands, DictConfig) else dict(islands)
+    settings = IslandSettings.from_mapping(plain)  # the engine's defaults and checks, as training reads them
+    # a member's own steps_per_round, else the islands' (as the worker builds each island's settings)
+    fixed = [m.get("steps_per_round") or settings.steps_per_round for m in members]
     specs = island_specs(devices, per_island(step_seconds, n, "step seconds"),
                          per_island(intra_bytes_per_s, n, "intra-island bandwidth"),
                          per_island(leader_bytes_per_s, n, "leader codec throughput"),
                          [None if f is None else int(f) for f in fixed])
-    plain = OmegaConf.to_container(islands, resolve=True) if isinstance(islands, DictConfig) else dict(islands)
-    settings = IslandSettings.from_mapping(plain)  # the engine's defaults and checks, as training reads them
     sizes = None
     if block_sizes is not None:
         rest = int(numel) - sum(int(b) for b in block_sizes)
