@@ -60,16 +60,6 @@ def test_the_script_alone_is_one_island_without_a_coordinator():
     assert finals(out)[0][:3] == (1, 2, 4)
 
 
-@pytest.mark.slow
-def test_two_islands_under_the_launcher_end_bit_identical():
-    out = run(["lightning-islands", "run", "--islands", "1,1", "--", "python", "examples/train.py",
-               "--max-steps", "6", "--sync-every", "3", *TINY])
-    got = finals(out)
-    assert set(got) == {0, 1}, out[-4000:]
-    assert got[0] == got[1]  # rounds, steps, validation loss and global state digest
-    assert got[0][:3] == (2, 2, 6)
-
-
 def walkthrough_commands() -> list[str]:
     """The shell commands of the README's walk-through: coordinator, island 0, island 1."""
     text = (EXAMPLES / "README.md").read_text(encoding="utf-8")

@@ -24,7 +24,8 @@ def _two_islands(tmp_path):
         {"event": "val", "round": 1, "t": 2.5, "tokens": 100, "val_loss": 3.0},
         {"event": "round", "round": 2, "t": 5.0, "tokens": 200, "bytes_sent": 10, "seconds_blocking": 1.0,
          "seconds_waiting": 0.5, "islands_present": 1},
-        {"event": "val", "round": 2, "t": 6.0, "tokens": 230, "val_loss": 2.0}], torn=True)
+        {"event": "val", "round": 2, "t": 6.0, "tokens": 230, "val_loss": 2.5, "step": 7},
+        {"event": "val", "round": 2, "t": 6.0, "tokens": 230, "val_loss": 2.0, "step": 7}], torn=True)
     _write(tmp_path / "island1" / "history.jsonl", [
         {"event": "round", "round": 1, "t": 2.0, "tokens": 50}, {"event": "round", "round": 2, "t": 4.0, "tokens": 90}])
 
@@ -32,7 +33,7 @@ def _two_islands(tmp_path):
 def test_island_zero_s_curve_counts_every_island_s_tokens_by_the_same_round(tmp_path):
     _two_islands(tmp_path)
     histories = run_histories(tmp_path)
-    assert sorted(histories) == [0, 1] and len(read_history(tmp_path / "island0" / "history.jsonl")) == 5
+    assert sorted(histories) == [0, 1] and len(read_history(tmp_path / "island0" / "history.jsonl")) == 6
     assert val_points(histories) == [(150.0, 2.5, 3.0), (320.0, 6.0, 2.0)]
     assert val_points({}) == []
 

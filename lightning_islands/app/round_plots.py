@@ -32,11 +32,11 @@ def val_points(histories: Histories) -> list[tuple[float, float, float]]:
     own = histories.get(0)
     if not own:
         return []
-    points = []
+    by_step: dict[Any, tuple[float, float, float]] = {}  # the last validation of a step wins (the final one)
     for v in _events(own, "val"):
         others = sum(_tokens_at(h, int(v.get("round", 0))) for i, h in histories.items() if i != 0)
-        points.append((float(v["tokens"]) + others, float(v["t"]), float(v["val_loss"])))
-    return points
+        by_step[v.get("step", len(by_step))] = (float(v["tokens"]) + others, float(v["t"]), float(v["val_loss"]))
+    return list(by_step.values())
 
 
 def round_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
