@@ -121,7 +121,7 @@ def test_utilization_benchmark_runs_every_config_over_a_shaped_link(tmp_path):
     # benchmark's question, docs/BENCHMARKS.md: an 8-step run on a loaded machine says nothing of it)
     for r in rows[1:]:
         assert 0 < r["predicted_loop_utilization"] <= 1.0 and 0 < r["planned_utilization"] <= 1.0, r
-    assert (tmp_path / "utilization.md").read_text().count("\n|") >= 5
+    assert (tmp_path / "utilization.md").read_text().count("\n|") >= len(rows) + 2  # header, rule, a row per config
 
 
 def test_parallelism_benchmark_reports_each_island_of_a_variant(tmp_path):
