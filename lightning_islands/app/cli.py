@@ -19,6 +19,7 @@ commands:
                                  ... RATE in bits per second (1gbit, 200mbit, 25G); 25gbps is refused
         [--max-restarts N]       ... restart an island that died; it rejoins the others
   coordinator --port P           serve a coordinator for islands started elsewhere
+  coordinator --etcd N           a local etcd cluster of N members, supervised (prints its etcd:// address)
   report RUNS_DIR [--out DIR]    tabulate and plot every finished run under RUNS_DIR
   export RUN_DIR --out FILE      the trained model as one file (.safetensors or .pt)
   plan [overrides...] --link-bps 25gbit --rtt-ms 100 --step-seconds 0.5,0.8
@@ -116,8 +117,14 @@ def _coordinator(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="lightning-islands coordinator")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--etcd", type=int, default=None, metavar="N",
+                        help="start an etcd cluster of N members on this machine instead (tests, demos, one site): "
+                             "print its etcd:// address, restart a member that dies, stop them on exit")
+    parser.add_argument("--data-dir", default=None, help="with --etcd: the members' data folder (default: temporary)")
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: a free one; default 29400)")
     args = parser.parse_args(argv)
+    if args.etcd is not None:
+        return _etcd_cluster(parser, args)
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is not a TCP port; give one from 0 to 65535 (0: a free one)")
     if args.port and port_in_use(args.port, args.host):
@@ -150,6 +157,29 @@ def version() -> str:
         from lightning_islands import __version__
 
         return __version__
+
+
+def _etcd_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``coordinator --etcd N``: a supervised local etcd cluster until SIGTERM or Ctrl-C."""
+    from lightning_islands.app.etcd_cluster import EtcdUnavailable, LocalEtcdCluster
+
+    if args.etcd < 1:
+        parser.error(f"--etcd {args.etcd}: give the number of members, e.g. --etcd 3 (a majority must stay up)")
+    host = "127.0.0.1" if args.host == "0.0.0.0" else args.host  # members advertise the address they listen on
+    try:
+        cluster = LocalEtcdCluster(args.etcd, host=host, data_dir=args.data_dir).start()
+    except EtcdUnavailable as err:
+        print(f"lightning-islands coordinator: {err}", file=sys.stderr)
+        return 1
+    print(f"lightning-islands coordinator: etcd cluster of {args.etcd} members at {cluster.address}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        cluster.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
