@@ -66,6 +66,18 @@ def test_auth_benchmark_writes_both_tables(tmp_path):
     assert {r["construction"] for r in data["constructions"]} >= {"hmac-sha256", "blake2b keyed",
                                                                   "tree blake2b keyed", "memcpy (appending the tag)"}
     assert data["meta"]["threads"] == 2 and data["meta"]["scheme"].startswith("hmac-sha256")
+def test_coordinator_benchmark_counts_a_rounds_requests_on_both_and_the_stall_of_a_leader_kill(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "coordinator.py"), "--rounds", "4", "--out",
+                           str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| TCPStore |" in proc.stdout and "| etcd, 3 members |" in proc.stdout and "| member m" in proc.stdout
+    data = json.loads((tmp_path / "coordinator.json").read_text())
+    assert data["killed"], "the leader member was killed"
+    for name in ("tcp", "etcd", "leader_killed"):
+        assert len(data[name]["seconds"]) == 4 and data[name]["requests_per_round"] >= 4
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (network namespaces, tc); CI runs as root")
 def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -58,6 +58,9 @@ RUN_CASES = [
      ["--log-dir", "'{tmp}/file/logs'", "{tmp}/file is a file, not a folder", "give a folder"]),
     (["--islands", "1", "--log-dir", "{tmp}/file"], ["--log-dir", "'{tmp}/file'", "it is a file", "give a folder"]),
     (["--islands", "1", "--log-dir", "{tmp}/file/a/b"], ["'{tmp}/file/a/b'", "{tmp}/file is a file"]),
+    (["--islands", "1,1", "--coordinator", "etcd://h1:2379,h2"], ["--coordinator", "member 'h2' is not HOST:PORT",
+                                                                  "etcd://10.0.0.1:2379"]),
+    (["--islands", "1,1", "--coordinator", "etcd://h1:2379", "--link", "1gbit"], ["--coordinator and --link"]),
 ]
 
 

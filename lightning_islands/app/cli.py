@@ -45,6 +45,10 @@ def _run_parser() -> argparse.ArgumentParser:
                              "1gbit,100ms (RATE in bits per second: 1gbit, 200mbit, 25G; byte units such as 25gbps "
                              "are refused; the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
                              "for a long-fat link); needs root and iproute2")
+    parser.add_argument("--coordinator", default=None, metavar="ADDRESS",
+                        help="meet at a coordinator that serves already: etcd://h1:2379,h2:2379,h3:2379 (an etcd "
+                             "cluster; `lightning-islands coordinator --etcd 3` starts one) or HOST:PORT (default: a "
+                             "TCPStore started for the run)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart an island whose process died up to N times (as torchrun does) while the others "
                              "train on; it rejoins them (default 0: a failed island ends the run)")
@@ -62,6 +66,16 @@ def _checked_islands(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         parser.error(str(err))
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.coordinator is not None:
+        from lightning_islands.link.coordinator import check_address
+
+        try:
+            check_address(args.coordinator)
+        except ValueError as err:
+            parser.error(f"--coordinator: {err}")
+        if args.link is not None:
+            parser.error("--coordinator and --link together: the islands' namespaces reach only the coordinator the "
+                         "launcher starts at the hub; drop one of them")
     if not command:
         parser.error("give the command after --, e.g. lightning-islands run --islands 2,1 -- python train.py")
     if args.log_dir is not None:
@@ -97,7 +111,7 @@ def _run(argv: list[str]) -> int:
             return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
     results = run_islands(islands, command, log_dir=args.log_dir, run_id=args.run_id, live=live,
-                          link=link, max_restarts=args.max_restarts)
+                          link=link, max_restarts=args.max_restarts, coordinator=args.coordinator)
     return report_failures(results)
 
 

@@ -128,6 +128,7 @@ class LocalEtcdCluster:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
+        self._held: set[str] = set()  # members stopped on purpose (:meth:`hold`): not restarted
 
     @property
     def address(self) -> str:
@@ -184,6 +185,8 @@ class LocalEtcdCluster:
         while not self._stopping.wait(0.2):
             with self._lock:
                 for member in self.members:
+                    if member.name in self._held:
+                        continue
                     if member.process is not None and member.process.poll() is not None:
                         code = member.process.returncode
                         member.restarts += 1
@@ -207,6 +210,21 @@ class LocalEtcdCluster:
         """Send ``signal_number`` (SIGKILL by default) to ``member``'s process (tests, demos)."""
         if member.process is not None and member.process.poll() is None:
             member.process.send_signal(signal_number)
+
+    def hold(self, member: Member) -> None:
+        """SIGKILL ``member`` and keep it down (no restart) until :meth:`restore` (tests, drills)."""
+        with self._lock:
+            self._held.add(member.name)
+            if member.process is not None and member.process.poll() is None:
+                member.process.kill()
+                member.process.wait()
+
+    def restore(self, member: Member) -> None:
+        """Start a member stopped by :meth:`hold` again (it rejoins with its data) and supervise it."""
+        with self._lock:
+            self._held.discard(member.name)
+            if member.process is None or member.process.poll() is not None:
+                self._spawn(member, "existing")
 
     def put(self, key: str, value: str, member: Member | None = None) -> None:
         """Write ``key`` through ``member`` (default: the first) over etcd's JSON gateway."""

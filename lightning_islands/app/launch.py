@@ -34,6 +34,7 @@ from lightning_islands.link.coordinator import (
     ENV_NUM_ISLANDS,
     ENV_RUN_ID,
     Coordinator,
+    RemoteCoordinator,
 )
 
 ENV_PROGRESS = "LI_PROGRESS_BAR"
@@ -201,6 +202,7 @@ def run_islands(
     coordinator_host: str = "127.0.0.1",
     link: str | LinkSpec | None = None,
     max_restarts: int = 0,
+    coordinator: str | None = None,
 ) -> list[IslandResult]:
     """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
 
@@ -221,10 +223,20 @@ def run_islands(
     ``max_restarts``: an island whose process dies is restarted (all of its processes, by
     ``torch.distributed.run``) up to this many times, while the others train on; it rejoins them
     (``TORCHELASTIC_RESTART_COUNT`` tells it that it restarted).
+
+    ``coordinator``: the address of a coordinator that serves already (``etcd://h1:2379,...``, or
+    ``HOST:PORT``); the islands meet there instead of at a TCPStore started for the run (not with
+    ``link``: the namespaces reach only the hub).
     """
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     out = out or sys.stdout
+    if coordinator is not None:
+        if link is not None:
+            raise ValueError("a coordinator of your own and a shaped link together: the islands' namespaces reach "
+                             "only the coordinator the launcher starts at the hub; drop --coordinator or --link")
+        return _launch(islands, command, RemoteCoordinator(coordinator), [[]] * len(islands), [{}] * len(islands),
+                       log_dir, env, island_env, run_id, live, out, max_restarts)
     if link is None:
         return _launch(islands, command, Coordinator(coordinator_host, 0), [[]] * len(islands), [{}] * len(islands),
                        log_dir, env, island_env, run_id, live, out, max_restarts)
@@ -249,7 +261,8 @@ def link_record(shaped: ShapedLink) -> dict[str, Any]:
             "hub": shaped.hub_address, "islands": [p.address for p in shaped.islands]}
 
 
-def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordinator, prefixes: Sequence[list[str]],
+def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordinator | RemoteCoordinator,
+            prefixes: Sequence[list[str]],
             link_env: Sequence[Mapping[str, str]], log_dir: str | os.PathLike | None, env: Mapping[str, str] | None,
             island_env: Sequence[Mapping[str, str]] | None, run_id: str | None, live: bool | None,
             out: IO[str], max_restarts: int = 0) -> list[IslandResult]:

@@ -90,6 +90,10 @@ class LaunchSettings:
               "`'1gbit,100ms'` (quote it) or `[1gbit,100ms]`; each island in its own network namespace behind a "
               "tc-shaped veth (needs root and iproute2). null: loopback.")
     max_restarts: int = setting(0, "Restart an island that died up to this many times; it rejoins the others.")
+    coordinator: str | None = setting(
+        None, "Where the islands meet: `etcd://h1:2379,h2:2379,h3:2379` (an etcd cluster, which survives losing a "
+              "member: `lightning-islands coordinator --etcd 3` starts one here) or `HOST:PORT` (a coordinator "
+              "started elsewhere). null: a TCPStore the launcher starts for the run.")
     secret_file: str | None = setting(
         None, "A file (mode 600) holding the islands' shared secret: every payload and round header then carries "
               "an HMAC (SECURITY.md). null: `LI_SECRET_FILE`, else `LI_SECRET`, else none. Never the secret itself.")
@@ -101,6 +105,13 @@ class LaunchSettings:
                              "islands.members='[{devices:1},{devices:1}]'")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0 (islands.max_restarts), got {self.max_restarts!r}")
+        if self.coordinator is not None:
+            from lightning_islands.link.coordinator import check_address
+
+            check_address(str(self.coordinator))
+            if self.link is not None:
+                raise ValueError("islands.coordinator and islands.link together: the shaped link's namespaces reach "
+                                 "only the coordinator the launcher starts at the hub; drop one of them")
 
 
 @dataclass

@@ -114,8 +114,9 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
     plan = island_plan(cfg)
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
     restarts = int(cfg.islands.get("max_restarts", 0) or 0) if cfg.strategy.name == "islands" else 0
+    coordinator = cfg.islands.get("coordinator") if cfg.strategy.name == "islands" else None
     results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],
-                          log_dir=run_dir, link=link, max_restarts=restarts)
+                          log_dir=run_dir, link=link, max_restarts=restarts, coordinator=coordinator)
     code = report_failures(results)
     if code:
         raise SystemExit(code)

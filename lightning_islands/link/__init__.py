@@ -3,7 +3,8 @@
 One module an idea:
 
     protocol     Link, the whole interface the engine and the strategy use, its errors, LinkStats
-    coordinator  the coordinator (a TCPStore server), the island's identity from the environment
+    coordinator  the coordinator (a TCPStore server, or etcd), the island's identity from the environment
+    etcd_store   EtcdStore: a torch.distributed.Store on an etcd cluster (transactions, watches, leases)
     waiting      the one way the link waits: a poll, a scan, progress and a deadline
     liveness     the island's liveness beat (progress; reconnecting with backoff), its status beats
     membership   who takes part in a round: decided once in the store, attempts, rejoin requests

@@ -1,16 +1,20 @@
 """The coordinator: the store every island meets through, and how an island finds it.
 
 A coordinator is a c10d ``TCPStore`` server that outlives any island (:class:`Coordinator`; the
-launcher or ``lightning-islands coordinator`` runs one). An island learns its index, the island
-count, the coordinator's address and the run's id from its arguments or the environment
-(:func:`island_identity`); every key of a run lives under its run id.
+launcher or ``lightning-islands coordinator`` runs one), or an etcd cluster
+(``etcd://h1:2379,h2:2379,h3:2379``, :mod:`lightning_islands.link.etcd_store`) that keeps answering
+while a majority of its members is up. An island learns its index, the island count, the
+coordinator's address and the run's id from its arguments or the environment
+(:func:`island_identity`); every key of a run lives under its run id. :func:`connector` opens a
+client of either kind.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -46,10 +50,41 @@ def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(
-            f"coordinator address {address!r} is not of the form HOST:PORT; pass e.g. "
+            f"coordinator address {address!r} is not of the form HOST:PORT or etcd://HOST:PORT,...; pass e.g. "
             f"coordinator='127.0.0.1:29400' or set {ENV_COORDINATOR}"
         )
     return host, int(port)
+
+
+def check_address(address: str) -> None:
+    """Raise a ValueError naming the fix unless ``address`` is ``HOST:PORT`` or ``etcd://HOST:PORT,...``."""
+    from lightning_islands.link.etcd_store import is_etcd, parse_etcd
+
+    parse_etcd(address) if is_etcd(address) else parse_address(address)
+
+
+def connector(address: str, timeout: timedelta, lease_ttl: float | Callable[[], float] | None = None,
+              connect_s: float = 5.0) -> Callable[[], dist.Store]:
+    """A function that opens a new client of the coordinator at ``address``.
+
+    ``HOST:PORT``: a TCPStore client, after a plain socket checked (at most ``connect_s``) that the
+    coordinator accepts connections (the store's own client retries an unreachable address for
+    ``timeout`` in a native thread, and one still retrying when the interpreter exits aborts the
+    process). ``etcd://...``: an :class:`~lightning_islands.link.etcd_store.EtcdStore` (``lease_ttl``,
+    seconds or a function asked at each connection: every key it writes lives under a lease renewed on
+    each write; ignored for a TCPStore)."""
+    from lightning_islands.link.etcd_store import EtcdStore, is_etcd
+
+    if is_etcd(address):
+        check_address(address)
+        return lambda: EtcdStore(address, timeout, lease_ttl() if callable(lease_ttl) else lease_ttl)
+    host, port = parse_address(address)
+
+    def connect() -> dist.Store:
+        with socket.create_connection((host, port), timeout=min(timeout.total_seconds(), connect_s)):
+            pass
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return connect
 
 
 def _env_int(name: str) -> int | None:
@@ -103,5 +138,23 @@ class Coordinator:
 
     def status(self, num_islands: int, run_id: str) -> list[dict | None]:
         """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
-        raw = [get_if_set(self.store, status_key(run_id, i)) for i in range(num_islands)]
-        return [json.loads(r) if r is not None else None for r in raw]
+        return read_status(self.store, num_islands, run_id)
+
+
+class RemoteCoordinator:
+    """A coordinator this process does not serve (an etcd cluster, or a TCPStore started elsewhere),
+    as the launcher sees it: its :attr:`address` and the islands' status."""
+
+    def __init__(self, address: str, timeout: timedelta = timedelta(seconds=30)) -> None:
+        self.address = address
+        self.store = connector(address, timeout)()
+
+    def status(self, num_islands: int, run_id: str) -> list[dict | None]:
+        """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
+        return read_status(self.store, num_islands, run_id)
+
+
+def read_status(store: dist.Store, num_islands: int, run_id: str) -> list[dict | None]:
+    """The latest status each island of run ``run_id`` published in ``store`` (``None``: none yet)."""
+    raw = [get_if_set(store, status_key(run_id, i)) for i in range(num_islands)]
+    return [json.loads(r) if r is not None else None for r in raw]

@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
@@ -32,11 +33,12 @@ from lightning_islands.link.coordinator import (
     ENV_LINK_IFNAME,
     ENV_RUN_ID,
     absent,
+    connector,
     get_if_set,
-    parse_address,
     restart_count,
     status_key,
 )
+from lightning_islands.link.etcd_store import is_etcd
 from lightning_islands.link.lanes import START_LANES, Lanes
 from lightning_islands.link.membership import Decision, Membership
 from lightning_islands.link.protocol import (
@@ -113,21 +115,23 @@ class IslandLink:
     ) -> None:
         if not 0 <= island < num_islands:
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
-        host, port = parse_address(address)
-        self._address = (host, port)
+        self.address = address
+        self._etcd = is_etcd(address)
         store_timeout = min(deadline, STORE_TIMEOUT)
-        self.lanes = Lanes(liveness.connector(host, port, store_timeout), lanes, deadline,
+        self.lanes = Lanes(connector(address, store_timeout), lanes, deadline,
                            interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island}")
         self.island = island
         self.num_islands = num_islands
         self.run_id = run_id
         self.deadline = deadline
         try:
-            self._plain = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
+            self._plain = connector(address, store_timeout)()
+            if self._etcd:
+                self._plain.check([f"{run_id}/joined"])  # the cluster answers, or EtcdUnreachable names it
         except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
             raise ConnectionError(
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "
-                "`lightning-islands coordinator --port PORT` or let `lightning-islands run` start it"
+                "`lightning-islands coordinator --port PORT` (or `--etcd 3`) or let `lightning-islands run` start it"
             ) from err
         key = derive_key(secret, run_id) if secret else None
 
@@ -136,8 +140,11 @@ class IslandLink:
 
         self.store = sealed(self._plain)  # the launcher's status lines stay plain (self._plain)
         self.incarnation = restart_count() if incarnation is None else incarnation
-        claims = self.store.add(f"{run_id}/joined/{island}/{self.incarnation}", 1)
-        if claims > 1:
+        # a claim that succeeds once (a create on etcd) with this process's own token: a request
+        # retried after its reply was lost reads its own token back, not a second claim
+        token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        claim = self.store.compare_set(f"{run_id}/joined/{island}/{self.incarnation}", "", token)
+        if (claim.decode() if isinstance(claim, bytes) else claim) != token:
             raise RuntimeError(
                 f"island {island} already joined run {run_id!r} on the coordinator at {address}: either two "
                 f"islands were given the same index ({ENV_ISLAND}) or the run id is reused; give every launch "
@@ -151,7 +158,10 @@ class IslandLink:
                                      self._aborted, self.incarnation)
         self.stats = LinkStats()
         self._rates: deque[float] = deque(maxlen=RATES)  # bytes per second of recent transfers
-        connect_beat = liveness.connector(host, port, timedelta(seconds=liveness.CONNECT_S))
+        # on etcd the beat is a lease of grace_s renewed only when the beat advances (progress):
+        # an island silent for grace_s loses its beat key, and only that key
+        connect_beat = connector(address, timedelta(seconds=liveness.CONNECT_S), connect_s=liveness.CONNECT_S,
+                                 lease_ttl=lambda: self.membership.grace_s)
 
         def beat_connect() -> dist.Store:
             return sealed(connect_beat())
@@ -159,7 +169,9 @@ class IslandLink:
                                    f"island{island}-alive")
         self.alive.stop_with(self)
         self.membership.progress = self.alive.touch  # an island waiting within its deadline is alive
-        connect_sweeper = liveness.connector(host, port, store_timeout)
+        if self._etcd:  # waits are watches on the run's keys, not polls
+            self.membership.pause = lambda seconds: self._plain.await_change(f"{run_id}/", seconds)
+        connect_sweeper = connector(address, store_timeout)
         self.membership.sweeper = Sweeper(lambda: sealed(connect_sweeper()), run_id, num_islands, lanes,
                                           f"island{island}-sweeper")
 
@@ -257,9 +269,14 @@ class IslandLink:
         return changes
 
     def _coordinator_lost(self, err: Exception) -> CoordinatorLost:
-        host, port = self._address
+        if self._etcd:
+            return CoordinatorLost(
+                f"island {self.island} lost the coordinator, the etcd cluster at {self.address} ({err}); the run "
+                "cannot go on without a majority of its members (they hold the membership and every round's "
+                "agreement). Restart the members that stopped; then restart the run from the islands' last "
+                "checkpoints (resume=...)")
         return CoordinatorLost(
-            f"island {self.island} lost the coordinator at {host}:{port} ({err}); the run cannot go on without it "
+            f"island {self.island} lost the coordinator at {self.address} ({err}); the run cannot go on without it "
             "(it holds the membership and every round's agreement). Keep the coordinator running for the whole "
             "run; restart the run from the islands' last checkpoints (resume=...)")
 
@@ -347,14 +364,17 @@ class IslandLink:
         """This island made progress (a step): its liveness beat advances; ``status`` is published
         for the launcher to show."""
         self.alive.touch()
-        self._plain.set(status_key(self.run_id, self.island), json.dumps(status))
+        try:
+            self._plain.set(status_key(self.run_id, self.island), json.dumps(status))
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
 
     def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
         """Count the body as progress, from a background thread (:func:`liveness.beating`), every
         ``period`` seconds (default: a quarter of ``grace_s``, at most 1 s), so the other islands
         keep waiting for this one instead of giving it up after ``grace_s``."""
         period = min(1.0, self.membership.grace_s / 4) if period is None else period
-        return liveness.beating(liveness.connector(*self._address, STORE_TIMEOUT), status_key(self.run_id, self.island),
+        return liveness.beating(connector(self.address, STORE_TIMEOUT), status_key(self.run_id, self.island),
                                 status, period, f"island{self.island}-heartbeat", progress=self.alive.touch)
 
     def _check_aborts(self) -> None:
@@ -393,7 +413,8 @@ class IslandLink:
                                   "them or raise islands.deadline_s")
 
         wait_until(lambda: True if self.store.check(keys) else None, scan=scan, expired=expired,
-                   deadline=time.monotonic() + self.deadline.total_seconds(), progress=self.alive.touch)
+                   deadline=time.monotonic() + self.deadline.total_seconds(), progress=self.alive.touch,
+                   pause=self.membership.pause)
         return [self._json(keys[i], value) for i, value in enumerate(self.store.multi_get(keys))]
 
     def _json(self, name: str, value: bytes) -> object:

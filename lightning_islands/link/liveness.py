@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import socket
 import threading
 import time
 import weakref
@@ -47,16 +46,11 @@ def _stop_beats() -> None:
 
 
 def connector(host: str, port: int, timeout: timedelta) -> Callable[[], dist.Store]:
-    """A function that opens a new client connection to the coordinator at ``host:port``.
+    """A function that opens a new client connection to the TCPStore coordinator at ``host:port``
+    (:func:`lightning_islands.link.coordinator.connector`, which also opens etcd clients)."""
+    from lightning_islands.link.coordinator import connector as any_connector
 
-    It first checks with a plain socket (at most ``CONNECT_S``) that the coordinator accepts
-    connections: the store's own client retries an unreachable address for ``timeout`` in a native
-    thread, and one still retrying when the interpreter exits aborts the process."""
-    def connect() -> dist.Store:
-        with socket.create_connection((host, port), timeout=min(timeout.total_seconds(), CONNECT_S)):
-            pass
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    return connect
+    return any_connector(f"{host}:{port}", timeout, connect_s=CONNECT_S)
 
 
 class Beat:

@@ -103,6 +103,8 @@ class _Watch:
         if last is None:
             self.seen[island] = (beat, now)
             return 0.0
+        if beat is None and last[0] is not None:  # seen, now gone: its lease expired (etcd)
+            return math.inf
         new, old = beat_order(beat), beat_order(last[0])
         if new is not None and old is not None:
             advanced = new > old
@@ -158,6 +160,7 @@ class Membership:
         self.holds_start_lanes = True
         self.changes: list[str] = []  # membership changes seen, for the log
         self.sweeper: Sweeper | None = None  # deletes rounds long over (the link's; none: kept)
+        self.pause: Callable[[float], None] | None = None  # between polls (the link's watch on etcd; none: sleep)
 
     @property
     def grace_s(self) -> float:
@@ -209,7 +212,8 @@ class Membership:
                 f"round {round_} did not finish within deadline_s={self.deadline_s:g} s on island {self.island}: "
                 f"{waiting_for()}. Give slow islands fewer steps per round (islands.balance=time or their "
                 "steps_per_round) or raise islands.deadline_s")
-        return wait_until(ready, scan=scan, deadline=self.deadline(round_), expired=expired, progress=self.progress)
+        return wait_until(ready, scan=scan, deadline=self.deadline(round_), expired=expired, progress=self.progress,
+                          pause=self.pause)
 
     def joiners(self, round_: int) -> dict[int, int]:
         """Islands asking to (re)join from round ``round_`` on, with their incarnations."""
@@ -522,4 +526,4 @@ class Membership:
                               f"{timeout_s:g} s (deadline_s); are the other islands still training?")
 
         return wait_until(lambda: None, scan=scan, deadline=time.monotonic() + timeout_s, expired=expired,
-                          progress=self.progress, scan_s=POLL_S * 5)
+                          progress=self.progress, scan_s=POLL_S * 5, pause=self.pause)

@@ -8,6 +8,8 @@ the keys waited for), the full scan every ``SCAN_S`` (liveness, failures, decisi
 over a WAN each request is a round trip, so the poll stays one request), a touch of this island's
 progress at every scan (an island waiting within its deadline is alive), and a deadline past which
 the wait ends with an error that names what was waited for and the fix. Nothing waits without one.
+On an etcd coordinator the poll's pause is a watch (``pause``): the loop checks again when a key
+of the run changed, or at the next scan, instead of every ``POLL_S``.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ SCAN_S = 0.25  # how often the full scan runs (liveness, failures, decisions)
 
 def wait_until(ready: Callable[[], T | None], *, deadline: float, expired: Callable[[], Exception],
                scan: Callable[[], T | None] | None = None, progress: Callable[[], None] | None = None,
-               poll_s: float = POLL_S, scan_s: float = SCAN_S) -> T:
+               poll_s: float = POLL_S, scan_s: float = SCAN_S,
+               pause: Callable[[float], None] | None = None) -> T:
     """Return the first value other than ``None`` of ``ready()`` (asked every ``poll_s``) or of
     ``scan()`` (asked every ``scan_s``, the first time after one ``scan_s``); either may raise to
     end the wait. ``progress()`` is called on entry (reaching a wait is progress) and at every
-    scan. At ``deadline`` (a ``time.monotonic()`` time), ``expired()`` is raised.
+    scan. At ``deadline`` (a ``time.monotonic()`` time), ``expired()`` is raised. ``pause(s)``
+    replaces the sleep between two polls: it may return as soon as something changed, at the
+    latest after ``s`` seconds (the time left until the next scan).
     """
     if progress is not None:
         progress()
@@ -48,4 +53,7 @@ def wait_until(ready: Callable[[], T | None], *, deadline: float, expired: Calla
                     return found
             if time.monotonic() >= deadline:
                 raise expired()
-        time.sleep(poll_s)
+        if pause is None:
+            time.sleep(poll_s)
+        else:
+            pause(max(0.0, min(next_scan, deadline) - time.monotonic()))

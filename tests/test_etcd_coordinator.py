@@ -1,0 +1,262 @@
+"""The coordinator on a real etcd cluster (``LI_COORDINATOR=etcd://...``).
+
+The store's primitives against one real etcd member (a decision succeeds once, waits are watches,
+a lease takes only its own keys, gloo rendezvous over it); islands as threads of this test with
+real :class:`~lightning_islands.link.island_link.IslandLink`s and gloo lanes on a three-member
+cluster whose leader is SIGKILLed mid-run; a cluster that lost its majority ends the islands with a
+message that names it and the fix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from doubles import run_threads
+from test_engine import SPECS, initial_flat
+from test_membership import _train
+
+from lightning_islands.app.etcd_cluster import LocalEtcdCluster
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.link.etcd_store import EtcdStore, EtcdUnreachable
+from lightning_islands.link.island_link import IslandLink
+from lightning_islands.link.protocol import CoordinatorLost
+
+
+@pytest.fixture(scope="module")
+def one_member(tmp_path_factory):
+    with LocalEtcdCluster(1, data_dir=tmp_path_factory.mktemp("etcd1")) as cluster:
+        yield cluster
+
+
+# longer than the cluster takes to elect a new leader (about a second here): a leader's loss is
+# then invisible to the islands, as with the default grace_s of 60 s
+GRACE = 5.0
+
+
+def _link(address: str, i: int, n: int, run_id: str, **kw) -> IslandLink:
+    return IslandLink(address, i, n, run_id=run_id, lanes=2, grace_s=kw.pop("grace_s", GRACE), **kw)
+
+
+def _engine(i: int, n: int, link: IslandLink, grace_s: float = GRACE) -> tuple[IslandEngine, list[torch.Tensor]]:
+    settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, grace_s=grace_s)
+    layout = CanonicalLayout(SPECS)
+    engine = IslandEngine(settings, layout, i, n, torch.device("cpu"), torch.device("cpu"))
+    return engine, [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
+
+
+def test_a_decision_succeeds_once_and_a_get_waits_on_a_watch(one_member):
+    a, b = EtcdStore(one_member.address), EtcdStore(one_member.address)
+    assert a.compare_set("once/decision", "", "round 3: [0, 1]") == b"round 3: [0, 1]"
+    assert b.compare_set("once/decision", "", "round 3: [1]") == b"round 3: [0, 1]", "the second proposal loses"
+    assert a.compare_set("once/decision", "round 3: [0, 1]", "round 3: [0]") == b"round 3: [0]"
+    assert [a.add("once/count", 1), b.add("once/count", 2)] == [1, 3]
+    assert a.check(["once/decision", "once/count"]) and not a.check(["once/decision", "once/none"])
+    assert a.delete_key("once/count") and not a.delete_key("once/count")
+    threading.Timer(0.3, lambda: b.set("once/late", "v")).start()
+    assert a.get("once/late") == b"v", "get waits (a watch) for a key set later"
+    with pytest.raises(dist.DistStoreError, match="timed out after 1 s waiting for keys"):
+        a.wait(["once/never"], timedelta(seconds=1))
+
+
+def test_a_lease_takes_only_its_own_keys_when_its_holder_stops_renewing_it(one_member):
+    plain, beat = EtcdStore(one_member.address), EtcdStore(one_member.address, lease_ttl=2)
+    plain.set("lease/decision", "kept")
+    beat.set("lease/alive/0", "0:1")
+    for count in range(2, 8):  # renewed by each write (progress) for longer than its TTL: kept
+        time.sleep(0.5)
+        beat.set("lease/alive/0", f"0:{count}")
+        assert plain.check(["lease/alive/0"])
+    deadline = time.monotonic() + 30
+    while plain.check(["lease/alive/0"]):  # no more progress: gone after the TTL
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.1)
+    assert plain.get("lease/decision") == b"kept", "a key without the lease stays"
+    with pytest.raises(RuntimeError, match="expired"):
+        beat.set("lease/alive/0", "0:9")  # the holder learns it; the link's beat reconnects with a new lease
+
+
+def test_gloo_groups_rendezvous_through_the_cluster(one_member):
+    stores = [EtcdStore(one_member.address) for _ in range(2)]  # kept alive while their groups are
+
+    def rank(r: int) -> torch.Tensor:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", stores[r]), r, 2, timedelta(seconds=30))
+        t = torch.full((4,), float(r + 1))
+        group.allreduce([t]).wait()
+        return t
+    assert all(torch.equal(t, torch.full((4,), 3.0)) for t in run_threads([lambda: rank(0), lambda: rank(1)]))
+
+
+def test_an_unreachable_cluster_is_named_with_the_fix():
+    from lightning_islands.app.launch import free_port
+
+    store = EtcdStore(f"etcd://127.0.0.1:{free_port()}", timedelta(seconds=1))
+    with pytest.raises(EtcdUnreachable, match=r"did not answer for 1 s.*majority of its members must be up.*"
+                                              r"restart the members"):
+        store.set("k", "v")
+
+
+def _leader(cluster: LocalEtcdCluster):
+    deadline = time.monotonic() + 60
+    while (leader := cluster.leader()) is None:
+        assert time.monotonic() < deadline, "the cluster elected no leader"
+        time.sleep(0.05)
+    return leader
+
+
+def _kill_leader(cluster: LocalEtcdCluster, killed: list) -> None:
+    """SIGKILL the member that leads now; the fault happened when its process is gone."""
+    leader = _leader(cluster)
+    process = leader.process
+    cluster.kill(leader)
+    process.wait(timeout=30)
+    killed.append((leader.name, process.returncode))
+
+
+def test_two_islands_train_on_while_the_leader_member_is_killed_in_inner_steps_and_in_a_decision(tmp_path):
+    """The leader member SIGKILLed during island 0's inner steps (after round 2 landed) and again
+    while island 0 proposes round 5's member set: every round counts, the global states stay
+    bit-identical, and both members are restarted and rejoin the cluster."""
+    with LocalEtcdCluster(3, data_dir=tmp_path) as cluster:
+        results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+        killed: list = []
+        in_inner_steps = threading.Event()
+
+        def island(i: int) -> None:
+            link = _link(cluster.address, i, 2, "leader")
+            if i == 0:
+                propose = link.membership._propose
+
+                def propose_after_a_kill(round_, *args, **kw):
+                    if round_ == 5 and len(killed) == 1:
+                        _kill_leader(cluster, killed)  # the decision's transaction goes to the cluster after
+                    return propose(round_, *args, **kw)
+                link.membership._propose = propose_after_a_kill
+            engine, locals_ = _engine(i, 2, link)
+            engine.meet(lambda: link, engine.fingerprint(False))
+            engine.adopt_initial_state(locals_, {})
+            if i == 0:
+                _train(engine, locals_, i, 2, results[i], pause=0.02, end=False)
+                _kill_leader(cluster, killed)
+                in_inner_steps.set()
+            _train(engine, locals_, i, 8, results[i], pause=0.02)
+            link.close()
+
+        run_threads([lambda: island(0), lambda: island(1)])
+        assert len(killed) == 2 and all(code == -9 for _, code in killed), killed
+        deadline = time.monotonic() + 60
+        while sum(m.restarts for m in cluster.members) < 2:
+            assert time.monotonic() < deadline, "the supervisor did not restart the killed members"
+            time.sleep(0.05)
+        cluster.wait_healthy(60)
+    assert sorted(results[0]) == list(range(1, 9)) == sorted(results[1]), "no round was lost"
+    for r in results[0]:
+        assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
+
+
+def test_a_cluster_that_lost_its_majority_ends_every_island_naming_it_and_keeps_what_it_holds(tmp_path):
+    """Two of three members stopped after round 2: each island ends with CoordinatorLost naming the
+    cluster and the fix; restored, the cluster still holds every decision, and islands train on it."""
+    with LocalEtcdCluster(3, data_dir=tmp_path) as cluster:
+        results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+        errors: dict[int, BaseException] = {}
+        reached = threading.Barrier(3)
+
+        def island(i: int, run_id: str, rounds: int, lose: bool) -> None:
+            link = _link(cluster.address, i, 2, run_id, deadline=timedelta(seconds=6))
+            engine, locals_ = _engine(i, 2, link)
+            engine.meet(lambda: link, engine.fingerprint(False))
+            engine.adopt_initial_state(locals_, {})
+            try:
+                _train(engine, locals_, i, 2, results[i], end=False)
+                if lose:
+                    reached.wait(60)  # both islands landed round 2; the test stops the majority
+                    reached.wait(60)
+                _train(engine, locals_, i, rounds, results[i])
+            except CoordinatorLost as err:
+                errors[i] = err
+            finally:
+                link.close()
+
+        threads = [threading.Thread(target=island, args=(i, "majority", 6, True)) for i in range(2)]
+        for t in threads:
+            t.start()
+        reached.wait(60)
+        held = [m for m in cluster.members if m is not _leader(cluster)][:1] + [_leader(cluster)]
+        for member in held:
+            cluster.hold(member)
+        assert all(m.process.poll() is not None for m in held), "the majority is down"
+        reached.wait(60)
+        for t in threads:
+            t.join(120)
+        assert sorted(errors) == [0, 1], f"every island ended: {errors}"
+        for err in errors.values():
+            assert cluster.address in str(err) and "majority of its members" in str(err)
+            assert "Restart the members that stopped" in str(err) and "resume=" in str(err)
+        for member in held:
+            cluster.restore(member)
+        cluster.wait_healthy(60)
+        decided = EtcdStore(cluster.address)
+        assert decided.check(["majority/round1/a0/members"]), "what the cluster held before is still there"
+        results = {0: {}, 1: {}}
+        run_threads([lambda: island(0, "majority-2", 2, False), lambda: island(1, "majority-2", 2, False)])
+        assert sorted(results[0]) == [1, 2] == sorted(results[1]), "the restored cluster coordinates a run again"
+
+
+def test_run_with_an_etcd_coordinator_trains_processes_bit_identically_through_a_leader_kill(tmp_path):
+    """``lightning-islands run --coordinator etcd://...``: two islands of real processes (the real
+    Trainer, gloo) meet on a three-member cluster; its leader SIGKILLed once round 2 landed, the
+    run ends with every round, bit-identical."""
+    from conftest import SCRIPTS
+    from test_islands import assert_islands_equal
+
+    out = tmp_path / "out"
+    with LocalEtcdCluster(3, data_dir=tmp_path / "etcd") as cluster:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off",
+             "--coordinator", cluster.address, "--log-dir", str(tmp_path / "logs"), "--",
+             sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out), "--steps", "10", "--H", "1",
+             "--delays", "0.1,0.1"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not (out / "island0_round2.pt").exists():
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "round 2 never landed"
+                time.sleep(0.05)
+            killed: list = []
+            _kill_leader(cluster, killed)
+            assert not (out / "island0_round10.pt").exists(), "the leader died while rounds were still to come"
+            output, _ = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, output[-4000:]
+    assert killed and killed[0][1] == -9
+    assert_islands_equal(out, 10)
+
+
+def test_an_island_without_progress_loses_its_lease_and_the_round_goes_on_without_it(one_member):
+    """Island 1's training thread stops after round 0 (its process and beat thread live on): its
+    beat is renewed only on progress, so its lease expires, its liveness key, and only that, is
+    gone from the cluster, and island 0's round 1 goes on without it."""
+    links = [_link(one_member.address, i, 2, "lease", grace_s=2.0) for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: (link.meet_round(0, {}), link.settle_round()) for link in links])
+    started = time.monotonic()
+    links[0].meet_round(1, {})
+    waited = time.monotonic() - started
+    assert links[0].decision.present == (0,), "island 1 made no progress: round 1 goes on without it"
+    plain = EtcdStore(one_member.address)
+    assert not plain.check(["lease/alive/1"]), "island 1's lease expired and took its liveness key"
+    assert plain.check(["lease/round0/a0/members", "lease/alive/0"]), "the decision and island 0's beat stay"
+    assert links[1].alive._thread.is_alive(), "island 1's beat thread lives on"
+    assert waited < 2.0 + 5.0, f"island 0 waited {waited:.1f} s"
+    for link in links:
+        link.close()
