@@ -24,7 +24,8 @@ from test_membership import _train
 
 from lightning_islands.app.etcd_cluster import LocalEtcdCluster
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
-from lightning_islands.link.etcd_store import EtcdStore, EtcdUnreachable
+from lightning_islands.link.etcd_credentials import EtcdCredentials
+from lightning_islands.link.etcd_store import EtcdAccessDenied, EtcdStore, EtcdUnreachable
 from lightning_islands.link.island_link import IslandLink
 from lightning_islands.link.protocol import CoordinatorLost
 
@@ -59,6 +60,7 @@ def test_a_decision_succeeds_once_and_a_get_waits_on_a_watch(one_member):
     assert [a.add("once/count", 1), b.add("once/count", 2)] == [1, 3]
     assert a.check(["once/decision", "once/count"]) and not a.check(["once/decision", "once/none"])
     assert a.delete_key("once/count") and not a.delete_key("once/count")
+    assert a.get_if_set("once/count") is None and a.get_if_set("once/decision") == b"round 3: [0]", "no waiting"
     threading.Timer(0.3, lambda: b.set("once/late", "v")).start()
     assert a.get("once/late") == b"v", "get waits (a watch) for a key set later"
     with pytest.raises(dist.DistStoreError, match="timed out after 1 s waiting for keys"):
@@ -66,7 +68,10 @@ def test_a_decision_succeeds_once_and_a_get_waits_on_a_watch(one_member):
 
 
 def test_a_lease_takes_only_its_own_keys_when_its_holder_stops_renewing_it(one_member):
-    plain, beat = EtcdStore(one_member.address), EtcdStore(one_member.address, lease_ttl=2)
+    ttl = [30.0]
+    plain, beat = EtcdStore(one_member.address), EtcdStore(one_member.address, lease_ttl=lambda: ttl[0])
+    beat.set("lease/alive/0", "0:0")
+    ttl[0] = 1.5  # grace_s changed: the next write takes a new lease of the new length (at least 2 s)
     plain.set("lease/decision", "kept")
     beat.set("lease/alive/0", "0:1")
     for count in range(2, 8):  # renewed by each write (progress) for longer than its TTL: kept
@@ -260,3 +265,37 @@ def test_an_island_without_progress_loses_its_lease_and_the_round_goes_on_withou
     assert waited < 2.0 + 5.0, f"island 0 waited {waited:.1f} s"
     for link in links:
         link.close()
+
+
+def test_tls_and_a_run_user_refuse_every_client_without_the_runs_credentials(tmp_path, monkeypatch):
+    """Members with TLS and client certificates, a user and role per run: a client without a
+    certificate, one without a user, and the user of another run are refused, each with the fix;
+    islands with the run's credentials (from LI_ETCD_*) train through the cluster."""
+    with LocalEtcdCluster(1, data_dir=tmp_path / "etcd", tls=True) as cluster:
+        assert cluster.address and cluster.members[0].client_url.startswith("https://")
+        cert_only = cluster.credentials
+        run_a = cluster.add_run_user("tls-a", tmp_path / "a.password")
+        run_b = cluster.add_run_user("tls-b", tmp_path / "b.password")
+        assert (tmp_path / "a.password").stat().st_mode & 0o077 == 0, "the password file is the user's alone"
+        no_cert = EtcdCredentials(ca_file=cert_only.ca_file)
+        for creds, says in ((no_cert, "LI_ETCD_CERT"), (cert_only, "permission denied"),
+                            (run_b, "permission denied")):
+            with pytest.raises(EtcdAccessDenied, match=rf"refused this island \(.*{says}.*LI_ETCD_USER"):
+                EtcdStore(cluster.address, timedelta(seconds=10), credentials=creds).set("tls-a/x", "v")
+        with pytest.raises(EtcdAccessDenied, match="permission denied"):
+            EtcdStore(cluster.address, credentials=run_a).set("tls-b/x", "v")
+        for name, value in (("CA", run_a.ca_file), ("CERT", run_a.cert_file), ("KEY", run_a.key_file),
+                            ("USER", run_a.user), ("PASSWORD_FILE", run_a.password_file)):
+            monkeypatch.setenv(f"LI_ETCD_{name}", value)
+        results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+
+        def island(i: int) -> None:
+            link = _link(cluster.address, i, 2, "tls-a", grace_s=2.0)
+            engine, locals_ = _engine(i, 2, link, grace_s=2.0)
+            engine.meet(lambda: link, engine.fingerprint(False))
+            engine.adopt_initial_state(locals_, {})
+            _train(engine, locals_, i, 3, results[i])
+            link.close()
+        run_threads([lambda: island(0), lambda: island(1)])
+    assert sorted(results[0]) == [1, 2, 3] == sorted(results[1])
+    assert all(torch.equal(results[0][r], results[1][r]) for r in results[0])

@@ -135,6 +135,13 @@ def _coordinator(argv: list[str]) -> int:
                         help="start an etcd cluster of N members on this machine instead (tests, demos, one site): "
                              "print its etcd:// address, restart a member that dies, stop them on exit")
     parser.add_argument("--data-dir", default=None, help="with --etcd: the members' data folder (default: temporary)")
+    parser.add_argument("--tls", action="store_true",
+                        help="with --etcd: members serve TLS and refuse clients without a certificate of their CA "
+                             "(made in DATA_DIR/tls); prints the LI_ETCD_* lines islands need")
+    parser.add_argument("--run-user", action="append", default=[], metavar="RUN_ID",
+                        help="with --etcd --tls: an etcd user and role limited to the keys of run RUN_ID (give "
+                             "the run --run-id RUN_ID), its password in DATA_DIR/RUN_ID.password; turns etcd's "
+                             "authentication on (repeatable)")
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: a free one; default 29400)")
     args = parser.parse_args(argv)
     if args.etcd is not None:
@@ -179,13 +186,23 @@ def _etcd_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     if args.etcd < 1:
         parser.error(f"--etcd {args.etcd}: give the number of members, e.g. --etcd 3 (a majority must stay up)")
+    if args.run_user and not args.tls:
+        parser.error("--run-user needs --tls: a run user's password must not cross the network in the clear")
     host = "127.0.0.1" if args.host == "0.0.0.0" else args.host  # members advertise the address they listen on
     try:
-        cluster = LocalEtcdCluster(args.etcd, host=host, data_dir=args.data_dir).start()
-    except EtcdUnavailable as err:
+        cluster = LocalEtcdCluster(args.etcd, host=host, data_dir=args.data_dir, tls=args.tls).start()
+    except (EtcdUnavailable, RuntimeError) as err:
         print(f"lightning-islands coordinator: {err}", file=sys.stderr)
         return 1
     print(f"lightning-islands coordinator: etcd cluster of {args.etcd} members at {cluster.address}", flush=True)
+    if args.tls:
+        for run_id in args.run_user:
+            creds = cluster.add_run_user(run_id, cluster.root / f"{run_id}.password")
+            print(f"lightning-islands coordinator: run {run_id}: LI_ETCD_USER={creds.user} "
+                  f"LI_ETCD_PASSWORD_FILE={creds.password_file}", flush=True)
+        creds = cluster.credentials
+        print(f"lightning-islands coordinator: TLS: LI_ETCD_CA={creds.ca_file} LI_ETCD_CERT={creds.cert_file} "
+              f"LI_ETCD_KEY={creds.key_file}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while True:

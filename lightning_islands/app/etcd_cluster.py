@@ -14,8 +14,11 @@ with the standard library, so supervising needs no client package.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
+import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -27,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_islands.app.etcd_tls import make_certificates
 from lightning_islands.app.launch import free_port
+from lightning_islands.link.etcd_credentials import EtcdCredentials
+from lightning_islands.link.etcd_store import ROOT
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ class Member:
     data_dir: Path
     process: subprocess.Popen | None = None
     restarts: int = 0
+    scheme: str = "http"  # https with --tls
     log_path: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,7 +79,7 @@ class Member:
     @property
     def client_url(self) -> str:
         """Where clients reach this member."""
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -83,13 +90,18 @@ class Member:
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # members are reached directly, never by proxy
 
 
-def _committed(url: str, body: dict[str, Any], within: float = 30.0) -> dict[str, Any]:
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _committed(url: str, body: dict[str, Any], within: float = 30.0, opener: Any = _DIRECT,
+               headers: dict[str, str] | None = None) -> dict[str, Any]:
     """A write or linearizable read through one member: while the cluster elects a leader the member
     answers 503 (or times out); retried until it answers or ``within`` seconds passed."""
     deadline = time.monotonic() + within
     while True:
         try:
-            return _request(url, body, timeout=max(0.5, deadline - time.monotonic()))
+            return _request(url, body, max(0.5, deadline - time.monotonic()), opener, headers)
         except (urllib.error.HTTPError, urllib.error.URLError, TimeoutError) as err:
             unavailable = not isinstance(err, urllib.error.HTTPError) or err.code == 503
             if not unavailable or time.monotonic() > deadline:
@@ -98,10 +110,11 @@ def _committed(url: str, body: dict[str, Any], within: float = 30.0) -> dict[str
             time.sleep(0.1)
 
 
-def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0) -> dict[str, Any]:
+def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 2.0, opener: Any = _DIRECT,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
-    with _DIRECT.open(request, timeout=timeout) as reply:
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST", headers=headers or {})
+    with opener.open(request, timeout=timeout) as reply:
         return json.loads(reply.read() or b"{}")
 
 
@@ -113,10 +126,13 @@ class LocalEtcdCluster:
         host: the address members listen and advertise on.
         data_dir: where members keep their data (``None``: a temporary folder, removed on stop).
         token: the cluster's token (members of another cluster with another token never join it).
+        tls: members serve clients over TLS and refuse clients without a certificate of the
+            cluster's CA (made offline in ``data_dir/tls``, :mod:`lightning_islands.app.etcd_tls`);
+            :meth:`add_run_user` then turns on etcd's authentication.
     """
 
     def __init__(self, size: int = 3, host: str = "127.0.0.1", data_dir: str | Path | None = None,
-                 token: str = "lightning-islands") -> None:
+                 token: str = "lightning-islands", tls: bool = False) -> None:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got {size}")
         self._own_dir = data_dir is None
@@ -129,6 +145,61 @@ class LocalEtcdCluster:
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
         self._held: set[str] = set()  # members stopped on purpose (:meth:`hold`): not restarted
+        self.certificates = make_certificates(self.root / "tls", host) if tls else None
+        self._opener = _DIRECT
+        if self.certificates is not None:
+            for member in self.members:
+                member.scheme = "https"
+            self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(
+                context=self.credentials.context()))
+        self._root_password: str | None = None  # set once add_run_user turned authentication on
+
+    @property
+    def credentials(self) -> EtcdCredentials:
+        """What a client of this cluster needs without a user: the CA and the client certificate
+        (nothing without ``tls``)."""
+        c = self.certificates
+        if c is None:
+            return EtcdCredentials()
+        return EtcdCredentials(str(c.ca), str(c.client_cert), str(c.client_key))
+
+    def _admin(self, member: Member | None = None) -> dict[str, str]:
+        """Headers for the supervisor's own requests: root's token once authentication is on."""
+        if self._root_password is None:
+            return {}
+        reply = _request((member or self.members[0]).client_url + "/v3/auth/authenticate",
+                         {"name": "root", "password": self._root_password}, opener=self._opener)
+        return {"Authorization": str(reply["token"])}
+
+    def add_run_user(self, run_id: str, password_file: str | Path) -> EtcdCredentials:
+        """Make the etcd user ``run-RUN_ID`` whose role reads and writes only the run's keys
+        (``lightning_islands/RUN_ID/``), its password written to ``password_file`` (mode 600), and
+        turn etcd's authentication on (the first time); the run's islands' credentials."""
+        if self.certificates is None:
+            raise ValueError("a run user needs a cluster started with tls=True (coordinator --etcd N --tls): "
+                             "passwords must not cross the network in the clear")
+        url = self.members[0].client_url + "/v3/auth"
+
+        def post(path: str, body: dict[str, Any]) -> None:
+            _committed(url + path, body, opener=self._opener, headers=self._admin())
+        if self._root_password is None:
+            root = secrets.token_urlsafe(24)
+            post("/user/add", {"name": "root", "password": root})
+            post("/user/grant", {"user": "root", "role": "root"})
+            post("/enable", {})
+            self._root_password = root
+        prefix = f"{ROOT}{run_id}/".encode()
+        name, password = f"run-{run_id}", secrets.token_urlsafe(24)
+        post("/role/add", {"name": name})
+        post("/role/grant", {"name": name, "perm": {"permType": "READWRITE", "key": _b64(prefix),
+                                                    "range_end": _b64(prefix[:-1] + b"0")}})
+        post("/user/add", {"name": name, "password": password})
+        post("/user/grant", {"user": name, "role": name})
+        path = Path(password_file)
+        path.touch(mode=0o600)
+        os.chmod(path, 0o600)
+        path.write_text(password + "\n")
+        return dataclasses.replace(self.credentials, user=name, password_file=str(path))
 
     @property
     def address(self) -> str:
@@ -141,7 +212,14 @@ class LocalEtcdCluster:
                 "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
                 "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
                 "--initial-cluster", cluster, "--initial-cluster-state", state,
-                "--initial-cluster-token", self.token, "--log-level", "warn"]
+                "--initial-cluster-token", self.token, "--log-level", "warn", *self._tls_flags()]
+
+    def _tls_flags(self) -> list[str]:
+        c = self.certificates
+        if c is None:
+            return []
+        return ["--cert-file", str(c.server_cert), "--key-file", str(c.server_key), "--trusted-ca-file", str(c.ca),
+                "--client-cert-auth"]
 
     def _spawn(self, member: Member, state: str) -> None:
         with member.log_path.open("ab") as out:
@@ -160,7 +238,7 @@ class LocalEtcdCluster:
     def healthy(self, member: Member) -> bool:
         """Whether ``member`` answers ``/health`` with a healthy cluster behind it."""
         try:
-            return _request(member.client_url + "/health").get("health") == "true"
+            return _request(member.client_url + "/health", opener=self._opener).get("health") == "true"
         except (OSError, ValueError):
             return False
 
@@ -198,7 +276,8 @@ class LocalEtcdCluster:
         """The member that leads the cluster now (``None`` without a majority)."""
         for member in self.members:
             try:
-                status = _request(member.client_url + "/v3/maintenance/status", {})
+                status = _request(member.client_url + "/v3/maintenance/status", {}, opener=self._opener,
+                                  headers=self._admin(member))
             except (OSError, ValueError):
                 continue
             own, leader = status.get("header", {}).get("member_id"), status.get("leader")
@@ -229,13 +308,13 @@ class LocalEtcdCluster:
     def put(self, key: str, value: str, member: Member | None = None) -> None:
         """Write ``key`` through ``member`` (default: the first) over etcd's JSON gateway."""
         url = (member or self.members[0]).client_url + "/v3/kv/put"
-        _committed(url, {"key": base64.b64encode(key.encode()).decode(),
-                         "value": base64.b64encode(value.encode()).decode()})
+        _committed(url, {"key": _b64(key.encode()), "value": _b64(value.encode())}, opener=self._opener,
+                   headers=self._admin(member))
 
     def get(self, key: str, member: Member | None = None) -> str | None:
         """``key``'s value read (linearizably) through ``member``, or ``None``."""
         url = (member or self.members[0]).client_url + "/v3/kv/range"
-        reply = _committed(url, {"key": base64.b64encode(key.encode()).decode()})
+        reply = _committed(url, {"key": _b64(key.encode())}, opener=self._opener, headers=self._admin(member))
         kvs = reply.get("kvs") or []
         return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
 

@@ -31,7 +31,12 @@ ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
 def get_if_set(store: dist.Store, key: str) -> bytes | None:
-    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting)."""
+    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting). A store with a
+    ``get_if_set`` of its own reads in one request (on etcd a leased key can vanish between a check
+    and a get, and the get would then wait for it)."""
+    own = getattr(store, "get_if_set", None)
+    if own is not None:
+        return own(key)
     return store.get(key) if store.check([key]) else None
 
 
@@ -71,13 +76,13 @@ def connector(address: str, timeout: timedelta, lease_ttl: float | Callable[[], 
     coordinator accepts connections (the store's own client retries an unreachable address for
     ``timeout`` in a native thread, and one still retrying when the interpreter exits aborts the
     process). ``etcd://...``: an :class:`~lightning_islands.link.etcd_store.EtcdStore` (``lease_ttl``,
-    seconds or a function asked at each connection: every key it writes lives under a lease renewed on
+    seconds or a function asked at each write: every key it writes lives under a lease renewed on
     each write; ignored for a TCPStore)."""
     from lightning_islands.link.etcd_store import EtcdStore, is_etcd
 
     if is_etcd(address):
         check_address(address)
-        return lambda: EtcdStore(address, timeout, lease_ttl() if callable(lease_ttl) else lease_ttl)
+        return lambda: EtcdStore(address, timeout, lease_ttl)
     host, port = parse_address(address)
 
     def connect() -> dist.Store:
@@ -145,13 +150,17 @@ class RemoteCoordinator:
     """A coordinator this process does not serve (an etcd cluster, or a TCPStore started elsewhere),
     as the launcher sees it: its :attr:`address` and the islands' status."""
 
-    def __init__(self, address: str, timeout: timedelta = timedelta(seconds=30)) -> None:
+    def __init__(self, address: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         self.address = address
         self.store = connector(address, timeout)()
 
     def status(self, num_islands: int, run_id: str) -> list[dict | None]:
-        """The latest status each island of run ``run_id`` published (``None`` where none yet)."""
-        return read_status(self.store, num_islands, run_id)
+        """The latest status each island of run ``run_id`` published (``None`` where none yet, or
+        while the coordinator does not answer: the status lines must never end the run)."""
+        try:
+            return read_status(self.store, num_islands, run_id)
+        except Exception:  # noqa: BLE001 - the islands report a lost coordinator themselves
+            return [None] * num_islands
 
 
 def read_status(store: dist.Store, num_islands: int, run_id: str) -> list[dict | None]:

@@ -28,22 +28,42 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import math
+import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from lightning_islands.link.etcd_credentials import (
+    ENV_CA,
+    ENV_CERT,
+    ENV_KEY,
+    ENV_PASSWORD_FILE,
+    ENV_USER,
+    EtcdCredentials,
+)
+
 SCHEME = "etcd://"
 ROOT = "lightning_islands/"  # every key of every run lives under this prefix in the cluster
 REQUEST_S = 2.0  # the longest one request to one member may take before the next member is tried
 RETRY_S = 0.1  # the pause before a request goes around the members again
+WATCH_S = 5.0  # the longest one watch runs before the wait reads again (through whichever member answers)
 
 
 class EtcdUnreachable(dist.DistNetworkError):
     """No member of the etcd cluster answered with a leader behind it within the store's timeout."""
+
+
+class _Refused(RuntimeError):
+    """etcd answered and refused the request (not a member or leader problem): not retried."""
+
+
+class EtcdAccessDenied(_Refused, PermissionError):
+    """The cluster refused this client: no or a wrong certificate, no user, or a key outside its role."""
 
 
 def is_etcd(address: str | None) -> bool:
@@ -80,10 +100,6 @@ def _common_prefix(keys: Sequence[bytes]) -> bytes:
     return first[:n]
 
 
-class _Refused(RuntimeError):
-    """etcd answered and refused the request (not a member or leader problem): not retried."""
-
-
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys live in an etcd cluster (see the module docstring).
 
@@ -91,49 +107,93 @@ class EtcdStore(dist.Store):
         address: ``etcd://host:port,...`` (every member's client address, any order).
         timeout: how long a wait, or a request the cluster cannot answer, may take.
         lease_ttl: put every key this store writes under a lease of this many seconds (at least
-            2), renewed on each write (an island's liveness beat); ``None``: no lease.
+            2), renewed on each write (an island's liveness beat); a function is asked at each write,
+            and a new lease is granted when its answer changes (``grace_s`` grows with the rounds);
+            ``None``: no lease.
         root: the prefix of every key in the cluster.
+        credentials: TLS files and the run's etcd user (default: from ``LI_ETCD_*``,
+            :mod:`lightning_islands.link.etcd_credentials`).
     """
 
-    def __init__(self, address: str, timeout: timedelta = timedelta(seconds=60), lease_ttl: float | None = None,
-                 root: str = ROOT) -> None:
+    def __init__(self, address: str, timeout: timedelta = timedelta(seconds=60),
+                 lease_ttl: float | Callable[[], float] | None = None,
+                 root: str = ROOT, credentials: EtcdCredentials | None = None) -> None:
         super().__init__()
         self.address = address
         self.members = parse_etcd(address)
+        self.credentials = EtcdCredentials.from_env() if credentials is None else credentials
+        self._context = self.credentials.context()
+        self._token: str | None = None
         self.set_timeout(timeout)
         self.root = root.encode()
-        self.lease_ttl = None if lease_ttl is None else max(2, int(lease_ttl + 0.999))
+        self.lease_ttl = lease_ttl
         self._lease: str | None = None
+        self._lease_s = 0  # the TTL the current lease was granted with
         self._member = 0  # the member requests go to first (the last one that answered)
         self._local = threading.local()
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple:
-        return (EtcdStore, (self.address, self.timeout, self.lease_ttl, self.root.decode()))
+        return (EtcdStore, (self.address, self.timeout, self.lease_ttl, self.root.decode(), self.credentials))
 
     # -- requests ----------------------------------------------------------------------------------
     def _connection(self, member: int, timeout: float) -> http.client.HTTPConnection:
         conns: dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(member)
         if conn is None:
-            host, port = self.members[member]
-            conn = conns[member] = http.client.HTTPConnection(host, port, timeout=timeout)
+            conn = conns[member] = self._open(member, timeout)
         conn.timeout = timeout
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
         return conn
+
+    def _open(self, member: int, timeout: float) -> http.client.HTTPConnection:
+        host, port = self.members[member]
+        if self._context is not None:
+            return http.client.HTTPSConnection(host, port, timeout=timeout, context=self._context)
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _headers(self, member: int, timeout: float) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.credentials.user is not None:
+            if self._token is None:  # etcd's token for the run's user (again after it expired)
+                try:
+                    password = self.credentials.password()
+                except ValueError as err:
+                    raise EtcdAccessDenied(f"the etcd cluster at {self.address}: {err}") from err
+                reply = self._once(member, "/v3/auth/authenticate", {"name": self.credentials.user,
+                                                                     "password": password}, timeout,
+                                   authenticate=False)
+                self._token = str(reply["token"])
+            headers["Authorization"] = self._token
+        return headers
+
+    def _denied(self, why: str) -> EtcdAccessDenied:
+        return EtcdAccessDenied(
+            f"the etcd cluster at {self.address} refused this island ({why}); give it the run's credentials: "
+            f"{ENV_CA}, {ENV_CERT} and {ENV_KEY} (TLS), {ENV_USER} and {ENV_PASSWORD_FILE} (the run's user, "
+            "whose role covers the run's keys); `lightning-islands coordinator --etcd N --tls --run-user RUN_ID` "
+            "prints them")
 
     def _drop(self, member: int) -> None:
         conn = self._local.__dict__.get("conns", {}).pop(member, None)
         if conn is not None:
             conn.close()
 
-    def _once(self, member: int, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def _once(self, member: int, path: str, body: dict[str, Any], timeout: float,
+              authenticate: bool = True) -> dict[str, Any]:
+        headers = self._headers(member, timeout) if authenticate else {"Content-Type": "application/json"}
         conn = self._connection(member, timeout)
         try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", path, json.dumps(body), headers)
             reply = conn.getresponse()
             data = reply.read()
+        except ssl.SSLCertVerificationError as err:
+            self._drop(member)
+            raise self._denied(f"its certificate is not signed by {ENV_CA}: {err.verify_message}") from err
+        except ssl.SSLError as err:
+            self._drop(member)
+            raise self._denied(f"TLS: {err.reason or err}") from err
         except (OSError, http.client.HTTPException):
             self._drop(member)
             raise
@@ -145,8 +205,14 @@ class EtcdStore(dist.Store):
                           or data[:200])
             # 503: no leader or the member is stopping; a member still catching up, or a request
             # that timed out inside the cluster: another member (or a later try) may answer
-            if status in (500, 502, 503, 504) or "leader" in message or "timed out" in message:
+            if status in (429, 500, 502, 503, 504) or "leader" in message or "timed out" in message:
                 raise ConnectionError(f"HTTP {status}: {message}")
+            if "invalid auth token" in message:  # expired: authenticate again on the next try
+                self._token = None
+                raise ConnectionError(message)
+            if any(word in message for word in ("permission denied", "user name is empty", "authentication failed",
+                                                "CommonName")):
+                raise self._denied(message)
             raise _Refused(f"etcd refused {path}: {message}")
         if "header" in answer:  # a watch starts after this thread's last read: no change in between is missed
             self._local.revision = int(answer["header"].get("revision", 0) or 0)
@@ -193,15 +259,18 @@ class EtcdStore(dist.Store):
         self._call("/v3/kv/put", body)
 
     def _renewed_lease(self) -> str:
+        asked = self.lease_ttl() if callable(self.lease_ttl) else self.lease_ttl
+        ttl = max(2, math.ceil(float(asked or 0)))
         with self._lock:
-            if self._lease is None:
-                self._lease = str(self._call("/v3/lease/grant", {"TTL": self.lease_ttl})["ID"])
+            if self._lease is None or ttl != self._lease_s:  # a new TTL: a new lease, the old one expires alone
+                self._lease = str(self._call("/v3/lease/grant", {"TTL": ttl})["ID"])
+                self._lease_s = ttl
                 return self._lease
             reply = self._call("/v3/lease/keepalive", {"ID": self._lease})
             if int(reply.get("result", {}).get("TTL", 0) or 0) <= 0:
                 lease, self._lease = self._lease, None
                 raise _Refused(f"lease {lease} expired: this store's keys are gone (the island was silent for "
-                               f"{self.lease_ttl} s)")
+                               f"{self._lease_s} s)")
             return self._lease
 
     def _range(self, key: str) -> bytes | None:
@@ -217,6 +286,10 @@ class EtcdStore(dist.Store):
             kvs = response.get("response_range", {}).get("kvs") or []
             values.append(self._value(kvs[0]) if kvs else None)
         return values
+
+    def get_if_set(self, key: str) -> bytes | None:
+        """``key``'s value, or ``None`` when it is not set: one request, no waiting."""
+        return self._range(key)
 
     def get(self, key: str) -> bytes:
         """``key``'s value, waiting (a watch) until it is set, at most the store's timeout."""
@@ -300,7 +373,7 @@ class EtcdStore(dist.Store):
             if left <= 0:
                 raise dist.DistStoreError(f"timed out after {(timeout or self.timeout).total_seconds():.0f} s "
                                           f"waiting for keys {keys!r} in the etcd cluster at {self.address}")
-            self._watch(prefix, left)
+            self._watch(prefix, min(left, WATCH_S))  # a member silent without a reset holds one watch at most
 
     def await_change(self, prefix: str, seconds: float) -> None:
         """Return when a key under ``prefix`` changed since this store's last read, or after
@@ -315,11 +388,13 @@ class EtcdStore(dist.Store):
         start = getattr(self._local, "revision", 0) + 1
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(_after(prefix)),
                                    "start_revision": str(start)}}
-        host, port = self.members[self._member]
+        member = self._member
         deadline = time.monotonic() + seconds
-        conn = http.client.HTTPConnection(host, port, timeout=min(seconds, REQUEST_S))
+        conn = self._open(member, min(seconds, REQUEST_S))
         try:
-            conn.request("POST", "/v3/watch", json.dumps(body), {"Content-Type": "application/json"})
+            # hasleader: a member cut off from the leader cancels the watch instead of keeping it silent
+            headers = {**self._headers(member, min(seconds, REQUEST_S)), "Grpc-Metadata-hasleader": "true"}
+            conn.request("POST", "/v3/watch", json.dumps(body), headers)
             reply = conn.getresponse()
             if reply.status != 200:
                 time.sleep(min(RETRY_S, seconds))

@@ -35,6 +35,7 @@ from lightning_islands.link.coordinator import (
     absent,
     connector,
     get_if_set,
+    parse_address,
     restart_count,
     status_key,
 )
@@ -125,9 +126,12 @@ class IslandLink:
         self.run_id = run_id
         self.deadline = deadline
         try:
-            self._plain = connector(address, store_timeout)()
             if self._etcd:
+                self._plain = connector(address, store_timeout)()
                 self._plain.check([f"{run_id}/joined"])  # the cluster answers, or EtcdUnreachable names it
+            else:  # no socket probe first: the link's first connection waits for a coordinator still starting
+                host, port = parse_address(address)
+                self._plain = dist.TCPStore(host, port, is_master=False, timeout=store_timeout)
         except Exception as err:  # noqa: BLE001 - re-raised with the cause and the fix
             raise ConnectionError(
                 f"island {island} could not reach the coordinator at {address} ({err}); start one with "

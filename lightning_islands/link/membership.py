@@ -103,8 +103,8 @@ class _Watch:
         if last is None:
             self.seen[island] = (beat, now)
             return 0.0
-        if beat is None and last[0] is not None:  # seen, now gone: its lease expired (etcd)
-            return math.inf
+        if beat is None:  # none yet, or gone with its lease (etcd): no progress since the last beat seen
+            return now - last[1]
         new, old = beat_order(beat), beat_order(last[0])
         if new is not None and old is not None:
             advanced = new > old

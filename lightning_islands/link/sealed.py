@@ -81,6 +81,13 @@ class SealedStore:
         """The value under ``name`` (waits for it as the store does), checked."""
         return self._open(name, self.store.get(name))
 
+    def get_if_set(self, name: str) -> bytes | None:
+        """The value under ``name``, checked, or ``None`` when there is none (no waiting)."""
+        from lightning_islands.link.coordinator import get_if_set
+
+        raw = get_if_set(self.store, name)
+        return None if raw is None else self._open(name, raw)
+
     def multi_get(self, names: Sequence[str]) -> list[bytes]:
         """The values under ``names`` in one request, each checked."""
         return [self._open(n, raw) for n, raw in zip(names, self.store.multi_get(list(names)))]
