@@ -124,14 +124,13 @@ def _kill_leader(cluster: LocalEtcdCluster, killed: list) -> None:
     killed.append((leader.name, process.returncode))
 
 
-def test_two_islands_train_on_while_the_leader_member_is_killed_in_inner_steps_and_in_a_decision(tmp_path):
-    """The leader member SIGKILLed during island 0's inner steps (after round 2 landed) and again
-    while island 0 proposes round 5's member set: every round counts, the global states stay
-    bit-identical, and both members are restarted and rejoin the cluster."""
+def test_two_islands_train_on_while_the_leader_member_is_killed_in_a_decision(tmp_path):
+    """The leader member SIGKILLed while island 0 proposes round 3's member set (the multi-process
+    test below kills it in inner steps): every round counts, the global states stay bit-identical,
+    and the member is restarted and rejoins the cluster."""
     with LocalEtcdCluster(3, data_dir=tmp_path) as cluster:
         results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
         killed: list = []
-        in_inner_steps = threading.Event()
 
         def island(i: int) -> None:
             link = _link(cluster.address, i, 2, "leader")
@@ -139,28 +138,24 @@ def test_two_islands_train_on_while_the_leader_member_is_killed_in_inner_steps_a
                 propose = link.membership._propose
 
                 def propose_after_a_kill(round_, *args, **kw):
-                    if round_ == 5 and len(killed) == 1:
+                    if round_ == 3 and not killed:
                         _kill_leader(cluster, killed)  # the decision's transaction goes to the cluster after
                     return propose(round_, *args, **kw)
                 link.membership._propose = propose_after_a_kill
             engine, locals_ = _engine(i, 2, link)
             engine.meet(lambda: link, engine.fingerprint(False))
             engine.adopt_initial_state(locals_, {})
-            if i == 0:
-                _train(engine, locals_, i, 2, results[i], pause=0.02, end=False)
-                _kill_leader(cluster, killed)
-                in_inner_steps.set()
-            _train(engine, locals_, i, 8, results[i], pause=0.02)
+            _train(engine, locals_, i, 6, results[i], pause=0.02)
             link.close()
 
         run_threads([lambda: island(0), lambda: island(1)])
-        assert len(killed) == 2 and all(code == -9 for _, code in killed), killed
+        assert len(killed) == 1 and killed[0][1] == -9, killed
         deadline = time.monotonic() + 60
-        while sum(m.restarts for m in cluster.members) < 2:
+        while sum(m.restarts for m in cluster.members) < 1:
             assert time.monotonic() < deadline, "the supervisor did not restart the killed members"
             time.sleep(0.05)
         cluster.wait_healthy(60)
-    assert sorted(results[0]) == list(range(1, 9)) == sorted(results[1]), "no round was lost"
+    assert sorted(results[0]) == list(range(1, 7)) == sorted(results[1]), "no round was lost"
     for r in results[0]:
         assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
 
@@ -174,7 +169,7 @@ def test_a_cluster_that_lost_its_majority_ends_every_island_naming_it_and_keeps_
         reached = threading.Barrier(3)
 
         def island(i: int, run_id: str, rounds: int, lose: bool) -> None:
-            link = _link(cluster.address, i, 2, run_id, deadline=timedelta(seconds=6))
+            link = _link(cluster.address, i, 2, run_id, deadline=timedelta(seconds=3))
             engine, locals_ = _engine(i, 2, link)
             engine.meet(lambda: link, engine.fingerprint(False))
             engine.adopt_initial_state(locals_, {})
@@ -226,7 +221,7 @@ def test_run_with_an_etcd_coordinator_trains_processes_bit_identically_through_a
         proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off",
              "--coordinator", cluster.address, "--log-dir", str(tmp_path / "logs"), "--",
-             sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out), "--steps", "10", "--H", "1",
+             sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out), "--steps", "6", "--H", "1",
              "--delays", "0.1,0.1"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -237,14 +232,14 @@ def test_run_with_an_etcd_coordinator_trains_processes_bit_identically_through_a
                 time.sleep(0.05)
             killed: list = []
             _kill_leader(cluster, killed)
-            assert not (out / "island0_round10.pt").exists(), "the leader died while rounds were still to come"
+            assert not (out / "island0_round6.pt").exists(), "the leader died while rounds were still to come"
             output, _ = proc.communicate(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, output[-4000:]
     assert killed and killed[0][1] == -9
-    assert_islands_equal(out, 10)
+    assert_islands_equal(out, 6)
 
 
 def test_an_island_without_progress_loses_its_lease_and_the_round_goes_on_without_it(one_member):
@@ -259,7 +254,10 @@ def test_an_island_without_progress_loses_its_lease_and_the_round_goes_on_withou
     waited = time.monotonic() - started
     assert links[0].decision.present == (0,), "island 1 made no progress: round 1 goes on without it"
     plain = EtcdStore(one_member.address)
-    assert not plain.check(["lease/alive/1"]), "island 1's lease expired and took its liveness key"
+    deadline = time.monotonic() + 30  # etcd revokes an expired lease on its own schedule (every 0.5 s)
+    while plain.check(["lease/alive/1"]):
+        assert time.monotonic() < deadline, "island 1's lease never expired"
+        time.sleep(0.05)
     assert plain.check(["lease/round0/a0/members", "lease/alive/0"]), "the decision and island 0's beat stay"
     assert links[1].alive._thread.is_alive(), "island 1's beat thread lives on"
     assert waited < 2.0 + 5.0, f"island 0 waited {waited:.1f} s"

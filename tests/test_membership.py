@@ -380,9 +380,11 @@ def test_islands_that_come_back_after_being_left_behind_move_bytes_on_fresh_lane
         assert [t.tolist() for t in g] == [[7] * 5, [8] * 5]
 
 
-@pytest.mark.parametrize("n, silent", [(3, 0), (3, 1), (3, 2), (4, 1), (4, 3)],
-                         ids=["3-first", "3-middle", "3-last", "4-middle", "4-last"])
-@pytest.mark.parametrize("phase", ["inner", "exchange"])
+# every position (first, middle, last) in each phase, and both island counts in each (6 of the 10 pairs)
+@pytest.mark.parametrize("phase, n, silent", [("inner", 3, 0), ("inner", 3, 1), ("inner", 4, 3),
+                                              ("exchange", 3, 0), ("exchange", 4, 1), ("exchange", 3, 2)],
+                         ids=["inner-3-first", "inner-3-middle", "inner-4-last", "exchange-3-first",
+                              "exchange-4-middle", "exchange-3-last"])
 def test_a_member_that_goes_silent_in_either_phase_is_given_up_within_the_grace_window(n, silent, phase):
     """Of three or four islands, island ``silent`` stops without a reset (its beat stops, its
     payload never comes, its sockets stay open), as a stopped process or a cut link does: in its

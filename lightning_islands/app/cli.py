@@ -137,7 +137,7 @@ def _coordinator(argv: list[str]) -> int:
     parser.add_argument("--data-dir", default=None, help="with --etcd: the members' data folder (default: temporary)")
     parser.add_argument("--tls", action="store_true",
                         help="with --etcd: members serve TLS and refuse clients without a certificate of their CA "
-                             "(made in DATA_DIR/tls); prints the LI_ETCD_* lines islands need")
+                             "(made in DATA_DIR/tls); prints the LI_ETCD_CA, LI_ETCD_CERT and LI_ETCD_KEY islands need")
     parser.add_argument("--run-user", action="append", default=[], metavar="RUN_ID",
                         help="with --etcd --tls: an etcd user and role limited to the keys of run RUN_ID (give "
                              "the run --run-id RUN_ID), its password in DATA_DIR/RUN_ID.password; turns etcd's "

@@ -38,7 +38,7 @@ class EtcdCredentials:
 
     @classmethod
     def from_env(cls) -> EtcdCredentials:
-        """The credentials ``LI_ETCD_*`` name (none set: plain HTTP, no user)."""
+        """The credentials the environment names (LI_ETCD_CA and the others above) (none set: plain HTTP, no user)."""
         def get(name: str) -> str | None:
             return os.environ.get(name) or None
         return cls(get(ENV_CA), get(ENV_CERT), get(ENV_KEY), get(ENV_USER), get(ENV_PASSWORD_FILE))

@@ -111,7 +111,7 @@ class EtcdStore(dist.Store):
             and a new lease is granted when its answer changes (``grace_s`` grows with the rounds);
             ``None``: no lease.
         root: the prefix of every key in the cluster.
-        credentials: TLS files and the run's etcd user (default: from ``LI_ETCD_*``,
+        credentials: TLS files and the run's etcd user (default: from the environment, LI_ETCD_CA and others,
             :mod:`lightning_islands.link.etcd_credentials`).
     """
 
