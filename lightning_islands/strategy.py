@@ -35,7 +35,7 @@ from typing_extensions import override
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
 from lightning_islands.engine.checkpoint import OUTER_DIR, load_global_parameters
 from lightning_islands.engine.island import Island
-from lightning_islands.engine.rendezvous import checkpoint_to_load
+from lightning_islands.engine.rendezvous import RUN_RECORD, checkpoint_to_load
 from lightning_islands.engine.safe_metadata import check_metadata
 from lightning_islands.engine.saves import (
     clear_staged,
@@ -50,9 +50,9 @@ from lightning_islands.engine.saves import (
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
 from lightning_islands.link.auth import SCHEME, AuthenticatedLink, load_secret
-from lightning_islands.link.coordinator import island_identity, restart_count
-from lightning_islands.link.island_link import IslandLink
-from lightning_islands.link.protocol import IslandAborted
+from lightning_islands.link.coordinator import island_identity, joining_from_env, restart_count
+from lightning_islands.link.island_link import DEFAULT_GRACE_S, IslandLink
+from lightning_islands.link.protocol import CoordinatorLost, IslandAborted
 
 T = TypeVar("T")
 
@@ -91,6 +91,9 @@ class IslandStrategy(FSDP2Strategy):
             every field documented there and in docs/SETTINGS.md); default ``IslandSettings()``.
         island, num_islands, coordinator, run_id: this island's identity; default from the
             environment (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``).
+        join: this island joins a run under way (default: ``LI_JOIN=1``): with an index no island of
+            the run has, it adopts the run's settings (all but its own ``steps_per_round``,
+            ``outer_device`` and ``on_end``) and, at the round that takes it in, the global state.
         secret_file: a file holding the islands' shared secret (mode 600); default ``LI_SECRET_FILE``,
             else ``LI_SECRET``, else none. With a secret, every payload and round header carries an
             HMAC (:class:`~lightning_islands.link.auth.AuthenticatedLink`, see SECURITY.md).
@@ -105,7 +108,7 @@ class IslandStrategy(FSDP2Strategy):
 
     def __init__(self, settings: IslandSettings | None = None, *, island: int | None = None,
                  num_islands: int | None = None, coordinator: str | None = None, run_id: str | None = None,
-                 secret_file: str | None = None, unit_classes: Sequence[str] | None = None,
+                 join: bool | None = None, secret_file: str | None = None, unit_classes: Sequence[str] | None = None,
                  reshard_after_forward: bool = True, process_group_backend: str | None = None,
                  tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **values: Any) -> None:
         self.settings = IslandSettings.with_values(settings, values, "IslandStrategy")
@@ -116,8 +119,9 @@ class IslandStrategy(FSDP2Strategy):
             expert_parallel_size=expert_parallel_size,
             # the leader may wait up to deadline_s for other islands while the other ranks wait for it
             timeout=max(default_pg_timeout, timedelta(seconds=2 * deadline_s)))
+        self.join = joining_from_env(join)
         self.island_index, self.num_islands, self.coordinator, self.run_id = island_identity(
-            island, num_islands, coordinator, run_id)
+            island, num_islands, coordinator, run_id, self.join)
         self.secret_file = secret_file
         self.engine: IslandEngine | None = None  # from setup on (it needs the sharded module)
         self.driver: RoundDriver | None = None  # lands and runs the engine's rounds, from setup on
@@ -133,6 +137,7 @@ class IslandStrategy(FSDP2Strategy):
         self._resume_from: bool | str = False  # what the fit resumes from, as the islands compare it
         self._rejoining = False  # a restarted island: the live islands take it back at its first round
         self._secret: bytes | None = None
+        self._link: IslandLink | AuthenticatedLink | None = None  # a joiner's, opened before its engine
         self._tp_rank: int | None = None  # this rank's place in its tensor-parallel group
 
     # ------------------------------------------------------------------ what the app reads
@@ -195,6 +200,9 @@ class IslandStrategy(FSDP2Strategy):
                 f"reset_island_token_counts(); {type(module).__name__} does not (or set expert_weighting=False)")
         named = list(module.named_parameters())
         self._params = [p for _, p in named]
+        if self.join and self.engine is None:  # the run's settings, before anything is built from them
+            self._secret = load_secret(self.secret_file)
+            self.settings = self._adopt_run_settings()
         layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device))
         previous, self.engine = self.engine, IslandEngine(self.settings, layout, self.island_index, self.num_islands,
                                                           self.root_device, self._exchange_device())
@@ -207,20 +215,45 @@ class IslandStrategy(FSDP2Strategy):
             # whether payloads are signed must agree (never the secret itself, nor where it is kept)
             fingerprint = {**self.engine.fingerprint(self._resuming), "resuming": self._resume_from,
                            "auth": SCHEME if self._secret else False}
-            self._rejoining = restart_count() > 0  # restarted after a crash: the live islands take it back
-            self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining)
+            # restarted after a crash, or new to a run under way: the live islands take it in
+            self._rejoining = restart_count() > 0 or self.join
+            self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining and not self.join,
+                             joining=self.join)
         if self._rejoining:  # its own parameters stand in until the round that takes it back replaces them
             self.engine.state.set_anchors(self._locals())
         else:
             self.engine.adopt_initial_state(self._locals(), dict(module.named_buffers()))
 
     def _open_link(self) -> IslandLink | AuthenticatedLink:
+        if self._link is not None:  # a joiner's, opened to read the run's settings
+            link, self._link = self._link, None
+            return link
         assert self.coordinator is not None
         s = self.settings
+
+        def grace_s() -> float:
+            return self.engine.grace_s() if self.engine is not None else DEFAULT_GRACE_S
+
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
-                          grace_s=self.engine.grace_s, secret=self._secret)  # type: ignore[union-attr]
+                          grace_s=grace_s, secret=self._secret, join=self.join)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
+
+    def _adopt_run_settings(self) -> IslandSettings:
+        """A joiner (every rank): the run's settings from its record at the coordinator, with this
+        island's own per-island settings; what differed from its own is logged."""
+        def leader() -> dict[str, Any]:
+            self._link = self._open_link()
+            record = self._link.read_object(RUN_RECORD, self.settings.deadline_s)
+            return record["settings"]  # type: ignore[index]
+
+        published = self._island().agree(leader)
+        adopted = self.settings.adopt(published)
+        changed = {k: getattr(adopted, k) for k in IslandSettings.names() if getattr(adopted, k) != getattr(
+            self.settings, k)}
+        rank_zero_info(f"islands: island {self.island_index} joins run {self.run_id!r} with its settings"
+                       + (f" (changed here: {changed})" if changed else ""))
+        return adopted
 
     # ------------------------------------------------------------------ inner steps and rounds
     @override
@@ -339,7 +372,7 @@ class IslandStrategy(FSDP2Strategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         link = self.engine.link if self.engine else None
-        if link is not None and self.global_rank == 0 and not isinstance(exception, IslandAborted):
+        if link is not None and self.global_rank == 0 and not isinstance(exception, (IslandAborted, CoordinatorLost)):
             with suppress(Exception):
                 link.abort(f"island {self.island_index}: {type(exception).__name__}: {exception}")
         super().on_exception(exception)

@@ -62,6 +62,7 @@ class MemoryLink:
         self._calls = 0
         self.lanes_open = False
         self.present = tuple(range(self.num_islands))  # every island, every round: no one is lost in memory
+        self.roster = self.present  # no island joins or retires in memory
         self.lanes_key = None
 
     def open_lanes(self) -> None:
@@ -78,6 +79,18 @@ class MemoryLink:
 
     def rejoin(self, timeout_s: float) -> int:
         raise NotImplementedError("islands in memory never restart")
+
+    def retire_after(self, round_: int) -> None:
+        raise NotImplementedError("islands in memory never retire")
+
+    def publish(self, key: str, obj: object) -> None:
+        with self.hub.cond:
+            self.hub.posts.setdefault(f"published/{key}", {})[self.island] = json.dumps(obj)
+
+    def read_object(self, key: str, timeout_s: float) -> object:
+        with self.hub.cond:
+            found = self.hub.posts.get(f"published/{key}", {})
+            return json.loads(next(iter(found.values()))) if found else None
 
     def membership_changes(self) -> list[str]:
         return []

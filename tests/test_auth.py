@@ -238,7 +238,7 @@ def _meet(i: int, link) -> None:
     settings = IslandSettings(sync_every=3)
     layout = CanonicalLayout(SPECS)
     engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-    engine.meet(lambda: link, settings.fingerprint(layout, 2, False, "cpu"))
+    engine.meet(lambda: link, settings.fingerprint(layout, False, "cpu"))
 
 
 def test_the_engine_stops_both_islands_when_one_has_the_wrong_secret():

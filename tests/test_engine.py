@@ -72,7 +72,7 @@ def _rank_main(plan: Plan, island: int, rank: int, group: ThreadGroup, hub: Hub,
     start = initial_flat(0 if plan.same_seed else island)
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     if len(plan.sizes) > 1:
-        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, len(plan.sizes), False, "cpu"))
+        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     if resume is not None:
         saved = resume[island, rank]
@@ -290,7 +290,7 @@ def test_islands_that_differ_are_refused_by_name_before_the_lanes_open(kwargs, n
         settings = IslandSettings(sync_every=3, **kwargs[i])
         layout = CanonicalLayout(SPECS)
         engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-        engine.meet(lambda: Watched(hub, i), settings.fingerprint(layout, 2, False, "cpu"))
+        engine.meet(lambda: Watched(hub, i), settings.fingerprint(layout, False, "cpu"))
 
     with pytest.raises(RuntimeError, match=needle):
         run_threads([lambda: island(0), lambda: island(1)])
@@ -314,7 +314,7 @@ def loopback_island(i: int, make_link: Any) -> list[torch.Tensor]:
     layout = CanonicalLayout(SPECS)
     engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
     locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
-    engine.meet(lambda: make_link(i), settings.fingerprint(layout, 2, False, "cpu"))
+    engine.meet(lambda: make_link(i), settings.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     out = []
     for _ in range(plan.rounds):

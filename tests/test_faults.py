@@ -139,7 +139,7 @@ def _mismatch(tmp_path):
     from lightning_islands.engine.settings import compare_fingerprints
 
     layout = CanonicalLayout([("w", (4, 4), False)])
-    prints = [IslandSettings(sync_every=h).fingerprint(layout, 2, False, "cpu") for h in (25, 50)]
+    prints = [IslandSettings(sync_every=h).fingerprint(layout, False, "cpu") for h in (25, 50)]
     raise RuntimeError(compare_fingerprints(prints))
 
 

@@ -66,7 +66,7 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     gate = gates[island] if gates else None
     engine.meet(lambda: GatedLink(hub, island, gate) if gate else RecordingLink(hub, island),
-                settings.fingerprint(layout, len(sizes), False, "cpu"))
+                settings.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     globals_, metrics = [], []
 

@@ -10,6 +10,7 @@ and restores the outer state. The round's sequence is :class:`~lightning_islands
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -100,9 +101,11 @@ class IslandEngineBase:
         return max(GRACE_FLOOR_S, self.schedule.steps_per_round * self._step_seconds)
 
     # ------------------------------------------------------------------ before the rounds
-    def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool = False) -> None:
-        """Meet the other islands and compare fingerprints (:func:`rendezvous.meet`)."""
-        rendezvous.meet(self.side, open_link, fingerprint, rejoining)
+    def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool = False,
+             joining: bool = False) -> None:
+        """Meet the other islands and compare fingerprints (:func:`rendezvous.meet`); ``joining``: this
+        island is new to a run under way (it compares with the run's record)."""
+        rendezvous.meet(self.side, open_link, fingerprint, rejoining, joining, dataclasses.asdict(self.settings))
 
     def adopt_initial_state(self, locals_: Sequence[Tensor], buffers: dict[str, Tensor]) -> None:
         """Every island takes island 0's parameters and buffers (:func:`rendezvous.adopt_initial_state`);
@@ -136,7 +139,7 @@ class IslandEngineBase:
 
     def fingerprint(self, resuming: bool) -> dict[str, Any]:
         """What must be equal on every island (:meth:`IslandSettings.fingerprint`) for this one."""
-        return self.settings.fingerprint(self.layout, self.num_islands, resuming, self.device)
+        return self.settings.fingerprint(self.layout, resuming, self.device)
 
     # ------------------------------------------------------------------ global state
     @torch.no_grad()
@@ -188,10 +191,10 @@ class IslandEngineBase:
         """Restore the outer state from the checkpoint folder ``path`` and the counters ``meta`` of
         :meth:`checkpoint_meta` (a collective of the island). A checkpoint of another
         island is refused with the fix."""
-        if meta["island"] != self.island or meta.get("num_islands", self.num_islands) != self.num_islands:
+        if meta["island"] != self.island:
             raise ValueError(
-                f"{path} was saved by island {meta['island']} of {meta.get('num_islands')}, but this is island "
-                f"{self.island} of {self.num_islands}; give each island its own checkpoint (resume=[...])")
+                f"{path} was saved by island {meta['island']}, but this is island {self.island}; give each island "
+                "its own checkpoint (resume=[...])")
         use_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
         keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * use_residual
         loaded = load_outer_state(path, keys, params, self.layout, self.state.anchors)

@@ -73,4 +73,6 @@ class RoundMeeting:
         if self.island.link is not None:
             for key, value in exchange.link_sums.items():
                 self.totals[key] += value
-        return exchange.metrics(chunks, self.island.num_islands, self.settings.use_error_feedback)
+        link = self.island.link
+        islands = len(link.roster) if link is not None else self.island.num_islands  # the run's, as it changes
+        return exchange.metrics(chunks, islands, self.settings.use_error_feedback)

@@ -29,25 +29,36 @@ from lightning_islands.engine.settings import compare_fingerprints
 from lightning_islands.engine.state import OuterState
 from lightning_islands.link.protocol import Link
 
+RUN_RECORD = "run"  # where island 0 publishes the run's fingerprint and settings for islands that join later
 
-def meet(island: Island, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool) -> None:
+
+def meet(island: Island, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool,
+         joining: bool = False, settings: dict[str, Any] | None = None) -> None:
     """Leader: open the link, compare fingerprints through the coordinator, then open the lanes;
-    every rank raises if any island differs. ``rejoining``: a restarted island compares with what
-    the others published when they started, whether or not they resumed, and opens no lanes (the
-    round that takes it back builds them)."""
+    every rank raises if any island differs. Island 0 publishes the run's record (its fingerprint
+    and ``settings``) for islands that join later. ``rejoining``: a restarted island compares with
+    what the others published when they started, whether or not they resumed, and opens no lanes
+    (the round that takes it back builds them); ``joining``: a new island compares with the run's
+    record instead (it knows no other island yet), and opens no lanes either."""
 
     def leader() -> None:
         try:
             island.link = open_link()
         except Exception as err:
             raise RuntimeError(f"could not meet the other islands: {err}") from err
-        prints = island.link.gather_objects("fingerprint", fingerprint)
-        if rejoining:
+        if joining:
+            record = island.link.read_object(RUN_RECORD, fingerprint.get("deadline_s") or 3600.0)
+            prints = [record["fingerprint"], fingerprint]  # type: ignore[index]
+        else:
+            prints = island.link.gather_objects("fingerprint", fingerprint)
+            if island.index == 0 and not rejoining:
+                island.link.publish(RUN_RECORD, {"fingerprint": fingerprint, "settings": settings})
+        if rejoining or joining:
             prints = [{k: v for k, v in p.items() if k != "resuming"} for p in prints]
         error = compare_fingerprints(prints)
         if error:
-            raise RuntimeError(error)
-        if not rejoining:
+            raise RuntimeError(error if not joining else error.replace("island 1 has", f"island {island.index} has"))
+        if not rejoining and not joining:
             island.link.open_lanes()
 
     island.agree(leader)

@@ -61,10 +61,17 @@ class PendingRound:
     repaired: int = 0  # islands whose global state differed and was replaced at this round
     inner_steps: int = 0  # the island's inner steps when the round started
     blocking: float = 0.0  # seconds the training thread spent on an overlapped round (start and land)
+    leave: bool = False  # this island retires from the run with this round (the others go on)
 
     @property
     def stop(self) -> bool:
-        """Whether some island ends training with this round (so every island does)."""
+        """Whether this island stops training after this round: some island ends the run with it (so
+        every island does), or this island retires with it."""
+        return self.leave or self.run_ends
+
+    @property
+    def run_ends(self) -> bool:
+        """Whether some island ends the run with this round."""
         return any(h.stop for h in self.headers)
 
 
@@ -90,7 +97,8 @@ class IslandEngine(IslandEngineBase):
         ``locals_``: this rank's local shards (of every parameter; the round takes its fragment's);
         ``experts``: this island's tokens per expert of each expert parameter (expert weighting;
         summed over the island already); ``stop``: this island ends training with this round (the
-        others learn it through the headers); ``started``: when the round began
+        others learn it through the headers: with ``on_end="leave"`` this island retires and they go
+        on, else they stop too); ``started``: when the round began
         (``time.perf_counter()``; default now), if gathering its inputs took time.
 
         ``background``: overlap the round with the next inner steps. Only the fragment's snapshot is
@@ -119,6 +127,9 @@ class IslandEngine(IslandEngineBase):
         self._step_seconds = step_seconds
         pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps,
                                experts=experts)
+        if stop and s.on_end == "leave" and self.num_islands > 1:
+            pending.leave, stop, round_ = True, False, self.schedule.round
+            self.side.on_leader(lambda link: link.retire_after(round_))
         header = self._header(pending, delta_sq, stop)
         if background:
             return self._fly(pending, sent, delta_sq, header)
@@ -149,7 +160,7 @@ class IslandEngine(IslandEngineBase):
             pending.metrics.update(plan.expert_gap_metrics())
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
-        self.side.agree(lambda: self.meeting.settle(header.round, pending.stop))
+        self.side.agree(lambda: self.meeting.settle(header.round, pending.run_ends))
         if pending.stop:
             self.schedule.stopping = True
         self.joining = False

@@ -157,6 +157,14 @@ class IslandSettings:
         None, "How long an island may make no progress (no step, validation batch, checkpoint write, or wait or "
               "transfer within its deadline) before the others go on without it; null: this island's last round "
               "length, at least 10 s. It must exceed the longest step.")
+    on_end: str = setting(
+        "stop", "What this island's end of training (its `max_steps`, `max_rounds`, or a callback stopping the "
+                "trainer) means for the run: `stop` ends every island after that round; `leave` retires this island "
+                "for good: its last round counts, then the others go on without it (its tokens stop counting, no "
+                "round waits for it). Per island.")
+
+    # settings each island chooses for itself; the rest is the run's (a joining island adopts them)
+    PER_ISLAND = ("steps_per_round", "outer_device", "on_end")
 
     @classmethod
     def help(cls, name: str) -> str:
@@ -194,6 +202,17 @@ class IslandSettings:
             chosen["steps_per_round"] = steps_per_round
         return cls(**chosen)
 
+    def adopt(self, published: Mapping[str, Any]) -> IslandSettings:
+        """The run's settings ``published`` (a dict of every setting, as the islands that started the
+        run publish it) with this island's own :attr:`PER_ISLAND` settings: what a joining island
+        trains with."""
+        names = self.names()
+        unknown = sorted(set(published) - set(names))
+        if unknown:
+            raise ValueError(f"the run publishes settings {unknown} this version of lightning_islands does not know; "
+                             "run the same version on every island")
+        return replace(self, **{k: v for k, v in published.items() if k not in self.PER_ISLAND})
+
     @property
     def use_error_feedback(self) -> bool:
         """Whether the error-feedback residual is kept (``error_feedback``, or the codec's default)."""
@@ -217,6 +236,8 @@ class IslandSettings:
             raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
         if self.weighting not in ("tokens", "equal"):
             raise ValueError(f"weighting must be 'tokens' or 'equal', got {self.weighting!r}")
+        if self.on_end not in ("stop", "leave"):
+            raise ValueError(f"on_end must be 'stop' or 'leave' (islands.on_end), got {self.on_end!r}")
         if self.balance not in ("none", "time"):
             raise ValueError(f"balance must be 'none' or 'time', got {self.balance!r}")
         if self.max_rounds is not None and self.max_rounds < 1:
@@ -272,16 +293,16 @@ class IslandSettings:
                               nesterov=self.nesterov and self.outer_momentum > 0,
                               lr_warmup=self.outer_lr_warmup, momentum_warmup=self.outer_momentum_warmup)
 
-    def fingerprint(self, layout: CanonicalLayout, num_islands: int, resuming: bool,
+    def fingerprint(self, layout: CanonicalLayout, resuming: bool,
                     training_device: torch.device | str) -> dict[str, Any]:
-        """What must be equal on every island for the merge to make sense."""
+        """What must be equal on every island for the merge to make sense (not how many islands there
+        are: islands join and retire while a run goes on)."""
         described = layout.describe()
         return {
             "parameters": hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16],
             "num_parameters": layout.numel,
             "num_tensors": len(layout.entries),
             "first_tensors": described[:3],
-            "num_islands": num_islands,
             "sync_every": self.sync_every,
             "sync_warmup": self.sync_warmup,
             "outer": self.outer_optimizer().settings(),

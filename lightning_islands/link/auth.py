@@ -208,7 +208,6 @@ class AuthenticatedLink:
             raise TypeError("secret must be non-empty bytes (see lightning_islands.link.auth.load_secret)")
         self.link = link
         self.island = link.island
-        self.num_islands = link.num_islands
         self.run_id = run_id
         self._key = derive_key(secret, run_id)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -226,6 +225,16 @@ class AuthenticatedLink:
     def present(self) -> tuple[int, ...]:
         """The islands of the current round (the wrapped link's)."""
         return self.link.present
+
+    @property
+    def num_islands(self) -> int:
+        """The length of lists in island order (the wrapped link's)."""
+        return self.link.num_islands
+
+    @property
+    def roster(self) -> tuple[int, ...]:
+        """The run's islands (the wrapped link's)."""
+        return self.link.roster
 
     @property
     def lanes_key(self) -> str | None:
@@ -400,6 +409,25 @@ class AuthenticatedLink:
     def rejoin(self, timeout_s: float) -> int:
         """Ask to be taken back, on the wrapped link."""
         return self.link.rejoin(timeout_s)
+
+    def retire_after(self, round_: int) -> None:
+        """Leave the run for good after round ``round_``, on the wrapped link."""
+        self.link.retire_after(round_)
+
+    def publish(self, key: str, obj: object) -> None:
+        """Publish ``obj`` under ``key``, with its MAC (bound to this island as its author)."""
+        text = json.dumps(obj)
+        self.link.publish(key, {"auth": SCHEME, "json": text, "mac": object_mac(self._key, key, self.island, text),
+                                "from": self.island})
+
+    def read_object(self, key: str, timeout_s: float) -> object:
+        """The object an island published under ``key``, checked against its MAC."""
+        entry = self.link.read_object(key, timeout_s)
+        author = entry.get("from") if isinstance(entry, dict) else None
+        problem = self._object_problem(key, author if isinstance(author, int) else -1, entry)
+        if problem:
+            raise self._reject([problem])
+        return json.loads(entry["json"])  # type: ignore[index]
 
     def membership_changes(self) -> list[str]:
         """The wrapped link's member-set changes since the last call."""

@@ -23,6 +23,8 @@ ENV_ISLAND = "LI_ISLAND"
 ENV_NUM_ISLANDS = "LI_NUM_ISLANDS"
 ENV_COORDINATOR = "LI_COORDINATOR"
 ENV_RUN_ID = "LI_RUN_ID"
+# 1: this island joins a run already under way (an index of its own, beyond those the run started with)
+ENV_JOIN = "LI_JOIN"
 # The network interface the lanes bind to (the launcher's shaped link sets it to the island's veth);
 # unset, they use gloo's default device (GLOO_SOCKET_IFNAME, else this host's name).
 ENV_LINK_IFNAME = "LI_LINK_IFNAME"
@@ -102,14 +104,29 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} must be an integer") from err
 
 
+def joining_from_env(join: bool | None = None) -> bool:
+    """``join``, else whether ``LI_JOIN`` is 1 (this island joins a run under way)."""
+    if join is not None:
+        return bool(join)
+    value = os.environ.get(ENV_JOIN, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"environment variable {ENV_JOIN}={value!r} must be 1 (join a run under way) or 0")
+    return value == "1"
+
+
 def island_identity(island: int | None = None, num_islands: int | None = None, coordinator: str | None = None,
-                    run_id: str | None = None) -> tuple[int, int, str | None, str]:
+                    run_id: str | None = None, join: bool = False) -> tuple[int, int, str | None, str]:
     """``(island, num_islands, coordinator, run_id)``: each argument, else from the environment
     (``LI_ISLAND``, ``LI_NUM_ISLANDS``, ``LI_COORDINATOR``, ``LI_RUN_ID``), else island 0 of 1, no
     coordinator, run id ``"islands"``. Raises a ValueError naming the fix for an index out of range
-    or several islands without a coordinator."""
+    or several islands without a coordinator. ``join``: the island joins a run under way, with any
+    index (``num_islands`` is then at least one more than it)."""
     island = island if island is not None else (_env_int(ENV_ISLAND) or 0)
     num_islands = num_islands if num_islands is not None else (_env_int(ENV_NUM_ISLANDS) or 1)
+    if join:
+        if island < 0:
+            raise ValueError(f"island index {island} must be >= 0")
+        num_islands = max(num_islands, island + 1, 2)
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     if num_islands > 1 and not coordinator:
         raise ValueError(f"{num_islands} islands need a coordinator address: pass coordinator='HOST:PORT' or set "

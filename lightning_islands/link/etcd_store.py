@@ -344,6 +344,8 @@ class EtcdStore(dist.Store):
         while True:
             kvs = self._call("/v3/kv/range", {"key": k}).get("kvs") or []
             current, revision = (int(self._value(kvs[0])), kvs[0].get("mod_revision", "0")) if kvs else (0, "0")
+            if amount == 0:  # a read: one request
+                return current
             new = current + amount
             compare = {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}
             if self._call("/v3/kv/txn", {"compare": [compare],

@@ -80,8 +80,8 @@ class IslandLink:
 
     Args:
         address: coordinator ``host:port``.
-        island: this island's index in ``[0, num_islands)``.
-        num_islands: how many islands take part.
+        island: this island's index in ``[0, num_islands)`` (any index not taken, when joining).
+        num_islands: how many islands the run starts with (more may join, some may retire).
         run_id: namespace for this run's keys in the store (several runs may share a coordinator).
         lanes: parallel TCP streams per island pair; payloads are split across them.
         deadline: the longest one round may take (all its attempts), and the longest the start
@@ -98,6 +98,8 @@ class IslandLink:
         secret: the run's shared secret (:func:`~lightning_islands.link.auth.load_secret`): every
             value this island acts on is then sealed with a MAC (:mod:`lightning_islands.link.sealed`);
             ``None``: plain values.
+        join: this island joins a run already under way (it enrolls and is taken in by a round,
+            :meth:`rejoin`), instead of starting with the others.
     """
 
     def __init__(
@@ -113,8 +115,9 @@ class IslandLink:
         grace_s: float | Callable[[], float] | None = None,
         incarnation: int | None = None,
         secret: bytes | None = None,
+        join: bool = False,
     ) -> None:
-        if not 0 <= island < num_islands:
+        if not 0 <= island < num_islands and not (join and island >= 0):
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
         self.address = address
         self._etcd = is_etcd(address)
@@ -122,7 +125,6 @@ class IslandLink:
         self.lanes = Lanes(connector(address, store_timeout), lanes, deadline,
                            interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island}")
         self.island = island
-        self.num_islands = num_islands
         self.run_id = run_id
         self.deadline = deadline
         try:
@@ -154,12 +156,13 @@ class IslandLink:
                 f"islands were given the same index ({ENV_ISLAND}) or the run id is reused; give every launch "
                 f"a fresh {ENV_RUN_ID}"
             )
-        self.present: tuple[int, ...] = tuple(range(num_islands))  # the islands the lanes join
+        # the islands the lanes join
+        self.present: tuple[int, ...] = (island,) if join else tuple(range(num_islands))
         self._lanes_key: str | None = None
         self.decision: Decision | None = None
-        self.membership = Membership(self.store, run_id, island, num_islands, min_islands,
+        self.membership = Membership(self.store, run_id, island, num_islands if not join else island + 1, min_islands,
                                      DEFAULT_GRACE_S if grace_s is None else grace_s, deadline.total_seconds(),
-                                     self._aborted, self.incarnation)
+                                     self._aborted, self.incarnation, joining=join)
         self.stats = LinkStats()
         self._rates: deque[float] = deque(maxlen=RATES)  # bytes per second of recent transfers
         # on etcd the beat is a lease of grace_s renewed only when the beat advances (progress):
@@ -176,8 +179,19 @@ class IslandLink:
         if self._etcd:  # waits are watches on the run's keys, not polls
             self.membership.pause = lambda seconds: self._plain.await_change(f"{run_id}/", seconds)
         connect_sweeper = connector(address, store_timeout)
-        self.membership.sweeper = Sweeper(lambda: sealed(connect_sweeper()), run_id, num_islands, lanes,
-                                          f"island{island}-sweeper")
+        self.membership.sweeper = Sweeper(lambda: sealed(connect_sweeper()), run_id, lambda: self.membership.size,
+                                          lanes, f"island{island}-sweeper")
+
+    @property
+    def num_islands(self) -> int:
+        """The length of lists in island order: the islands the run started with, or one more than the
+        highest island present if that is more (islands joined)."""
+        return max(self.membership.num_islands, max(self.present) + 1)
+
+    @property
+    def roster(self) -> tuple[int, ...]:
+        """The run's islands as this one knows them: started or joined, not retired."""
+        return tuple(sorted(self.membership.roster))
 
     def _aborted(self, island: int) -> str | None:
         """Island ``island``'s failure report, or ``None`` (also for a report of an earlier life of
@@ -255,6 +269,10 @@ class IslandLink:
     def end_run(self, round_: int) -> None:
         """The islands agreed that round ``round_`` is the last: an island still rejoining stops."""
         self.membership.end(round_)
+
+    def retire_after(self, round_: int) -> None:
+        """This island leaves the run for good once round ``round_`` counts (its header says so)."""
+        self.membership.retire_after(round_)
 
     def rejoin(self, timeout_s: float) -> int:
         """Ask the live islands to take this (restarted) island back; returns the round they take it
@@ -364,6 +382,24 @@ class IslandLink:
         """Set ``key`` (namespaced by run) to ``obj`` as JSON."""
         self.store.set(f"{self.run_id}/{key}", json.dumps(obj))
 
+    def read_object(self, key: str, timeout_s: float) -> object:
+        """The JSON object another island published under ``key``, once it is there; past
+        ``timeout_s`` a :class:`DeadlinePassed` that names the key."""
+        name = f"{self.run_id}/{key}"
+
+        def expired() -> DeadlinePassed:
+            return DeadlinePassed(f"island {self.island} found no {key!r} of run {self.run_id!r} at the coordinator "
+                                  f"{self.address} within {timeout_s:g} s: is the run under way, with this run id "
+                                  "(LI_RUN_ID)?")
+
+        try:
+            raw = wait_until(lambda: get_if_set(self.store, name), scan=lambda: None, expired=expired,
+                             deadline=time.monotonic() + timeout_s, progress=self.alive.touch,
+                             pause=self.membership.pause)
+        except dist.DistNetworkError as err:
+            raise self._coordinator_lost(err) from err
+        return self._json(name, raw)
+
     def heartbeat(self, status: object) -> None:
         """This island made progress (a step): its liveness beat advances; ``status`` is published
         for the launcher to show."""
@@ -382,7 +418,7 @@ class IslandLink:
                                 status, period, f"island{self.island}-heartbeat", progress=self.alive.touch)
 
     def _check_aborts(self) -> None:
-        for i in range(self.num_islands):
+        for i in self.roster:
             report = self._aborted(i) if i != self.island else None
             if report is not None:
                 raise IslandAborted(f"island {i} failed: {report}")

@@ -7,6 +7,12 @@ at least ``min_islands`` arrived. Whichever island decides first writes the set 
 island then reads the same set from the store. Islands expected are those of the previous round plus
 those asking to (re)join.
 
+The run's islands (its roster) change while it runs. A new island, with an index beyond those the run
+started with, enrolls (an entry in a log at the coordinator, numbered with ``add``) and asks to join
+like a restarted island; every decider reads the log's next entry once a round. An island retires
+for good by saying so in its last round's header: once that round counted, no round expects it, and
+every later decision carries it among the ``retired`` (so an island that missed that round learns it too).
+
 A round is an attempt: when an island is lost during the exchange (its lanes fail), every survivor
 marks the attempt failed and the round runs again with the islands still alive. An attempt counts
 only when every member said it finished its exchange (:meth:`Membership.settle`): the outcome, too,
@@ -61,6 +67,7 @@ class Decision:
     lanes: str
     joining: tuple[int, ...] = ()
     joining_incs: tuple[int, ...] = ()  # each joiner's incarnation (a later restart of it is another process)
+    retired: tuple[int, ...] = ()  # the islands that left the run for good before this round
 
     @property
     def key(self) -> str:
@@ -69,13 +76,14 @@ class Decision:
 
     def to_json(self) -> str:
         return json.dumps({"round": self.round, "attempt": self.attempt, "present": list(self.present),
-                           "lanes": self.lanes, "joining": list(self.joining), "joining_incs": list(self.joining_incs)})
+                           "lanes": self.lanes, "joining": list(self.joining), "joining_incs": list(self.joining_incs),
+                           "retired": list(self.retired)})
 
     @staticmethod
     def from_json(text: bytes | str) -> Decision:
         d = json.loads(text)
         return Decision(int(d["round"]), int(d["attempt"]), tuple(d["present"]), str(d["lanes"]),
-                        tuple(d.get("joining", ())), tuple(d.get("joining_incs", ())))
+                        tuple(d.get("joining", ())), tuple(d.get("joining_incs", ())), tuple(d.get("retired", ())))
 
 
 def beat_order(beat: bytes | None) -> tuple[int, int] | None:
@@ -122,7 +130,8 @@ class Membership:
     Args:
         store: a client of the coordinator's store.
         run_id: the run's namespace.
-        island: this island; ``num_islands``: how many the run has.
+        island: this island; ``num_islands``: how many the run started with (islands ``0 ..
+            num_islands - 1``; more may join later, some may retire).
         min_islands: the fewest islands a round may proceed with.
         grace_s: how long a missing island may stay silent (no liveness beat) before a round goes on
             without it; a callable is asked each time (the expected round length can change).
@@ -133,13 +142,14 @@ class Membership:
             a member whose beat shows another incarnation was restarted, so the process that was a
             member is gone.
         progress: called while this island waits within its deadline (its liveness beat's touch).
+        joining: this island is new to a running run (it learns the roster from the coordinator).
     """
 
     def __init__(self, store: dist.Store, run_id: str, island: int, num_islands: int, min_islands: int,
                  grace_s: float | Callable[[], float], deadline_s: float | None,
                  aborted: Callable[[int], str | None], incarnation: int = 0,
-                 progress: Callable[[], None] | None = None) -> None:
-        if not 1 <= min_islands <= num_islands:
+                 progress: Callable[[], None] | None = None, joining: bool = False) -> None:
+        if not 1 <= min_islands <= max(num_islands, island + 1):
             raise ValueError(f"min_islands must be in [1, {num_islands}], got {min_islands}")
         self.store, self.run_id, self.island, self.num_islands = store, run_id, island, num_islands
         self.min_islands = min_islands
@@ -161,6 +171,18 @@ class Membership:
         self.changes: list[str] = []  # membership changes seen, for the log
         self.sweeper: Sweeper | None = None  # deletes rounds long over (the link's; none: kept)
         self.pause: Callable[[float], None] | None = None  # between polls (the link's watch on etcd; none: sleep)
+        # the run's islands as far as this island knows: started or enrolled, not retired
+        self.roster: set[int] = set() if joining else set(range(num_islands))
+        self.retired: set[int] = set()
+        self._enrolled = 0  # the enrolment log's entries read so far
+        self.leaving: int | None = None  # the round after which this island retires (None: it stays)
+        self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
+
+    @property
+    def size(self) -> int:
+        """One more than the highest island index known (lists in island order have this length)."""
+        present = self.previous.present if self.previous is not None else ()
+        return max([self.island, *self.roster, *present]) + 1
 
     @property
     def grace_s(self) -> float:
@@ -218,7 +240,7 @@ class Membership:
     def joiners(self, round_: int) -> dict[int, int]:
         """Islands asking to (re)join from round ``round_`` on, with their incarnations."""
         found = {}
-        for i in range(self.num_islands):
+        for i in sorted(self.roster - self.retired):
             raw = self._get(self._k(f"join/{i}")) if i != self.island else None
             if raw is not None:
                 request = json.loads(raw)
@@ -256,7 +278,10 @@ class Membership:
         """
         while True:
             attempt = self._attempt.setdefault(round_, 0)
-            decision, all_there = self._decision_of(round_, attempt, {**header, "_inc": self.incarnation})
+            mine = {**header, "_inc": self.incarnation, **({"_leave": True} if self.leaving == round_ else {})}
+            decision, all_there = self._decision_of(round_, attempt, mine)
+            self.retired |= set(decision.retired)
+            self.roster = (self.roster | set(decision.present)) - self.retired
             for j in decision.joining:  # where a restarted joiner learns which round takes it in
                 if j != self.island:
                     self.store.set(self._k(f"joined_at/{j}"), decision.to_json())
@@ -271,6 +296,7 @@ class Membership:
                 self.retry(decision)
                 continue
             self._incs = {i: int(h.pop("_inc", 0)) for i, h in enumerate(headers) if h is not None}
+            self._leaving[round_] = {i for i, h in enumerate(headers) if h is not None and h.pop("_leave", False)}
             for j, inc in zip(decision.joining, decision.joining_incs):
                 if j in self._incs and self._incs[j] != inc:
                     message = (f"island {self.island} refused island {j}'s round {round_} header: it was written by "
@@ -286,19 +312,20 @@ class Membership:
         seen there (then :meth:`_headers` need not look again)."""
         key = f"round{round_}/a{attempt}"
         self.store.set(self._k(f"{key}/h/{self.island}"), json.dumps(header))
-        expected = set(self.previous.present if self.previous else range(self.num_islands)) | {self.island}
+        self.read_enrolments()
+        expected = (set(self.previous.present) - self.retired if self.previous else set(self.roster)) | {self.island}
         waited_for = [self._k(f"{key}/h/{i}") for i in sorted(expected)]
         missing: list[int] = []  # the islands still waited for, for the deadline's message
 
         def ready() -> tuple[Decision, bool] | None:
             if not self.store.check(waited_for):
                 return None
-            if len(expected) == self.num_islands:
-                # every island is here (a round's usual case, one round trip): the scan below would
-                # find no one missing and no joiner (a joiner sends its header only once a decision
-                # names it), so it would propose them all; compare_set returns an earlier decision
-                # where there is one
-                return self._propose(round_, attempt, tuple(range(self.num_islands)), (), ()), True
+            if self.roster <= expected:
+                # every island of the run is here (a round's usual case, one round trip): the scan
+                # below would find no one missing and no joiner (a joiner sends its header only once
+                # a decision names it), so it would propose them all; compare_set returns an earlier
+                # decision where there is one
+                return self._propose(round_, attempt, tuple(sorted(expected)), (), ()), True
             return scan()
 
         def scan() -> tuple[Decision, bool] | None:
@@ -307,7 +334,7 @@ class Membership:
                 return Decision.from_json(found), False
             self._check_ended(round_)
             self._check_current(round_)
-            arrived = {i for i in range(self.num_islands) if self.store.check([self._k(f"{key}/h/{i}")])}
+            arrived = {i for i in sorted(self.roster | expected) if self.store.check([self._k(f"{key}/h/{i}")])}
             # a joiner sends its header once the decision names it: it is waited for only if alive
             asking = self.joiners(round_)
             joiners = set(asking) - arrived
@@ -343,7 +370,7 @@ class Membership:
         first = (attempt == 0 and done is None and self.holds_start_lanes and present == tuple(range(self.num_islands))
                  and not joining)
         lanes = done.lanes if keep else START_LANES if first else f"round{round_}/a{attempt}"  # type: ignore
-        mine = Decision(round_, attempt, present, lanes, joining, joining_incs)
+        mine = Decision(round_, attempt, present, lanes, joining, joining_incs, tuple(sorted(self.retired)))
         key = self._k(f"round{round_}/a{attempt}/members")
         won = self.store.compare_set(key, "", mine.to_json())
         return Decision.from_json(won)
@@ -355,7 +382,8 @@ class Membership:
         if not all_there and not self.store.check(list(keys.values())):
             self._await_headers(decision, keys)
         got = dict(zip(keys, self.store.multi_get(list(keys.values()))))  # all there: one request
-        return [json.loads(got[i]) if i in got else None for i in range(self.num_islands)]
+        size = max(self.num_islands, max(decision.present) + 1)  # the islands it started with, or more
+        return [json.loads(got[i]) if i in got else None for i in range(size)]
 
     def _await_headers(self, decision: Decision, keys: dict[int, str]) -> None:
         """Wait until every header in ``keys`` is there; :class:`RoundLost` when an island is lost."""
@@ -461,6 +489,11 @@ class Membership:
         outcome = self._wait(decision.round, ready, scan, lambda: f"islands {missing} did not finish its exchange")
         if outcome == "ok":
             self.committed = decision
+            gone = self._leaving.pop(decision.round, set())
+            if gone:  # they retired with this round: no later round expects them
+                self.retired |= gone
+                self.roster -= gone
+                self.changes.append(f"round {decision.round}: islands {sorted(gone)} retired from the run")
             if self.island in decision.joining:
                 self.store.delete_key(self._k(f"join/{self.island}"))
             if self.sweeper is not None and self.island == decision.present[0] and decision.round >= KEEP_ROUNDS:
@@ -494,13 +527,40 @@ class Membership:
         self.fail(decision)
         self._attempt[decision.round] = decision.attempt + 1
 
+    # ------------------------------------------------------------------ the roster
+    def read_enrolments(self) -> None:
+        """Take the enrolment log's new entries into the roster (one request when there are none)."""
+        count = self.store.add(self._k("enrolled"), 0)
+        for n in range(self._enrolled + 1, count + 1):
+            raw = self._get(self._k(f"enrol/{n}"))
+            if raw is None:  # counted, not written yet: read again at the next round
+                return
+            self._enrolled = n
+            island = int(json.loads(raw)["island"])
+            if island not in self.retired:
+                self.roster.add(island)
+
+    def enroll(self) -> None:
+        """Put this island on the run's roster: every decider reads it at its next round and looks for
+        this island's join request from then on."""
+        n = self.store.add(self._k("enrolled"), 1)
+        self.store.set(self._k(f"enrol/{n}"), json.dumps({"island": self.island, "inc": self.incarnation}))
+        self.roster.add(self.island)
+
+    def retire_after(self, round_: int) -> None:
+        """This island leaves the run for good once round ``round_`` counts: its header of that round
+        says so, and no later round expects it."""
+        self.leaving = round_
+
     # ------------------------------------------------------------------ rejoining
     def request_join(self, from_round: int = 0) -> None:
         """Ask the live islands to take this one into a round, from round ``from_round`` on (an
-        island left behind in a round is not a joiner of that round's later attempts)."""
+        island left behind in a round is not a joiner of that round's later attempts); it enrolls,
+        so that an island that never knew it (one that joined after it was lost) looks for it too."""
         self.previous = self.committed = None
         self.holds_start_lanes = False
         self.store.set(self._k(f"join/{self.island}"), json.dumps({"from": from_round, "inc": self.incarnation}))
+        self.enroll()
 
     def await_inclusion(self, timeout_s: float) -> Decision:
         """Wait until a round is decided with this island joining; returns that decision (the join

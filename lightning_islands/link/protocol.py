@@ -70,8 +70,9 @@ class Link(Protocol):
     """The leader's connection to the other islands."""
 
     island: int
-    num_islands: int
+    num_islands: int  # the length of lists in island order (one more than the highest island present)
     present: tuple[int, ...]  # the islands of the current round (all of them before the first)
+    roster: tuple[int, ...]  # the run's islands as this one knows them: started or joined, not retired
     lanes_key: str | None  # changes whenever the lanes are rebuilt for another member set
 
     def open_lanes(self) -> None:
@@ -92,6 +93,18 @@ class Link(Protocol):
 
     def end_run(self, round_: int) -> None:
         """Round ``round_`` was the run's last (an island still rejoining stops)."""
+        ...
+
+    def retire_after(self, round_: int) -> None:
+        """This island leaves the run for good once round ``round_`` counts: no later round expects it."""
+        ...
+
+    def publish(self, key: str, obj: object) -> None:
+        """Publish the JSON-able ``obj`` under ``key`` for islands that join later."""
+        ...
+
+    def read_object(self, key: str, timeout_s: float) -> object:
+        """The object published under ``key``, once it is there (within ``timeout_s``)."""
         ...
 
     def rejoin(self, timeout_s: float) -> int:

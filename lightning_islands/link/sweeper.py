@@ -37,8 +37,9 @@ def round_keys(store: dist.Store, run_id: str, round_: int, num_islands: int, la
     while (members := _get(store, f"{run_id}/round{round_}/a{attempt}/members")) is not None:
         base = f"{run_id}/round{round_}/a{attempt}"
         keys += [f"{base}/members", f"{base}/outcome"]
-        keys += [f"{base}/{kind}/{i}" for kind in ("h", "done") for i in range(num_islands)]
         decision = json.loads(members)
+        size = max([num_islands - 1, *decision["present"]]) + 1
+        keys += [f"{base}/{kind}/{i}" for kind in ("h", "done") for i in range(size)]
         if decision["lanes"] == f"round{round_}/a{attempt}":  # built for this attempt's member set
             keys += rendezvous_keys(f"{base}/", lanes, len(decision["present"]))
         attempt += 1
@@ -56,8 +57,8 @@ class Sweeper:
     way finishes first). ``swept`` is the newest round deleted so far.
     """
 
-    def __init__(self, connect: Callable[[], dist.Store], run_id: str, num_islands: int, lanes: int,
-                 name: str) -> None:
+    def __init__(self, connect: Callable[[], dist.Store], run_id: str, num_islands: int | Callable[[], int],
+                 lanes: int, name: str) -> None:
         self.connect, self.run_id, self.num_islands, self.lanes = connect, run_id, num_islands, lanes
         self.swept = -1
         self._rounds: queue.Queue[int | None] = queue.Queue()
@@ -80,7 +81,8 @@ class Sweeper:
                 store = store or self.connect()
                 store.set(f"{self.run_id}/{SWEPT}", str(round_))  # before the keys go: a late island knows
                 for r in range(max(self.swept + 1, 0), round_ + 1):
-                    for key in round_keys(store, self.run_id, r, self.num_islands, self.lanes):
+                    n = self.num_islands() if callable(self.num_islands) else self.num_islands
+                    for key in round_keys(store, self.run_id, r, n, self.lanes):
                         store.delete_key(key)
                 self.swept = max(self.swept, round_)
             except Exception as err:  # noqa: BLE001 - a sweep is best effort: the keys wait for the next one

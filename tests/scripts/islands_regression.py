@@ -189,6 +189,7 @@ class HoldForRejoin(pl.Callback):
         if link is None:  # a leader only: the other ranks wait in the next collective
             return True
         link = getattr(link, "link", link)  # under an AuthenticatedLink
+        link.membership.read_enrolments()  # a new island (joining) is looked for once enrolled
         return self.island in link.present or self.island in link.membership.joiners(1 << 62)
 
 
@@ -257,6 +258,7 @@ def main() -> None:
                    "from its latest round checkpoint")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
     p.add_argument("--grace-s", type=float, default=0.0, help="the strategy's grace_s (0: default)")
+    p.add_argument("--on-end", default="stop", help="the strategy's on_end per island (comma list: stop, leave)")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
     if island == args.fail_island:
@@ -279,7 +281,7 @@ def main() -> None:
         torch.set_flush_denormal(True)
     model = Regression(hidden=per_island(args.hidden), inner=args.inner,
                        two_optimizers=bool(args.two_optimizers))
-    model.batch_size = [int(b) for b in args.batch_sizes.split(",")][island]
+    model.batch_size = per_island(args.batch_sizes)
     model.save_delay = per_island(args.save_delay, float)
     outer_lr = args.outer_lr
     if args.outer_lrs:
@@ -294,7 +296,7 @@ def main() -> None:
                               steps_per_round=per_island(args.steps_per_round) or None,
                               exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
                               overlap_steps=args.overlap, overlap_alpha=args.alpha, min_islands=args.min_islands,
-                              grace_s=args.grace_s or None)
+                              grace_s=args.grace_s or None, on_end=per_island(args.on_end, str))
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
