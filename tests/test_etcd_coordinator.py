@@ -9,6 +9,7 @@ message that names it and the fix.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import load_rounds
 from doubles import run_threads
 from test_engine import SPECS, initial_flat
 from test_membership import _train
@@ -25,7 +27,7 @@ from test_membership import _train
 from lightning_islands.app.etcd_cluster import LocalEtcdCluster
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
 from lightning_islands.link.etcd_credentials import EtcdCredentials
-from lightning_islands.link.etcd_store import EtcdAccessDenied, EtcdStore, EtcdUnreachable
+from lightning_islands.link.etcd_store import ROOT, EtcdAccessDenied, EtcdStore, EtcdUnreachable
 from lightning_islands.link.island_link import IslandLink
 from lightning_islands.link.protocol import CoordinatorLost
 
@@ -160,6 +162,68 @@ def test_two_islands_train_on_while_the_leader_member_is_killed_in_a_decision(tm
         assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
 
 
+def _link_state(namespace: str, device: str) -> str:
+    shown = subprocess.run(["ip", "netns", "exec", namespace, "ip", "-o", "link", "show", device],
+                           capture_output=True, text=True, check=True).stdout
+    return "DOWN" if "state DOWN" in shown or "<BROADCAST,MULTICAST>" in shown else "UP"
+
+
+def test_two_islands_train_on_while_the_leader_member_is_partitioned_away(tmp_path):
+    """Each member in a network namespace of its own (the islands in the hub's, behind a bridge);
+    the leader member's veth taken down while island 0 proposes round 3's member set: its process
+    lives on, cut off, nothing reset. The other two elect a leader, the islands' requests to the
+    cut-off member time out and go to them, every round counts bit-identically; with the link back
+    the member, never restarted, catches up and holds the run's latest decision."""
+    from lightning_islands.app.netns import entered, shaped_link
+
+    with shaped_link("10gbit", 3) as net, entered(net.hub_namespace):
+        ports = net.islands
+        cluster = LocalEtcdCluster(3, data_dir=tmp_path, hosts=[p.address for p in ports],
+                                   prefixes=[net.exec_prefix(i) for i in range(3)])
+        with cluster:
+            results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+            cut: list = []
+
+            def island(i: int) -> None:
+                link = _link(cluster.address, i, 2, "partition", interface="li-br")
+                if i == 0:
+                    propose = link.membership._propose
+
+                    def propose_after_a_cut(round_, *args, **kw):
+                        if round_ == 3 and not cut:
+                            leader = _leader(cluster)
+                            port = ports[cluster.members.index(leader)]
+                            subprocess.run(["ip", "netns", "exec", port.namespace, "ip", "link", "set",
+                                            port.interface, "down"], check=True)
+                            cut.append((leader, port, _link_state(port.namespace, port.interface)))
+                        return propose(round_, *args, **kw)
+                    link.membership._propose = propose_after_a_cut
+                engine, locals_ = _engine(i, 2, link)
+                engine.meet(lambda: link, engine.fingerprint(False))
+                engine.adopt_initial_state(locals_, {})
+                _train(engine, locals_, i, 6, results[i], pause=0.02)
+                link.close()
+
+            run_threads([lambda: island(0), lambda: island(1)])
+            assert len(cut) == 1 and cut[0][2] == "DOWN", cut
+            member, port, _ = cut[0]
+            assert member.process.poll() is None and member.restarts == 0, "cut off, not killed"
+            assert not cluster.healthy(member), "while cut off it answers nobody"
+            subprocess.run(["ip", "netns", "exec", port.namespace, "ip", "link", "set", port.interface, "up"],
+                           check=True)
+            cluster.wait_healthy(60)
+            key, other = f"{ROOT}partition/round5/a0/members", next(m for m in cluster.members if m is not member)
+            latest = cluster.get(key, member=other)
+            deadline = time.monotonic() + 60
+            while cluster.get(key, member=member) != latest:
+                assert time.monotonic() < deadline, "the member never caught up"
+                time.sleep(0.05)
+            assert latest is not None and member.restarts == 0
+    assert sorted(results[0]) == list(range(1, 7)) == sorted(results[1]), "no round was lost"
+    for r in results[0]:
+        assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
+
+
 def test_a_cluster_that_lost_its_majority_ends_every_island_naming_it_and_keeps_what_it_holds(tmp_path):
     """Two of three members stopped after round 2: each island ends with CoordinatorLost naming the
     cluster and the fix; restored, the cluster still holds every decision, and islands train on it."""
@@ -242,6 +306,79 @@ def test_run_with_an_etcd_coordinator_trains_processes_bit_identically_through_a
     assert_islands_equal(out, 6)
 
 
+def _run(address: str, run_id: str, tmp_path, *args: str) -> subprocess.Popen:
+    from conftest import SCRIPTS
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off",
+         "--coordinator", address, "--run-id", run_id, "--log-dir", str(tmp_path / f"logs-{run_id}"), "--",
+         sys.executable, str(SCRIPTS / "islands_regression.py"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_processes_a_stopped_islands_lease_expires_then_the_majority_is_lost_and_the_run_resumes(tmp_path):
+    """``run --coordinator etcd://`` on three members, round checkpoints every round. Island 1's
+    process SIGSTOPs itself after step 6 (alive, silent, its connections open): its lease is not
+    renewed, so its liveness key vanishes while the process is stopped, and island 0 goes on
+    without it. Two members stopped: island 0 ends (no hang) naming the cluster and the fix, its
+    checkpoints whole. The members restored, a new launch resumes both islands from the last round
+    both kept and trains on, bit-identical."""
+    import os
+    import signal
+    from pathlib import Path
+
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    # deadline_s bounds how long a store request retries the cluster before an island gives up
+    common = ["--steps", "400", "--H", "2", "--round-ckpt-every", "1", "--delays", "0.02", "--deadline-s", "5",
+              "--grace-s", "3", "--keep-rounds", "10"]
+    with LocalEtcdCluster(3, data_dir=tmp_path / "etcd") as cluster:
+        plain = EtcdStore(cluster.address)
+        proc = _run(cluster.address, "lost", tmp_path, "--out", str(first), *common, "--fault", "1:inner:6:STOP")
+        try:
+            deadline = time.monotonic() + 300
+            while not (first / "pid_island1").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "island 1 never stopped itself"
+                time.sleep(0.05)
+            pid = int((first / "pid_island1").read_text())
+            while plain.check(["lost/alive/1"]):  # the lease (TTL grace_s) runs out while the process is stopped
+                assert time.monotonic() < deadline, "island 1's lease never expired"
+                time.sleep(0.05)
+            stat = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()
+            assert stat[0] == "T", "island 1 is stopped, not gone, when its key vanished"
+            while not (first / "island0_round6.pt").exists():  # island 0 trains on without it
+                assert proc.poll() is None and time.monotonic() < deadline, "island 0 did not go on"
+                time.sleep(0.05)
+            held = cluster.members[:2]
+            for member in held:
+                cluster.hold(member)
+            while not (first / "exit_island0_rank0").exists():  # island 0 ends, not hangs
+                assert time.monotonic() < deadline, "island 0 did not end without a majority"
+                time.sleep(0.05)
+            os.kill(int(stat[2]), signal.SIGKILL)  # island 1's torchrun agent first: no restart
+            os.kill(pid, signal.SIGKILL)
+            text = proc.communicate(timeout=120)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode != 0, "the run went on without a majority"
+        assert "stopping island 1 after step 6" in text and "members [0, 1] -> [0]" in text, text[-4000:]
+        assert f"island 0 lost the coordinator, the etcd cluster at {cluster.address}" in text, text[-4000:]
+        assert "Restart the members that stopped" in text, text[-4000:]
+        for member in held:
+            cluster.restore(member)
+        cluster.wait_healthy(60)
+        again = _run(cluster.address, "lost-resumed", tmp_path, "--out", str(resumed), *common, "--max-rounds", "4",
+                     "--resume", str(first / "rounds_island{island}"))
+        text = again.communicate(timeout=300)[0]
+        assert again.returncode == 0, text[-4000:]
+    back = re.findall(r"resuming from round (\d+), the last round every island has", text)
+    assert len(set(back)) == 1 and int(back[0]) == 2, text[-3000:]  # island 1 stopped in its third round
+    rounds0, rounds1 = load_rounds(resumed, 0), load_rounds(resumed, 1)
+    assert sorted(rounds0) == sorted(rounds1) == [3, 4], text[-3000:]
+    for r in rounds0:
+        assert rounds0[r]["digest"] == rounds1[r]["digest"], f"round {r}: the resumed islands differ"
+
+
 def test_an_island_without_progress_loses_its_lease_and_the_round_goes_on_without_it(one_member):
     """Island 1's training thread stops after round 0 (its process and beat thread live on): its
     beat is renewed only on progress, so its lease expires, its liveness key, and only that, is
@@ -288,8 +425,8 @@ def test_tls_and_a_run_user_refuse_every_client_without_the_runs_credentials(tmp
         results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
 
         def island(i: int) -> None:
-            link = _link(cluster.address, i, 2, "tls-a", grace_s=2.0)
-            engine, locals_ = _engine(i, 2, link, grace_s=2.0)
+            link = _link(cluster.address, i, 2, "tls-a")  # GRACE: TLS and auth make each request slower
+            engine, locals_ = _engine(i, 2, link)
             engine.meet(lambda: link, engine.fingerprint(False))
             engine.adopt_initial_state(locals_, {})
             _train(engine, locals_, i, 3, results[i])

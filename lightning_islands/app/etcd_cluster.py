@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,9 @@ class LocalEtcdCluster:
     Args:
         size: members (1, 3 or 5 make sense: a majority must stay up).
         host: the address members listen and advertise on.
+        hosts: each member's own address instead (one per member: members in network namespaces of
+            their own, as the tests that partition one do).
+        prefixes: each member's command prefix (one per member; e.g. ``ip netns exec NAME``).
         data_dir: where members keep their data (``None``: a temporary folder, removed on stop).
         token: the cluster's token (members of another cluster with another token never join it).
         tls: members serve clients over TLS and refuse clients without a certificate of the
@@ -132,15 +136,21 @@ class LocalEtcdCluster:
     """
 
     def __init__(self, size: int = 3, host: str = "127.0.0.1", data_dir: str | Path | None = None,
-                 token: str = "lightning-islands", tls: bool = False) -> None:
+                 token: str = "lightning-islands", tls: bool = False, hosts: Sequence[str] | None = None,
+                 prefixes: Sequence[Sequence[str]] | None = None) -> None:
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got {size}")
+        for name, given in (("hosts", hosts), ("prefixes", prefixes)):
+            if given is not None and len(given) != size:
+                raise ValueError(f"{name} must have one entry per member ({size}), got {len(given)}")
+        self.prefixes = [list(p) for p in prefixes] if prefixes is not None else [[] for _ in range(size)]
         self._own_dir = data_dir is None
         self.root = Path(tempfile.mkdtemp(prefix="li-etcd-")) if data_dir is None else Path(data_dir)
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.binary = etcd_binary()
-        self.members = [Member(f"m{i}", host, free_port(), free_port(), self.root / f"m{i}") for i in range(size)]
+        self.members = [Member(f"m{i}", hosts[i] if hosts else host, free_port(), free_port(), self.root / f"m{i}")
+                        for i in range(size)]
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
@@ -223,8 +233,9 @@ class LocalEtcdCluster:
 
     def _spawn(self, member: Member, state: str) -> None:
         with member.log_path.open("ab") as out:
-            member.process = subprocess.Popen(self._command(member, state), stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
+            prefix = self.prefixes[self.members.index(member)]
+            member.process = subprocess.Popen([*prefix, *self._command(member, state)], stdout=out,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, timeout: float = 60.0) -> LocalEtcdCluster:
         """Start every member, wait until all are healthy, then supervise them."""

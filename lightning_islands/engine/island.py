@@ -12,11 +12,12 @@ from contextlib import suppress
 from typing import Any, TypeVar
 
 from lightning_islands.engine.group import IslandGroup
-from lightning_islands.link.protocol import IslandAborted, LateForRound, Link, RoundLost, RunEnded
+from lightning_islands.link.protocol import CoordinatorLost, IslandAborted, LateForRound, Link, RoundLost, RunEnded
 
 T = TypeVar("T")
-# errors of the leader that every rank re-raises as they are: the round is run again, or rejoined
-RETRIED = {cls.__name__: cls for cls in (RoundLost, LateForRound, RunEnded)}
+# errors of the leader that every rank re-raises as they are, with no failure report to the other
+# islands: the round is run again, or rejoined; or the coordinator a report would go through is gone
+RERAISED = {cls.__name__: cls for cls in (RoundLost, LateForRound, RunEnded, CoordinatorLost)}
 
 
 class Island:
@@ -42,7 +43,7 @@ class Island:
         if self.is_leader:
             try:
                 box = ("ok", leader_work())
-            except tuple(RETRIED.values()) as err:  # not a failure of the island: no abort
+            except tuple(RERAISED.values()) as err:  # not a failure to report: no abort
                 box = (type(err).__name__, str(err))
             except Exception as err:  # noqa: BLE001 - forwarded to every rank below
                 message = f"island {self.index}: {type(err).__name__}: {err}"
@@ -53,8 +54,8 @@ class Island:
         box = self.group.broadcast_object(box)
         if box[0] == "error":
             raise RuntimeError(box[1])
-        if box[0] in RETRIED:
-            raise RETRIED[box[0]](box[1])
+        if box[0] in RERAISED:
+            raise RERAISED[box[0]](box[1])
         return box[1]
 
     def with_link(self, work: Callable[[Link], T]) -> T:
