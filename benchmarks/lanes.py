@@ -338,7 +338,7 @@ def store_round_trips(rtt: float = 0.04, islands: int = 2) -> dict:
     counts: list[dict[str, int]] = [{} for _ in links]
     stores = [link.store for link in links]
     for link, c in zip(links, counts):
-        # no secret: the link's values and its status lines go through one plain client
+        # no secret: the link's values go through one plain client (status lines: the link's own thread)
         link.store = link._plain = _CountingStore(link.store, c)  # type: ignore[assignment]
     seconds = [0.0] * islands
     barrier = threading.Barrier(islands)

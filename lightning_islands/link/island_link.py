@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, suppress
@@ -175,6 +176,9 @@ class IslandLink:
         self.alive = liveness.Beat(beat_connect, self.membership.alive_key(island), self.incarnation,
                                    f"island{island}-alive")
         self.alive.stop_with(self)
+        connect_status = connector(address, timedelta(seconds=liveness.CONNECT_S), connect_s=liveness.CONNECT_S)
+        self._status = liveness.StatusPublisher(connect_status, status_key(run_id, island), f"island{island}-status")
+        weakref.finalize(self, self._status.stop, False)  # a link dropped without close() stops publishing
         self.membership.progress = self.alive.touch  # an island waiting within its deadline is alive
         if self._etcd:  # waits are watches on the run's keys, not polls
             self.membership.pause = lambda seconds: self._plain.await_change(f"{run_id}/", seconds)
@@ -402,12 +406,9 @@ class IslandLink:
 
     def heartbeat(self, status: object) -> None:
         """This island made progress (a step): its liveness beat advances; ``status`` is published
-        for the launcher to show."""
+        for the launcher to show, from a thread of its own (the caller never waits for the coordinator)."""
         self.alive.touch()
-        try:
-            self._plain.set(status_key(self.run_id, self.island), json.dumps(status))
-        except dist.DistNetworkError as err:
-            raise self._coordinator_lost(err) from err
+        self._status.publish(json.dumps(status))
 
     def beating(self, status: dict, period: float | None = None) -> AbstractContextManager[None]:
         """Count the body as progress, from a background thread (:func:`liveness.beating`), every
@@ -551,6 +552,7 @@ class IslandLink:
     def close(self) -> None:
         """Stop the liveness beat; drop the lanes and the store connection."""
         self.alive.stop()
+        self._status.stop()
         if self.membership.sweeper is not None:
             self.membership.sweeper.stop()
         self.lanes.close()

@@ -34,7 +34,7 @@ BACKOFF_MAX_S = 5.0  # the longest pause between two tries of a failing beat
 CONNECT_S = 5.0  # how long a beat's (re)connection may take; stopping the beat waits at most this
 LOG_EVERY_S = 60.0  # a beat that keeps failing is logged again this often
 
-_BEATING: weakref.WeakSet = weakref.WeakSet()  # beats whose thread runs
+_BEATING: weakref.WeakSet = weakref.WeakSet()  # beats and status publishers whose thread runs
 
 
 @atexit.register
@@ -122,6 +122,60 @@ class Beat:
                                 self.key, time.monotonic() - failing_since)
                 failing_since, logged, pause = 0.0, 0.0, self.period
             self._stop.wait(pause)
+
+
+class StatusPublisher:
+    """Writes an island's latest status to ``key`` from a thread of its own (with its own store
+    connection, ``connect``), so that the training thread never waits a round trip to the
+    coordinator for it (at 100 ms, a synchronous write every half second would cost a fifth of a
+    fast step's time). Only the newest status is written; one that fails is logged (at most every
+    ``LOG_EVERY_S``) and the next goes out on a new connection."""
+
+    def __init__(self, connect: Callable[[], dist.Store], key: str, name: str) -> None:
+        self.connect, self.key = connect, key
+        self.failures = 0
+        self._latest: str | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _BEATING.add(self)  # stopped before the interpreter finalizes, as the beats are
+
+    def publish(self, status: str) -> None:
+        """Write ``status`` soon (replacing one not written yet); returns at once."""
+        with self._lock:
+            self._latest = status
+        self._wake.set()
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread (``wait``: for it, at most a connection attempt's length)."""
+        self._stop.set()
+        self._wake.set()
+        if wait:
+            self._thread.join(timeout=CONNECT_S + 1.0)
+
+    def _run(self) -> None:
+        store: dist.Store | None = None
+        logged = 0.0
+        while True:
+            self._wake.wait()
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            with self._lock:
+                status, self._latest = self._latest, None
+            if status is None:
+                continue
+            try:
+                store = store or self.connect()
+                store.set(self.key, status)
+            except Exception as err:  # noqa: BLE001 - best effort: the next status tries a new connection
+                store, self.failures = None, self.failures + 1
+                if time.monotonic() - logged >= LOG_EVERY_S:
+                    logged = time.monotonic()
+                    log.warning("lightning_islands: could not publish the status %r (%s: %s)", self.key,
+                                type(err).__name__, err)
 
 
 @contextmanager

@@ -177,6 +177,7 @@ class Membership:
         self._enrolled = 0  # the enrolment log's entries read so far
         self.leaving: int | None = None  # the round after which this island retires (None: it stays)
         self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
+        self._requests: dict[int, bytes] = {}  # the last join request seen of each island
 
     @property
     def size(self) -> int:
@@ -249,6 +250,9 @@ class Membership:
                     self._stale(i, f"join request of its incarnation {request['inc']}", seen)
                 elif int(request["from"]) <= round_:
                     found[i] = int(request["inc"])
+                    if self._requests.get(i) != raw:  # a new request is a sign of life: silence counts from now
+                        self._requests[i] = raw
+                        self._watch.seen.pop(i, None)
         return found
 
     def _stale(self, island: int, what: str, seen: int) -> None:
@@ -410,7 +414,7 @@ class Membership:
         prev = self.previous
         if decision.joining or (prev is None and len(decision.present) < self.num_islands) or (
                 prev is not None and prev.present != decision.present):
-            before = list(prev.present) if prev else list(range(self.num_islands))
+            before = list(prev.present) if prev else sorted(self.roster - set(decision.joining))
             self.changes.append(f"round {decision.round}: members {before} -> {list(decision.present)}"
                                 + (f" (joining: {list(decision.joining)})" if decision.joining else ""))
         self.previous = decision
