@@ -175,33 +175,71 @@ def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):
             torch.testing.assert_close(per_island[0][step + 1]["params"][n], t, rtol=1e-5, atol=1e-6)
 
 
-def test_resume_from_checkpoints_is_exact(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    # int4 with error feedback: the residual must travel with the checkpoint too; the outer warm-up
-    # (3 rounds) must continue where it stopped, so rounds 2 and 3 take 2/3 and all of the outer step
-    common = ["--H", 4, "--inner", "adamw", "--batch-sizes", "4,8", "--codec", "int4", "--outer-lr-warmup", 3,
-              "--momentum-warmup", 3]
-    launch_together(([2, 1], ["islands_regression.py", "--out", full, "--steps", 12, *common], tmp_path / "l1"),
-                    ([2, 1], ["islands_regression.py", "--out", part, "--steps", 6, "--ckpt-every", 6, *common],
-                     tmp_path / "l2"))
-    assert (part / "ckpt_island0" / "step=6.ckpt").is_dir()
-    resumed = tmp_path / "resumed"
-    launch_together(([2, 1], ["islands_regression.py", "--out", resumed, "--steps", 12, *common, "--resume",
-                              str(part / "ckpt_island{island}" / "step=6.ckpt")], tmp_path / "l3"),
+RESUME_ARGS = ["--H", 4, "--inner", "adamw", "--batch-sizes", "4,8", "--codec", "int4", "--outer-lr-warmup", 3,
+               "--momentum-warmup", 3]
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """The runs the resume tests read, in three stages of launches at once (islands of 2 and 1
+    processes, H=4; int4 with error feedback, whose residual must travel with a checkpoint too; an
+    outer warm-up over 3 rounds, which must continue where it stopped):
+
+    1. ``full``, 12 steps uninterrupted (rounds 1-3); ``part``, stopped after 8 steps (round 2)
+       with a checkpoint after step 6 (mid-round 2) and its final checkpoint, taken after the
+       islands agreed to stop;
+    2. ``resumed`` from part's step-6 checkpoint to 12 steps; ``more``, a raised max_steps (12)
+       from part's final checkpoint; ``eval``, part's step-6 checkpoint validated in a fresh
+       process;
+    3. from part's final checkpoint, ``uneven1`` with 4 more steps for island 0 and none for
+       island 1 (one process), and ``uneven0`` the other way round (island 0: two processes).
+
+    Returns ``{name: output folder}``, and the stage-3 launches' ``(seconds, output)``."""
+    base, common = tmp_path_factory.mktemp("resume"), RESUME_ARGS
+    out = {name: base / name for name in ("full", "part", "resumed", "more", "eval", "uneven0", "uneven1")}
+    launch_together(([2, 1], ["islands_regression.py", "--out", out["full"], "--steps", 12, *common], base / "l1"),
+                    ([2, 1], ["islands_regression.py", "--out", out["part"], "--steps", 8, "--ckpt-every", 6,
+                              "--final-ckpt", 1, *common], base / "l2"))
+    step6, final = out["part"] / "ckpt_island{island}" / "step=6.ckpt", out["part"] / "final_island{island}.ckpt"
+    launch_together(([2, 1], ["islands_regression.py", "--out", out["resumed"], "--steps", 12, *common,
+                              "--resume", step6], base / "l3"),
+                    ([2, 1], ["islands_regression.py", "--out", out["more"], "--steps", 12, *common,
+                              "--resume", final], base / "l4"),
                     # validating the mid-round checkpoint in a fresh process evaluates the global weights (round 1)
-                    ([2], ["islands_regression.py", "--out", tmp_path / "eval", "--val-every", 1, "--eval-ckpt",
-                           str(part / "ckpt_island0" / "step=6.ckpt")], tmp_path / "l4"))
-    evaluated = torch.load(tmp_path / "eval" / "eval_params.pt")
+                    ([2], ["islands_regression.py", "--out", out["eval"], "--val-every", 1, "--eval-ckpt",
+                           str(step6).format(island=0)], base / "l5"))
+    uneven = {}
+
+    def timed(name: str, steps: str) -> None:
+        t0 = time.monotonic()
+        _, text = launch([2, 1], ["islands_regression.py", "--out", out[name], "--steps", steps, *common,
+                                  "--deadline-s", 120, "--resume", final], base / name)
+        uneven[name] = (time.monotonic() - t0, text)
+
+    threads = [threading.Thread(target=timed, args=args) for args in (("uneven1", "12,8"), ("uneven0", "8,12"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(uneven) == {"uneven0", "uneven1"}, "a launch of stage 3 failed (its error is above)"
+    return out, uneven
+
+
+def test_resume_from_checkpoints_is_exact(resume_runs):
+    out, _ = resume_runs
+    part = out["part"]
+    evaluated = torch.load(out["eval"] / "eval_params.pt")
     global_round1 = load_rounds(part, 0)[1]["params"]
     for name, t in global_round1.items():
         assert torch.equal(evaluated[name], t), f"validate(ckpt_path) did not load the global {name}"
-    a, b = load_rounds(full, 1), load_rounds(resumed, 0)
-    assert sorted(b) == [2, 3]
+    # the outer warm-up (3 rounds) continues where it stopped: rounds 2 and 3 take 2/3 and all of the outer step
+    a, b, b1 = load_rounds(out["full"], 1), load_rounds(out["resumed"], 0), load_rounds(out["resumed"], 1)
+    assert sorted(b) == sorted(b1) == [2, 3]
     assert [b[r]["metrics"]["islands/outer_lr"] for r in (2, 3)] == pytest.approx([0.7 * 2 / 3, 0.7])
     for r in (2, 3):
         for name, t in a[r]["params"].items():
             assert torch.equal(t, b[r]["params"][name]), f"resumed round {r}: {name} differs"
-        assert a[r]["digest"] == b[r]["digest"]
+        assert a[r]["digest"] == b[r]["digest"] == b1[r]["digest"]
 
 
 def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
@@ -265,17 +303,17 @@ def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(tmp_path):
     assert "merges without island(s) [1]" in (tmp_path / "logs" / "island0.log").read_text()
 
 
-def test_a_damaged_checkpoint_is_named_with_the_fix(tmp_path):
-    part = tmp_path / "part"
-    launch([1, 1], ["islands_regression.py", "--out", part, "--steps", 8, "--ckpt-every", 4], tmp_path / "l1")
-    folder = part / "ckpt_island0"
-    assert sorted(p.name for p in folder.iterdir()) == ["step=4.ckpt", "step=8.ckpt"]  # nothing staged is left
-    ckpt = folder / "step=8.ckpt"
+def test_a_damaged_checkpoint_is_named_with_the_fix(resume_runs, tmp_path):
+    part = resume_runs[0]["part"]
+    assert sorted(p.name for p in (part / "ckpt_island0").iterdir()) == ["step=6.ckpt"]  # nothing staged is left
+    for i in (0, 1):  # a copy: the other tests read the shared run's checkpoints
+        shutil.copytree(part / f"ckpt_island{i}" / "step=6.ckpt", tmp_path / f"ckpt_island{i}" / "step=6.ckpt")
+    ckpt = tmp_path / "ckpt_island0" / "step=6.ckpt"
     shard = next(ckpt.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:64])  # a write cut short
-    results, text = launch([1, 1], ["islands_regression.py", "--out", tmp_path / "resumed", "--steps", 12,
-                                    "--resume", str(part / "ckpt_island{island}" / "step=8.ckpt")], tmp_path / "l2",
-                           expect_ok=False)
+    results, text = launch([2, 1], ["islands_regression.py", "--out", tmp_path / "resumed", "--steps", 12,
+                                    *RESUME_ARGS, "--resume", str(tmp_path / "ckpt_island{island}" / "step=6.ckpt")],
+                           tmp_path / "logs", expect_ok=False)
     assert results[0].returncode != 0
     assert f"could not read the checkpoint {ckpt}" in text and "resume from an earlier checkpoint" in text
 
@@ -304,45 +342,31 @@ def test_islands_sign_their_payloads_with_a_shared_secret(tmp_path, island1):
         assert "island 1's" in text and "give every island the same secret" in text
 
 
-def test_training_on_from_the_final_checkpoint_continues_the_rounds(tmp_path):
-    full, part, more = tmp_path / "full", tmp_path / "part", tmp_path / "more"
-    common = ["--H", 2, "--batch-sizes", "4,8", "--codec", "int4"]
-    launch_together(([1, 1], ["islands_regression.py", "--out", full, "--steps", 8, *common], tmp_path / "l1"),
-                    ([1, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common],
-                     tmp_path / "l2"))
+def test_training_on_from_the_final_checkpoint_continues_the_rounds(resume_runs):
+    out, uneven = resume_runs
     # the final checkpoint is taken after the islands agreed to stop; a raised max_steps trains on
-    launch([1, 1], ["islands_regression.py", "--out", more, "--steps", 8, *common,
-                    "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l3")
-    a, b, b1 = load_rounds(full, 0), load_rounds(more, 0), load_rounds(more, 1)
-    assert sorted(b) == sorted(b1) == [3, 4], "the resumed run must merge its steps in rounds 3 and 4"
-    for r in (3, 4):
-        assert a[r]["digest"] == b[r]["digest"] == b1[r]["digest"]
-        for name, t in a[r]["params"].items():
-            assert torch.equal(t, b[r]["params"][name]), f"round {r}: {name} differs from the uninterrupted run"
-    # Lightning skips on_train_start when a fit has no steps left; such an island still takes part in
-    # the start agreement (from teardown), so its partner stops at once instead of waiting deadline_s
-    # (120 s in the script) for a round that never comes
-    t0 = time.monotonic()
-    _, text = launch([1, 1], ["islands_regression.py", "--out", tmp_path / "uneven", "--steps", "8,4", *common,
-                              "--resume", str(part / "final_island{island}.ckpt")], tmp_path / "l5")
-    assert time.monotonic() - t0 < 45, "island 0 waited for island 1, which had no steps left"
+    a, b, b1 = load_rounds(out["full"], 0), load_rounds(out["more"], 0), load_rounds(out["more"], 1)
+    assert sorted(b) == sorted(b1) == [3], "the resumed run must merge its steps in round 3"
+    assert a[3]["digest"] == b[3]["digest"] == b1[3]["digest"]
+    for name, t in a[3]["params"].items():
+        assert torch.equal(t, b[3]["params"][name]), f"round 3: {name} differs from the uninterrupted run"
+    # Lightning skips on_train_start when a fit has no steps left; such an island (here island 1, one
+    # process) still takes part in the start agreement (from teardown), so its partner stops at once
+    # instead of waiting deadline_s (120 s) for a round that never comes
+    seconds, text = uneven["uneven1"]
+    assert seconds < 90, "island 0 waited for island 1, which had no steps left"
     assert "not every island has steps left" in text
-    assert not list((tmp_path / "uneven").glob("island*_round*.pt"))
+    assert not list(out["uneven1"].glob("island*_round*.pt"))
 
 
-def test_a_multi_process_island_without_steps_left_tells_the_others_at_once(tmp_path):
+def test_a_multi_process_island_without_steps_left_tells_the_others_at_once(resume_runs):
     # island 0 (2 processes) resumes at its max_steps: Lightning skips on_train_start, and the start
     # agreement runs from teardown, a collective of the island: both of its ranks must take part
-    part = tmp_path / "part"
-    common = ["--H", 2, "--batch-sizes", "4,8"]
-    launch([2, 1], ["islands_regression.py", "--out", part, "--steps", 4, "--final-ckpt", 1, *common], tmp_path / "l1")
-    t0 = time.monotonic()
-    _, text = launch([2, 1], ["islands_regression.py", "--out", tmp_path / "uneven", "--steps", "4,8", *common,
-                              "--deadline-s", 120, "--resume", str(part / "final_island{island}.ckpt")],
-                      tmp_path / "l2")
-    assert time.monotonic() - t0 < 90, "island 1 waited for island 0, which had no steps left"
+    out, uneven = resume_runs
+    seconds, text = uneven["uneven0"]
+    assert seconds < 90, "island 1 waited for island 0, which had no steps left"
     assert "not every island has steps left" in text
-    assert not list((tmp_path / "uneven").glob("island*_round*.pt"))
+    assert not list(out["uneven0"].glob("island*_round*.pt"))
 
 
 def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
