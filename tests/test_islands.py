@@ -89,11 +89,66 @@ def assert_islands_equal(out, rounds_expected, n_islands=2):
     return per_island
 
 
-def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
+# Runs of islands_regression.py that a test below each reads, launched a group at a time: on 2 cores
+# launches at once take less time than one after the other (much of a launch waits, see
+# conftest.launch_together). name: (islands, arguments).
+SHARED_RUNS = {
+    "heterogeneous": ([2, 1], ["--steps", 12, "--H", 4, "--batch-sizes", "4,8", "--val-every", 3]),
+    "sync-warmup": ([2, 1], ["--steps", 9, "--H", 3, "--sync-warmup", "1,2", "--batch-sizes", "4,8"]),
+    "outer-warmup": ([2, 1], ["--steps", 10, "--H", 2, "--outer-lr-warmup", 4, "--momentum-warmup", 2,
+                              "--batch-sizes", "4,8"]),
+    "h1": ([1, 1], ["--steps", 5, "--H", 1, "--outer-lr", 1.0, "--momentum", 0.0, "--nesterov", 0,
+                    "--batch-sizes", "4,12", "--same-seed", 1]),
+    "nan": ([2, 1], ["--steps", 12, "--H", 4, "--nan-island", 1, "--nan-step", 6]),
+    "topk:0.25+int4": ([2, 1], ["--steps", 8, "--H", 2, "--codec", "topk:0.25+int4"]),
+    # manual optimization, two optimizers with LR schedulers: Lightning counts both optimizers' steps
+    # in global_step, so max_steps=8 is 4 batches; a round is H batches that stepped
+    "two-optimizers": ([2, 1], ["--steps", 8, "--H", 2, "--two-optimizers", 1]),
+    "accumulate-clip": ([2, 1], ["--steps", 8, "--H", 2, "--accumulate", 2, "--clip", 0.5, "--inner", "adamw"]),
+    "round-lengths": ([1, 1], ["--steps", 12, "--H", 4, "--steps-per-round", "4,2"]),
+    "early-stop": ([1, 1], ["--steps", 20, "--H", 2, "--val-every", 3, "--early-stop-island", 0]),
+}
+SHARED_GROUPS = [("heterogeneous", "sync-warmup", "outer-warmup", "h1"),
+                 ("nan", "topk:0.25+int4", "two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop")]
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """``shared_run(name)``: the output folder of SHARED_RUNS[name] (its logs in ``logs`` there),
+    launched the first time a test asks for it together with the rest of its group. A failed launch
+    fails only the tests that read it."""
+    outcomes: dict = {}
+
+    def run(name: str):
+        if name not in outcomes:
+            group = next(g for g in SHARED_GROUPS if name in g)
+            base = tmp_path_factory.mktemp("shared")
+
+            def one(n: str) -> None:
+                islands, args = SHARED_RUNS[n]
+                out = base / n.replace(":", "_")
+                try:
+                    launch(islands, ["islands_regression.py", "--out", out, *args], out / "logs")
+                    outcomes[n] = out
+                except BaseException as err:  # noqa: BLE001 - reported by the tests that read this run
+                    outcomes[n] = err
+
+            threads = [threading.Thread(target=one, args=(n,)) for n in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if isinstance(outcomes[name], BaseException):
+            pytest.fail(f"the {name} run failed:\n{outcomes[name]}")
+        return outcomes[name]
+
+    return run
+
+
+def test_heterogeneous_islands_bit_identical_and_match_reference(shared_run):
     # validation every 3 steps lands mid-round: it must see the global model and leave the local one intact
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4,
-                    "--batch-sizes", "4,8", "--val-every", 3], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 3)
+    out = shared_run("heterogeneous")
+    per_island = assert_islands_equal(out, 3)
     ref = reference_diloco([2, 1], [4, 8], steps=12, H=4, outer_lr=0.7, momentum=0.9, nesterov=True)
     for r, params in ref.items():
         for name, t in params.items():
@@ -111,15 +166,14 @@ def test_heterogeneous_islands_bit_identical_and_match_reference(tmp_path):
     assert m["islands/bytes_received"] > 0 and -1.0 <= m["islands/cosine"] <= 1.0
     assert m["islands/pseudo_grad_norm"] > 0
     # every process destroyed its process groups before the interpreter finalized (see fsdp.destroy_world_at_exit)
-    exits = {p.name: p.read_text() for p in tmp_path.glob("exit_island*_rank*")}
+    exits = {p.name: p.read_text() for p in out.glob("exit_island*_rank*")}
     assert exits == {"exit_island0_rank0": "False", "exit_island0_rank1": "False", "exit_island1_rank0": "False"}
 
 
-def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(tmp_path):
+def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(shared_run):
     # rounds of 1, 2, then H=3 steps: rounds end at steps 1, 3, 6, 9
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 9, "--H", 3, "--sync-warmup", "1,2",
-                    "--batch-sizes", "4,8"], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 4)
+    out = shared_run("sync-warmup")
+    per_island = assert_islands_equal(out, 4)
     assert [per_island[1][r]["inner_steps"] for r in (1, 2, 3, 4)] == [1, 3, 6, 9]
     assert [per_island[0][r]["metrics"]["islands/steps_per_round"] for r in (1, 2, 3)] == [2, 3, 3]
     ref = reference_diloco([2, 1], [4, 8], steps=9, H=3, outer_lr=0.7, momentum=0.9, nesterov=True, warmup=[1, 2])
@@ -129,11 +183,10 @@ def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(tmp_path):
             torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
 
 
-def test_outer_warmup_ramps_lr_and_momentum_and_matches_reference(tmp_path):
+def test_outer_warmup_ramps_lr_and_momentum_and_matches_reference(shared_run):
     # 5 rounds of H=2: the outer lr reaches 0.7 in round 4, the momentum 0.9 in round 2
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 10, "--H", 2, "--outer-lr-warmup", 4,
-                    "--momentum-warmup", 2, "--batch-sizes", "4,8"], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 5)
+    out = shared_run("outer-warmup")
+    per_island = assert_islands_equal(out, 5)
     metrics = [per_island[0][r]["metrics"] for r in range(1, 6)]
     assert [m["islands/outer_lr"] for m in metrics] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
     assert [m["islands/outer_momentum"] for m in metrics] == pytest.approx([0.45, 0.9, 0.9, 0.9, 0.9])
@@ -147,11 +200,9 @@ def test_outer_warmup_ramps_lr_and_momentum_and_matches_reference(tmp_path):
     assert not torch.allclose(ref[1]["layers.0.weight"], plain[1]["layers.0.weight"], rtol=1e-3, atol=1e-5)
 
 
-def test_h1_plain_averaging_equals_synchronous_parameter_averaging(tmp_path):
-    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 5, "--H", 1, "--outer-lr", 1.0,
-                    "--momentum", 0.0, "--nesterov", 0, "--batch-sizes", "4,12", "--same-seed", 1],
-           tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 5)
+def test_h1_plain_averaging_equals_synchronous_parameter_averaging(shared_run):
+    out = shared_run("h1")
+    per_island = assert_islands_equal(out, 5)
     # the same seed gives the same initial state: the digests agree and nothing else is sent
     for island in (0, 1):
         assert per_island[island][1]["initial_state_broadcast"] is False
@@ -293,14 +344,13 @@ def test_streaming_islands_stay_bit_identical_and_resume_exactly(tmp_path):
         assert a[r]["digest"] == b[r]["digest"]
 
 
-def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(tmp_path):
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4, "--nan-island", 1,
-                    "--nan-step", 6], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 3)
+def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(shared_run):
+    out = shared_run("nan")
+    per_island = assert_islands_equal(out, 3)
     assert [per_island[0][r]["metrics"]["islands/islands_left_out"] for r in (1, 2, 3)] == [0.0, 1.0, 0.0]
     for params in per_island[1][3]["params"].values():
         assert torch.isfinite(params).all()
-    assert "merges without island(s) [1]" in (tmp_path / "logs" / "island0.log").read_text()
+    assert "merges without island(s) [1]" in (out / "logs" / "island0.log").read_text()
 
 
 def test_a_damaged_checkpoint_is_named_with_the_fix(resume_runs, tmp_path):
@@ -444,10 +494,9 @@ def test_run_command_names_the_failing_island(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["topk:0.25+int4"])  # the others, across shardings: tests/test_engine.py
-def test_a_quantized_codec_keeps_global_state_bit_identical(tmp_path, codec):
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, "--codec", codec],
-           tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 4)
+def test_a_quantized_codec_keeps_global_state_bit_identical(shared_run, codec):
+    out = shared_run(codec)  # islands_regression.py --steps 8 --H 2 --codec CODEC
+    per_island = assert_islands_equal(out, 4)
     m = per_island[0][4]["metrics"]
     assert m["islands/compression_ratio"] > 1.0
     assert 0.0 < m["islands/quant_rel_error"] < 1.0
@@ -492,15 +541,13 @@ def test_time_balance_does_not_count_the_first_step_of_a_fit(tmp_path):
     assert all(2 <= n <= 7 for n in second), f"round 2 steps per island: {second}"
 
 
-@pytest.mark.parametrize("args, rounds", [
-    # manual optimization, two optimizers with LR schedulers: Lightning counts both optimizers' steps
-    # in global_step, so max_steps=8 is 4 batches; a round is H batches that stepped
-    (["--two-optimizers", 1], 2),
-    (["--accumulate", 2, "--clip", 0.5, "--inner", "adamw"], 4),  # gradient accumulation and clipping
+@pytest.mark.parametrize("name, rounds", [
+    ("two-optimizers", 2),  # manual optimization, two optimizers with LR schedulers (see SHARED_RUNS)
+    ("accumulate-clip", 4),  # gradient accumulation and clipping
 ], ids=["two-optimizers", "accumulate-clip"])
-def test_lightning_features_keep_working_under_islands(tmp_path, args, rounds):
-    launch([2, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, *args], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, rounds)
+def test_lightning_features_keep_working_under_islands(shared_run, name, rounds):
+    out, args = shared_run(name), SHARED_RUNS[name][1]
+    per_island = assert_islands_equal(out, rounds)
     accumulate = args[args.index("--accumulate") + 1] if "--accumulate" in args else 1
     assert per_island[0][rounds]["inner_steps"] == 2 * rounds
     m = per_island[0][rounds]["metrics"]
@@ -575,25 +622,23 @@ def test_gpu_island_matches_the_reference(tmp_path):
             torch.testing.assert_close(per_island[0][r]["params"][name], t, rtol=1e-4, atol=1e-5)
 
 
-def test_islands_with_different_round_lengths_stop_together(tmp_path):
+def test_islands_with_different_round_lengths_stop_together(shared_run):
     """Island 0 runs 4 steps per round, island 1 runs 2: island 0 reaches max_steps after 3 rounds and
     its last round tells island 1 to stop there too, instead of island 1 waiting for a 4th round."""
-    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 12, "--H", 4, "--steps-per-round", "4,2"],
-           tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 3)
+    out = shared_run("round-lengths")
+    per_island = assert_islands_equal(out, 3)
     assert [per_island[1][r]["inner_steps"] for r in (1, 2, 3)] == [2, 4, 6]
-    assert (tmp_path / "island1_done").read_text() == "3"
+    assert (out / "island1_done").read_text() == "3"
 
 
-def test_early_stopping_on_one_island_stops_every_island_after_the_same_round(tmp_path):
+def test_early_stopping_on_one_island_stops_every_island_after_the_same_round(shared_run):
     """Island 0's EarlyStopping fires at its validation after step 3 (mid-round, H=2): its partial round 2
     is its last and says so; island 1 finishes round 2 (step 4) and stops there instead of waiting."""
-    launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 20, "--H", 2, "--val-every", 3,
-                    "--early-stop-island", 0], tmp_path / "logs")
-    per_island = assert_islands_equal(tmp_path, 2)
+    out = shared_run("early-stop")
+    per_island = assert_islands_equal(out, 2)
     assert [per_island[0][r]["inner_steps"] for r in (1, 2)] == [2, 3]
     assert [per_island[1][r]["inner_steps"] for r in (1, 2)] == [2, 4]
-    assert (tmp_path / "island0_done").read_text() == "2" and (tmp_path / "island1_done").read_text() == "2"
+    assert (out / "island0_done").read_text() == "2" and (out / "island1_done").read_text() == "2"
 
 
 def test_terminating_the_launcher_stops_every_island(tmp_path):
