@@ -3,8 +3,10 @@
 The store's primitives against one real etcd member (a decision succeeds once, waits are watches,
 a lease takes only its own keys, gloo rendezvous over it); islands as threads of this test with
 real :class:`~lightning_islands.link.island_link.IslandLink`s and gloo lanes on a three-member
-cluster whose leader is SIGKILLed mid-run; a cluster that lost its majority ends the islands with a
-message that names it and the fix.
+cluster whose leader is SIGKILLed or partitioned away mid-run; real processes launched with
+``run --coordinator``: a leader killed in inner steps, an island's lease expiring while its process
+is stopped, the majority lost (every island ends naming the cluster and the fix) and the run
+resumed from its checkpoints once the cluster is back.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettin
 from lightning_islands.link.etcd_credentials import EtcdCredentials
 from lightning_islands.link.etcd_store import ROOT, EtcdAccessDenied, EtcdStore, EtcdUnreachable
 from lightning_islands.link.island_link import IslandLink
-from lightning_islands.link.protocol import CoordinatorLost
 
 
 @pytest.fixture(scope="module")
@@ -224,55 +225,6 @@ def test_two_islands_train_on_while_the_leader_member_is_partitioned_away(tmp_pa
         assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
 
 
-def test_a_cluster_that_lost_its_majority_ends_every_island_naming_it_and_keeps_what_it_holds(tmp_path):
-    """Two of three members stopped after round 2: each island ends with CoordinatorLost naming the
-    cluster and the fix; restored, the cluster still holds every decision, and islands train on it."""
-    with LocalEtcdCluster(3, data_dir=tmp_path) as cluster:
-        results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
-        errors: dict[int, BaseException] = {}
-        reached = threading.Barrier(3)
-
-        def island(i: int, run_id: str, rounds: int, lose: bool) -> None:
-            link = _link(cluster.address, i, 2, run_id, deadline=timedelta(seconds=3))
-            engine, locals_ = _engine(i, 2, link)
-            engine.meet(lambda: link, engine.fingerprint(False))
-            engine.adopt_initial_state(locals_, {})
-            try:
-                _train(engine, locals_, i, 2, results[i], end=False)
-                if lose:
-                    reached.wait(60)  # both islands landed round 2; the test stops the majority
-                    reached.wait(60)
-                _train(engine, locals_, i, rounds, results[i])
-            except CoordinatorLost as err:
-                errors[i] = err
-            finally:
-                link.close()
-
-        threads = [threading.Thread(target=island, args=(i, "majority", 6, True)) for i in range(2)]
-        for t in threads:
-            t.start()
-        reached.wait(60)
-        held = [m for m in cluster.members if m is not _leader(cluster)][:1] + [_leader(cluster)]
-        for member in held:
-            cluster.hold(member)
-        assert all(m.process.poll() is not None for m in held), "the majority is down"
-        reached.wait(60)
-        for t in threads:
-            t.join(120)
-        assert sorted(errors) == [0, 1], f"every island ended: {errors}"
-        for err in errors.values():
-            assert cluster.address in str(err) and "majority of its members" in str(err)
-            assert "Restart the members that stopped" in str(err) and "resume=" in str(err)
-        for member in held:
-            cluster.restore(member)
-        cluster.wait_healthy(60)
-        decided = EtcdStore(cluster.address)
-        assert decided.check(["majority/round1/a0/members"]), "what the cluster held before is still there"
-        results = {0: {}, 1: {}}
-        run_threads([lambda: island(0, "majority-2", 2, False), lambda: island(1, "majority-2", 2, False)])
-        assert sorted(results[0]) == [1, 2] == sorted(results[1]), "the restored cluster coordinates a run again"
-
-
 def test_run_with_an_etcd_coordinator_trains_processes_bit_identically_through_a_leader_kill(tmp_path):
     """``lightning-islands run --coordinator etcd://...``: two islands of real processes (the real
     Trainer, gloo) meet on a three-member cluster; its leader SIGKILLed once round 2 landed, the
@@ -345,7 +297,7 @@ def test_processes_a_stopped_islands_lease_expires_then_the_majority_is_lost_and
                 time.sleep(0.05)
             stat = Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()
             assert stat[0] == "T", "island 1 is stopped, not gone, when its key vanished"
-            while not (first / "island0_round6.pt").exists():  # island 0 trains on without it
+            while not (first / "island0_round5.pt").exists():  # island 0 trains on without it
                 assert proc.poll() is None and time.monotonic() < deadline, "island 0 did not go on"
                 time.sleep(0.05)
             held = cluster.members[:2]
@@ -367,6 +319,7 @@ def test_processes_a_stopped_islands_lease_expires_then_the_majority_is_lost_and
         for member in held:
             cluster.restore(member)
         cluster.wait_healthy(60)
+        assert plain.check(["lost/run", "lost/fingerprint/1"]), "what the cluster held before is still there"
         again = _run(cluster.address, "lost-resumed", tmp_path, "--out", str(resumed), *common, "--max-rounds", "4",
                      "--resume", str(first / "rounds_island{island}"))
         text = again.communicate(timeout=300)[0]
