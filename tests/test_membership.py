@@ -566,3 +566,17 @@ def test_the_sweep_of_a_round_deletes_the_rendezvous_keys_of_the_lanes_it_built(
     keys = round_keys(store, "k", 6, 3, 2)
     assert set(rendezvous_keys("k/round6/a0/", 2, 3)) <= set(keys)
     assert "k/round6/a0/lane1//0/2" in keys and "k/round6/a0/members" in keys
+
+
+def test_an_enrolment_counted_but_never_written_does_not_hide_the_ones_after_it():
+    """A joiner that died between counting its enrolment and writing it leaves a gap in the log:
+    later joiners are still taken into the roster, and the gap is read again each round."""
+    coordinator = Coordinator()
+    m0 = Membership(coordinator.store, "gap", 0, 2, 1, GRACE, None, lambda i: None)
+    coordinator.store.add("gap/enrolled", 1)  # counted, never written
+    Membership(coordinator.store, "gap", 3, 4, 1, GRACE, None, lambda i: None, joining=True).enroll()
+    m0.read_enrolments()
+    assert m0.roster == {0, 1, 3}
+    coordinator.store.set("gap/enrol/1", json.dumps({"island": 2, "inc": 0}))  # written late after all
+    m0.read_enrolments()
+    assert m0.roster == {0, 1, 2, 3}

@@ -174,7 +174,8 @@ class Membership:
         # the run's islands as far as this island knows: started or enrolled, not retired
         self.roster: set[int] = set() if joining else set(range(num_islands))
         self.retired: set[int] = set()
-        self._enrolled = 0  # the enrolment log's entries read so far
+        self._enrolled = 0  # the enrolment log's entries counted so far
+        self._unwritten: set[int] = set()  # entries counted but not found written yet
         self.leaving: int | None = None  # the round after which this island retires (None: it stays)
         self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
         self._requests: dict[int, bytes] = {}  # the last join request seen of each island
@@ -535,11 +536,14 @@ class Membership:
     def read_enrolments(self) -> None:
         """Take the enrolment log's new entries into the roster (one request when there are none)."""
         count = self.store.add(self._k("enrolled"), 0)
-        for n in range(self._enrolled + 1, count + 1):
+        todo = sorted(self._unwritten | set(range(self._enrolled + 1, count + 1)))
+        self._enrolled = max(self._enrolled, count)
+        for n in todo:
             raw = self._get(self._k(f"enrol/{n}"))
-            if raw is None:  # counted, not written yet: read again at the next round
-                return
-            self._enrolled = n
+            if raw is None:  # counted, not written (yet: or its writer died): read again at the next round
+                self._unwritten.add(n)
+                continue
+            self._unwritten.discard(n)
             island = int(json.loads(raw)["island"])
             if island not in self.retired:
                 self.roster.add(island)
