@@ -9,7 +9,7 @@ those asking to (re)join.
 
 The run's islands (its roster) change while it runs. A new island, with an index beyond those the run
 started with, enrolls (an entry in a log at the coordinator, numbered with ``add``) and asks to join
-like a restarted island; every decider reads the log's next entry once a round. An island retires
+like a restarted island; every decider reads the log's count once a round. An island retires
 for good by saying so in its last round's header: once that round counted, no round expects it, and
 every later decision carries it among the ``retired`` (so an island that missed that round learns it too).
 
