@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +108,14 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.fixture(scope="module")
-def fsdp_then_islands(tmp_path_factory, app_env):
+def _fsdp_then_islands(cwds: dict[str, Path], app_env: dict) -> dict[str, tuple[str, Path]]:
     """FSDP2 over two processes from scratch (16 steps, a checkpoint every 8), then at the same time:
     the same job resumed from its last checkpoint to 20 steps, and the default job (two heterogeneous
     islands of 2 and 1 processes) seeded with that plain FSDP checkpoint, 6 more steps in two rounds
     of H=3, resharded from 2 ranks to 2 and 1 on load. Returns their outputs and run folders."""
-    cwd = tmp_path_factory.mktemp("fsdp")
     fsdp = ["strategy=fsdp", *TINY_MODEL, *TINY_DATA, "trainer.val_check_interval=8",
             "trainer.checkpoint_every_n_steps=8", "trainer.log_every_n_steps=1"]
-    out = train([*fsdp, "trainer.max_steps=16"], cwd, app_env)
+    out = train([*fsdp, "trainer.max_steps=16"], cwds["fsdp"], app_env)
     ckpt = run_dir_of(out) / "island0" / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir(), out[-3000:]
     # a callback and a Trainer keyword from the command line; the callback (tests/scripts) records
@@ -125,12 +124,70 @@ def fsdp_then_islands(tmp_path_factory, app_env):
     scripts = str(Path(__file__).parent / "scripts")
     env = {**app_env, "PYTHONPATH": os.pathsep.join(p for p in (scripts, app_env.get("PYTHONPATH")) if p)}
     outs = train_together({  # each in a folder of its own: runs started in the same second share a name
-        "resumed": ([*fsdp, "trainer.max_steps=20", f"resume={ckpt}"], tmp_path_factory.mktemp("resumed")),
+        "resumed": ([*fsdp, "trainer.max_steps=20", f"resume={ckpt}"], cwds["resumed"]),
         "islands": ([*TINY_MODEL, *TINY_DATA, "trainer.max_steps=22", "trainer.val_check_interval=6",
                      "trainer.checkpoint_every_n_steps=6", "islands.sync_every=3", f"resume={ckpt}", seen,
-                     "+trainer.num_sanity_val_steps=0", "logger=wandb"], tmp_path_factory.mktemp("islands")),
+                     "+trainer.num_sanity_val_steps=0", "logger=wandb"], cwds["islands"]),
     }, env)
     return {name: (text, run_dir_of(text)) for name, text in {"fsdp": out, **outs}.items()}
+
+
+def _moe_and_ddp(cwds: dict[str, Path], app_env: dict) -> dict[str, Path]:
+    """Two launches at once: the MoE with expert weighting on two islands, one slowed down and
+    balanced by time (3 rounds of H=2 on the slow island), and DDP over two processes logging to W&B
+    (offline). Returns their run folders."""
+    moe = ["islands=slow_island", "islands.expert_weighting=true", "islands.balance=time", "islands.max_rounds=3",
+           # 0.5 s per step on top of the slow island's compute (tens of ms for this model): the fast island
+           # stays far more than 1.25x faster (what it needs to be given more steps) even on a loaded machine
+           "islands.sync_every=2", "islands.members.1.step_delay_s=0.5", "trainer.max_steps=1000",
+           "trainer.val_check_interval=1000", *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA]
+    ddp = ["strategy=ddp", "logger=wandb", "trainer.max_steps=4", "trainer.val_check_interval=2",
+           *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA, "experiment.name=smoke"]
+    outs = train_together({"moe": (moe, cwds["moe"]), "ddp": (ddp, cwds["ddp"])}, app_env)
+    return {name: run_dir_of(text) for name, text in outs.items()}
+
+
+@pytest.fixture(scope="module")
+def app_runs(request, tmp_path_factory, app_env):
+    """Every launch this module's slow tests read, as concurrently as their order allows: the FSDP
+    chain (:func:`_fsdp_then_islands`) and, after it starts, the MoE and DDP pair (:func:`_moe_and_ddp`)
+    each in a thread of its own, while this thread makes the session's ``finished_runs`` (a sweep and
+    a single run). On 2 cores much of a launch is waiting (for the other processes of its world, for
+    the launcher's polls): together they take far less than one after the other."""
+    cwds = {name: tmp_path_factory.mktemp(name) for name in ("fsdp", "resumed", "islands", "moe", "ddp")}
+    made: dict[str, Any] = {}
+
+    def run(name, job):
+        try:
+            made[name] = job(cwds, app_env)
+        except BaseException as err:  # noqa: BLE001 - raised below, in the test's thread
+            made[name] = err
+
+    threads = [threading.Thread(target=run, args=(name, job))
+               for name, job in (("fsdp", _fsdp_then_islands), ("moe", _moe_and_ddp))]
+    for t in threads:
+        t.start()
+    try:
+        request.getfixturevalue("finished_runs")  # pytest's own work stays in this thread
+    finally:
+        for t in threads:
+            t.join()
+    for outcome in made.values():
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return made
+
+
+@pytest.fixture(scope="module")
+def fsdp_then_islands(app_runs):
+    """See :func:`_fsdp_then_islands`."""
+    return app_runs["fsdp"]
+
+
+@pytest.fixture(scope="module")
+def moe_and_ddp(app_runs):
+    """See :func:`_moe_and_ddp`."""
+    return app_runs["moe"]
 
 
 @pytest.mark.slow
@@ -205,23 +262,6 @@ def test_multirun_sweep_of_two_jobs(finished_runs):
     assert sorted(job.islands.sync_every for job in jobs) == [2, 4]
     rounds = sorted(_json(p)["rounds"] for p in summaries)
     assert rounds == [1, 2]  # 4 steps / H
-
-
-@pytest.fixture(scope="module")
-def moe_and_ddp(tmp_path_factory, app_env):
-    """Two launches at once: the MoE with expert weighting on two islands, one slowed down and
-    balanced by time (3 rounds of H=2 on the slow island), and DDP over two processes logging to W&B
-    (offline). Returns their run folders."""
-    moe = ["islands=slow_island", "islands.expert_weighting=true", "islands.balance=time", "islands.max_rounds=3",
-           # 0.5 s per step on top of the slow island's compute (tens of ms for this model): the fast island
-           # stays far more than 1.25x faster (what it needs to be given more steps) even on a loaded machine
-           "islands.sync_every=2", "islands.members.1.step_delay_s=0.5", "trainer.max_steps=1000",
-           "trainer.val_check_interval=1000", *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA]
-    ddp = ["strategy=ddp", "logger=wandb", "trainer.max_steps=4", "trainer.val_check_interval=2",
-           *NO_CHECKPOINTS, *TINY_MODEL, *TINY_DATA, "experiment.name=smoke"]
-    outs = train_together({"moe": (moe, tmp_path_factory.mktemp("moe")),
-                           "ddp": (ddp, tmp_path_factory.mktemp("ddp"))}, app_env)
-    return {name: run_dir_of(text) for name, text in outs.items()}
 
 
 @pytest.mark.slow
