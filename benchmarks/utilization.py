@@ -173,6 +173,17 @@ def auto_rate(args: argparse.Namespace, none: dict) -> str:
     return f"{max(1, int(payload * 8 / seconds / 1e6))}mbit"
 
 
+def _link(args: argparse.Namespace, rate: str, parser: argparse.ArgumentParser) -> str:
+    """``islands.link`` for a rate: with ``--rtt`` and ``--tcp tuned`` appended."""
+    if args.rtt:
+        if "," in rate:
+            parser.error(f"--rtt {args.rtt} and a --rate with an RTT ({rate}): give the RTT once")
+        rate = f"{rate},{args.rtt}"
+    if args.tcp == "tuned":
+        rate = f"{rate},tuned"
+    return rate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/utilization")
@@ -197,25 +208,46 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
                         help="which of sync,fragments,fragments+overlap to run (none always runs)")
     parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")
+    parser.add_argument("--at-once", action="store_true",
+                        help="run every config at the same time as none (needs a --rate other than auto): a smoke "
+                             "test of the script, whose timings then say nothing")
     args = parser.parse_args()
+    if args.at_once and args.rate == "auto":
+        parser.error("--at-once needs a --rate: auto sizes it from the none run")
     args.steps = args.steps or (96 if args.quick else 192)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    none = run_config(args, "none", None, out)
-    rate = auto_rate(args, none) if args.rate == "auto" else args.rate
-    if args.rtt:
-        if "," in rate:
-            parser.error(f"--rtt {args.rtt} and a --rate with an RTT ({rate}): give the RTT once")
-        rate = f"{rate},{args.rtt}"
-    if args.tcp == "tuned":
-        rate = f"{rate},tuned"
+    configs = [c for c in CONFIGS[1:] if c in args.configs.split(",")]
+    done: dict[str, dict] = {}
+    if args.at_once:  # the others beside none, each in a thread of its own
+        errors: list[BaseException] = []
+
+        def one(config: str) -> None:
+            try:
+                done[config] = run_config(args, config, _link(args, args.rate, parser), out)
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=one, args=(c,)) for c in configs]
+        for t in threads:
+            t.start()
+        try:
+            none = run_config(args, "none", None, out)
+        finally:
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+    else:
+        none = run_config(args, "none", None, out)
+    rate = _link(args, auto_rate(args, none) if args.rate == "auto" else args.rate, parser)
     spec = parse_link(rate)
     rtt_ms = spec.rtt_s * 1e3
     print(f"none: {none['wall_seconds']:.1f} s, {none['step_seconds'] * 1e3:.0f} ms/step; link {rate}", flush=True)
     rows = [none]
-    for config in [c for c in CONFIGS[1:] if c in args.configs.split(",")]:
-        row = run_config(args, config, rate, out)
+    for config in configs:
+        row = done.get(config) or run_config(args, config, rate, out)
         rows.append(row)
         print(f"{config}: {row['wall_seconds']:.1f} s", flush=True)
     for row in rows:
