@@ -1,7 +1,7 @@
 """Faults without a reset: how long do the survivors stall, and what does a fault cost?
 
 For each fault kind, island count and phase, runs the test regression (``tests/scripts/
-islands_regression.py``: 32 steps, H=4, 8 rounds) as islands over a shaped link and makes island 1
+islands_regression.py``: 32 steps, H=4, 8 rounds by default) as islands over a shaped link and makes island 1
 fall once: in round 2's exchange, or after inner step 6 (in round 1):
 
 - ``KILL``: SIGKILL (its sockets close: the others get a reset); torch.distributed.run restarts it
@@ -48,12 +48,12 @@ def _rounds(out: Path, island: int) -> dict[int, tuple[float, str]]:
     return found
 
 
-def one(kind: str, n: int, phase: str, grace: float, link: str, out: Path) -> dict:
+def one(kind: str, n: int, phase: str, grace: float, link: str, out: Path, rounds_run: int = ROUNDS) -> dict:
     """Run ``n`` islands with island 1 falling by ``kind`` in ``phase``; the row of the table."""
     sizes = ",".join(str(4 + 2 * i) for i in range(n))
     cmd = [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", ",".join("1" * n), "--live", "off",
            "--max-restarts", "1" if kind == "KILL" else "0", "--link", link, "--", sys.executable, str(SCRIPT),
-           "--out", str(out), "--steps", str(ROUNDS * H), "--H", str(H), "--batch-sizes", sizes, "--grace-s",
+           "--out", str(out), "--steps", str(rounds_run * H), "--H", str(H), "--batch-sizes", sizes, "--grace-s",
            str(grace), "--deadline-s", "300", "--fault", f"1:{phase}:{FAULT_AT[phase]}:{kind}"]
     started = time.monotonic()
     log = (out.parent / f"{out.name}.log").open("w")
@@ -85,8 +85,8 @@ def one(kind: str, n: int, phase: str, grace: float, link: str, out: Path) -> di
         "stall_s": max(gaps), "median_round_s": statistics.median(gaps),
         "recover_s": (times[longest + 1] - fault_at) if fault_at is not None else None,
         "attempts_again": len(re.findall(r"^\[island 0\] islands: .*\(attempt \d+\)$", text, re.M)),
-        "survivor_rounds_lost": ROUNDS - min(len(rounds[i]) for i in survivors),
-        "island1_rounds_missed": ROUNDS - len(rounds[1]),
+        "survivor_rounds_lost": rounds_run - min(len(rounds[i]) for i in survivors),
+        "island1_rounds_missed": rounds_run - len(rounds[1]),
         "wall_s": time.monotonic() - started,
     }
 
@@ -99,18 +99,25 @@ def main() -> None:
     parser.add_argument("--phases", default="inner,exchange")
     parser.add_argument("--grace", type=float, default=3.0, help="islands.grace_s")
     parser.add_argument("--link", default="200mbit", help="the shaped link (--link of the run command)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"rounds of H={H} per run (default {ROUNDS}; at least {FAULT_AT['exchange'] + 2}: "
+                             "a round after the fault's)")
     args = parser.parse_args()
+    if args.rounds < FAULT_AT["exchange"] + 2:
+        parser.error(f"--rounds {args.rounds}: the fault falls in round {FAULT_AT['exchange']}, give "
+                     f"{FAULT_AT['exchange'] + 2} or more")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for kind in args.kinds.split(","):
         for n in (int(v) for v in args.islands.split(",")):
             for phase in args.phases.split(","):
-                row = one(kind, n, phase, args.grace, args.link, args.out / f"{kind.lower()}_{n}_{phase}")
+                row = one(kind, n, phase, args.grace, args.link, args.out / f"{kind.lower()}_{n}_{phase}",
+                          args.rounds)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     (args.out / "stalls.json").write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
                                                       "rows": rows}, indent=2))
-    lines = [f"grace_s={args.grace:g}, link {args.link}, {ROUNDS} rounds of H={H}; island 1 falls once",
+    lines = [f"grace_s={args.grace:g}, link {args.link}, {args.rounds} rounds of H={H}; island 1 falls once",
              "", "| fault | islands | phase | longest stall (s) | median round (s) | fault to recovery (s) "
              "| attempts run again | survivors' rounds lost | island 1's rounds missed |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]

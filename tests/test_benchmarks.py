@@ -161,7 +161,7 @@ def test_stalls_benchmark_writes_its_table_with_the_fault_seen_and_the_states_eq
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "stalls.py"), "--kinds", "STOP", "--islands", "2", "--phases",
-         "exchange", "--out", str(tmp_path)],
+         "exchange", "--rounds", "4", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
