@@ -142,9 +142,9 @@ def test_parallelism_benchmark_reports_each_island_of_a_variant(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128", "model.n_experts=4",
             "model.seq_len=64", "data.max_bytes=300000", "data.val_windows=8", "data.val_batch_size=4",
-            "islands.sync_every=4"]
+            "islands.sync_every=2"]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "parallelism.py"), "--steps", "8", "--variants",
+        [sys.executable, str(ROOT / "benchmarks" / "parallelism.py"), "--steps", "4", "--variants",
          "tensor parallel", "--out", str(tmp_path), *tiny],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
     )
