@@ -183,7 +183,7 @@ def worker(args: argparse.Namespace) -> None:
             rounds = []
             for r in range(2):
                 if r:
-                    time.sleep(ROUND_GAP_S)
+                    time.sleep(args.round_gap)  # idle, as a run is between two rounds
                 link.gather_objects(f"go{r}", True)
                 rounds.append(_timed_all_gather(link, payload, crcs, coordinator))
                 rounds[-1]["seconds"] = max(link.gather_objects(f"seconds{r}", rounds[-1]["seconds"]))
@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tcp", default=None,
                         help="host TCP settings to run, of default,tuned (default both; --quick: default)")
     parser.add_argument("--timeout", type=float, default=300.0, help="the links' deadline_s (a transfer's bound)")
+    parser.add_argument("--round-gap", type=float, default=ROUND_GAP_S,
+                        help=f"seconds between the two timed all-gathers (default {ROUND_GAP_S:g}; keep it above "
+                             "TCP's idle restart, one RTO: >= 0.2 s)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -429,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--payload-mb", str(args.payload_mb),
                "--lanes", ",".join(map(str, args.lanes)), "--tcp", ",".join(args.tcp), "--timeout", str(args.timeout),
-               "--result-dir", str(out)]
+               "--round-gap", str(args.round_gap), "--result-dir", str(out)]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = run_islands([1, 1], command, log_dir=out / "logs", env=env, live=False, link=spec)
     if any(r.returncode for r in results):

@@ -83,7 +83,7 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "lanes.py"), "--quick", "--payload-mb", "2", "--rate", "100mbit",
-         "--rtt", "20ms", "--out", str(tmp_path)],
+         "--rtt", "20ms", "--round-gap", "0.3", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
