@@ -127,31 +127,40 @@ def _kill_leader(cluster: LocalEtcdCluster, killed: list) -> None:
     killed.append((leader.name, process.returncode))
 
 
+def _train_two_islands_faulting_round_3(address: str, run_id: str, fault, **link_kw) -> dict[int, dict]:
+    """Islands 0 and 1 as threads train 6 rounds; ``fault()`` runs once, just before island 0
+    proposes round 3's member set. Returns each island's global state by round."""
+    results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
+    done: list[bool] = []
+
+    def island(i: int) -> None:
+        link = _link(address, i, 2, run_id, **link_kw)
+        if i == 0:
+            propose = link.membership._propose
+
+            def propose_after_the_fault(round_, *args, **kw):
+                if round_ == 3 and not done:
+                    fault()  # the decision's transaction goes to the cluster after it
+                    done.append(True)
+                return propose(round_, *args, **kw)
+            link.membership._propose = propose_after_the_fault
+        engine, locals_ = _engine(i, 2, link)
+        engine.meet(lambda: link, engine.fingerprint(False))
+        engine.adopt_initial_state(locals_, {})
+        _train(engine, locals_, i, 6, results[i], pause=0.02)
+        link.close()
+
+    run_threads([lambda: island(0), lambda: island(1)])
+    return results
+
+
 def test_two_islands_train_on_while_the_leader_member_is_killed_in_a_decision(tmp_path):
     """The leader member SIGKILLed while island 0 proposes round 3's member set (the multi-process
     test below kills it in inner steps): every round counts, the global states stay bit-identical,
     and the member is restarted and rejoins the cluster."""
     with LocalEtcdCluster(3, data_dir=tmp_path) as cluster:
-        results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
         killed: list = []
-
-        def island(i: int) -> None:
-            link = _link(cluster.address, i, 2, "leader")
-            if i == 0:
-                propose = link.membership._propose
-
-                def propose_after_a_kill(round_, *args, **kw):
-                    if round_ == 3 and not killed:
-                        _kill_leader(cluster, killed)  # the decision's transaction goes to the cluster after
-                    return propose(round_, *args, **kw)
-                link.membership._propose = propose_after_a_kill
-            engine, locals_ = _engine(i, 2, link)
-            engine.meet(lambda: link, engine.fingerprint(False))
-            engine.adopt_initial_state(locals_, {})
-            _train(engine, locals_, i, 6, results[i], pause=0.02)
-            link.close()
-
-        run_threads([lambda: island(0), lambda: island(1)])
+        results = _train_two_islands_faulting_round_3(cluster.address, "leader", lambda: _kill_leader(cluster, killed))
         assert len(killed) == 1 and killed[0][1] == -9, killed
         deadline = time.monotonic() + 60
         while sum(m.restarts for m in cluster.members) < 1:
@@ -182,30 +191,17 @@ def test_two_islands_train_on_while_the_leader_member_is_partitioned_away(tmp_pa
         cluster = LocalEtcdCluster(3, data_dir=tmp_path, hosts=[p.address for p in ports],
                                    prefixes=[net.exec_prefix(i) for i in range(3)])
         with cluster:
-            results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
             cut: list = []
 
-            def island(i: int) -> None:
-                link = _link(cluster.address, i, 2, "partition", interface="li-br")
-                if i == 0:
-                    propose = link.membership._propose
+            def cut_the_leader() -> None:
+                leader = _leader(cluster)
+                port = ports[cluster.members.index(leader)]
+                subprocess.run(["ip", "netns", "exec", port.namespace, "ip", "link", "set", port.interface, "down"],
+                               check=True)
+                cut.append((leader, port, _link_state(port.namespace, port.interface)))
 
-                    def propose_after_a_cut(round_, *args, **kw):
-                        if round_ == 3 and not cut:
-                            leader = _leader(cluster)
-                            port = ports[cluster.members.index(leader)]
-                            subprocess.run(["ip", "netns", "exec", port.namespace, "ip", "link", "set",
-                                            port.interface, "down"], check=True)
-                            cut.append((leader, port, _link_state(port.namespace, port.interface)))
-                        return propose(round_, *args, **kw)
-                    link.membership._propose = propose_after_a_cut
-                engine, locals_ = _engine(i, 2, link)
-                engine.meet(lambda: link, engine.fingerprint(False))
-                engine.adopt_initial_state(locals_, {})
-                _train(engine, locals_, i, 6, results[i], pause=0.02)
-                link.close()
-
-            run_threads([lambda: island(0), lambda: island(1)])
+            results = _train_two_islands_faulting_round_3(cluster.address, "partition", cut_the_leader,
+                                                          interface="li-br")
             assert len(cut) == 1 and cut[0][2] == "DOWN", cut
             member, port, _ = cut[0]
             assert member.process.poll() is None and member.restarts == 0, "cut off, not killed"

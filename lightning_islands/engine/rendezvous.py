@@ -48,16 +48,16 @@ def meet(island: Island, open_link: Callable[[], Link], fingerprint: dict[str, A
             raise RuntimeError(f"could not meet the other islands: {err}") from err
         if joining:
             record = island.link.read_object(RUN_RECORD, fingerprint.get("deadline_s") or 3600.0)
-            prints = [record["fingerprint"], fingerprint]  # type: ignore[index]
+            prints, islands = [record["fingerprint"], fingerprint], [0, island.index]  # type: ignore[index]
         else:
-            prints = island.link.gather_objects("fingerprint", fingerprint)
+            prints, islands = island.link.gather_objects("fingerprint", fingerprint), None
             if island.index == 0 and not rejoining:
                 island.link.publish(RUN_RECORD, {"fingerprint": fingerprint, "settings": settings})
         if rejoining or joining:
             prints = [{k: v for k, v in p.items() if k != "resuming"} for p in prints]
-        error = compare_fingerprints(prints)
+        error = compare_fingerprints(prints, islands)
         if error:
-            raise RuntimeError(error if not joining else error.replace("island 1 has", f"island {island.index} has"))
+            raise RuntimeError(error)
         if not rejoining and not joining:
             island.link.open_lanes()
 

@@ -328,10 +328,12 @@ class IslandSettings:
         }
 
 
-def compare_fingerprints(prints: Sequence[dict[str, Any]]) -> str | None:
-    """A message naming every field in which an island differs from island 0, or ``None``."""
+def compare_fingerprints(prints: Sequence[dict[str, Any]], islands: Sequence[int] | None = None) -> str | None:
+    """A message naming every field in which an island differs from island 0, or ``None``;
+    ``islands``: the index of each print (default: its position)."""
     problems = []
-    for i, fp in enumerate(prints[1:], start=1):
+    names = list(islands) if islands is not None else list(range(len(prints)))
+    for i, fp in zip(names[1:], prints[1:]):
         for key in sorted(set(prints[0]) | set(fp)):
             a, b = prints[0].get(key), fp.get(key)
             if a != b:
