@@ -56,6 +56,16 @@ def _wait_for(a: IslandLink, other_island) -> float:
     return waited
 
 
+def test_the_last_status_published_is_written_by_close():
+    """Statuses go out from a thread of their own; close() writes the one still pending first."""
+    coord = Coordinator()
+    link = IslandLink(coord.address, 0, 1, run_id="r")
+    for step in range(50):
+        link.heartbeat({"step": step})
+    link.close()
+    assert coord.status(1, "r")[0] == {"step": 49}
+
+
 def test_a_slow_island_that_makes_progress_is_waited_for_past_the_grace_window():
     coord = Coordinator()
     a = IslandLink(coord.address, 0, 2, run_id="r", grace_s=1.5, deadline=timedelta(seconds=60))

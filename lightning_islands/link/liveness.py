@@ -149,7 +149,8 @@ class StatusPublisher:
         self._wake.set()
 
     def stop(self, wait: bool = True) -> None:
-        """Stop the thread (``wait``: for it, at most a connection attempt's length)."""
+        """Stop the thread after it writes the status still pending, if any (``wait``: for it, at
+        most a connection attempt's length)."""
         self._stop.set()
         self._wake.set()
         if wait:
@@ -160,22 +161,21 @@ class StatusPublisher:
         logged = 0.0
         while True:
             self._wake.wait()
-            if self._stop.is_set():
-                return
             self._wake.clear()
             with self._lock:
                 status, self._latest = self._latest, None
-            if status is None:
-                continue
-            try:
-                store = store or self.connect()
-                store.set(self.key, status)
-            except Exception as err:  # noqa: BLE001 - best effort: the next status tries a new connection
-                store, self.failures = None, self.failures + 1
-                if time.monotonic() - logged >= LOG_EVERY_S:
-                    logged = time.monotonic()
-                    log.warning("lightning_islands: could not publish the status %r (%s: %s)", self.key,
-                                type(err).__name__, err)
+            if status is not None:
+                try:
+                    store = store or self.connect()
+                    store.set(self.key, status)
+                except Exception as err:  # noqa: BLE001 - best effort: the next status tries a new connection
+                    store, self.failures = None, self.failures + 1
+                    if time.monotonic() - logged >= LOG_EVERY_S:
+                        logged = time.monotonic()
+                        log.warning("lightning_islands: could not publish the status %r (%s: %s)", self.key,
+                                    type(err).__name__, err)
+            if self._stop.is_set():  # the last status published before stopping is written (once)
+                return
 
 
 @contextmanager
