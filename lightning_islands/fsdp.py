@@ -180,3 +180,6 @@ def register() -> None:
     """Make ``Trainer(strategy="fsdp2")`` resolve to :class:`FSDP2Strategy`."""
     if "fsdp2" not in StrategyRegistry:
         StrategyRegistry.register("fsdp2", FSDP2Strategy, description="FSDP2 with automatic per-block wrapping")
+
+
+register()  # importing this module makes the name resolve (lightning_islands/__init__.py)

@@ -597,3 +597,6 @@ def register() -> None:
     """Make ``Trainer(strategy="islands")`` resolve to :class:`IslandStrategy`."""
     if "islands" not in StrategyRegistry:
         StrategyRegistry.register("islands", IslandStrategy, description="DiLoCo across islands, FSDP2 inside")
+
+
+register()  # importing this module makes the name resolve (lightning_islands/__init__.py)

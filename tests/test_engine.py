@@ -352,8 +352,8 @@ def _imports(path: Path) -> set[str]:
 
 def test_no_module_the_engine_reaches_imports_lightning():
     """The engine's modules, and every lightning_islands module they import in turn, import neither
-    Lightning nor the Lightning glue (the package's own __init__, which registers the strategies,
-    aside)."""
+    Lightning nor the Lightning glue (the package's own __init__, which names the glue's classes for
+    type checkers and loads them lazily, aside: tests/test_packaging.py checks it imports nothing)."""
     root = Path(__import__("lightning_islands").__file__).parent
     todo = [p for p in (root / "engine").glob("*.py")]
     seen: set[Path] = set()

@@ -13,6 +13,8 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10; the test extra installs tomli there
@@ -88,3 +90,23 @@ def test_console_script_names_a_function_that_exists():
     assert set(scripts) == {"lightning-islands"}
     module, _, function = scripts["lightning-islands"].partition(":")
     assert callable(getattr(importlib.import_module(module), function))
+
+
+def test_the_command_starts_without_lightning_and_the_strategy_classes_register_their_names():
+    """``import lightning_islands`` (and so every ``lightning-islands`` command, the launcher and the
+    engine) loads no Lightning; the first use of ``IslandStrategy`` registers ``"islands"``."""
+    import subprocess
+
+    code = ("import sys, lightning_islands.app.launch, lightning_islands.engine.round\n"
+            "assert 'lightning' not in sys.modules, sorted(m for m in sys.modules if m.startswith('lightning.'))\n"
+            "from lightning_islands import FSDP2Strategy, IslandStrategy\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "assert StrategyRegistry['islands']['strategy'] is IslandStrategy\n"
+            "assert StrategyRegistry['fsdp2']['strategy'] is FSDP2Strategy\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import lightning_islands
+
+    assert set(lightning_islands.__all__) <= set(dir(lightning_islands))
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        lightning_islands.Nope  # noqa: B018
