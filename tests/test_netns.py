@@ -61,6 +61,24 @@ def test_a_bad_link_names_the_accepted_form(text, says):
     assert "RATE[,RTT][,tuned]" in str(err.value) and "1gbit,100ms" in str(err.value)
 
 
+def test_an_island_may_sit_behind_a_rate_of_its_own():
+    spec = netns.parse_link("1gbit,100ms,tuned, 3=200mbit,1=50mbit")
+    assert (spec.rate_bps, spec.rtt_s, spec.tcp) == (10**9, 0.1, "tuned")
+    assert spec.island_rates == ((1, 50 * 10**6), (3, 200 * 10**6))
+    assert [spec.rate_of(i) for i in range(4)] == [10**9, 50 * 10**6, 10**9, 200 * 10**6]
+    assert str(spec) == "1gbit,100ms,tuned,1=50mbit,3=200mbit" and netns.parse_link(str(spec)) == spec
+    assert netns.parse_link("200mbit,0=1gbit").max_rate(2) == 10**9
+    for text, says in [("1gbit,x=1mbit", "'x' before '=' is not an island index"),
+                       ("1gbit,1=1mbit,1=2mbit", "gives island 1 two rates"),
+                       ("1gbit,1=2mbit,100ms", "out of order"), ("1gbit,1=2mbps", "ambiguous|write")]:
+        with pytest.raises(ValueError, match=says) as err:
+            netns.parse_link(text)
+        assert "ISLAND=RATE" in str(err.value)
+    with pytest.raises(ValueError, match=r"gives island 2 a rate of its own, but the run has 2 islands"):
+        with netns.shaped_link("1gbit,2=1mbit", 2):
+            pass
+
+
 def test_without_root_or_iproute2_the_message_says_what_is_needed(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
@@ -140,6 +158,17 @@ def test_the_delay_sits_on_the_hub_ends_only_and_the_rate_on_both(monkeypatch, n
         assert sum("netem" in c for c in calls) == 1
 
 
+def test_an_island_of_its_own_rate_is_shaped_to_it_both_ways(monkeypatch):
+    calls = _fake_tc(monkeypatch, netem=True)
+    netns._build("li-1-0", 3, netns.parse_link("1gbit,100ms,2=100mbit"), seed=0)
+    rates = {}
+    for c in (c for c in calls if c[0] == "tc" and "tbf" in c):
+        rates.setdefault(c[6][-1], set()).add((c[2].rsplit("-", 1)[1], c[c.index("rate") + 1]))
+    assert rates == {"0": {("i0", "1000000000bit"), ("hub", "1000000000bit")},
+                     "1": {("i1", "1000000000bit"), ("hub", "1000000000bit")},
+                     "2": {("i2", "100000000bit"), ("hub", "100000000bit")}}
+
+
 # ----------------------------------------------------------------------------------------- the link
 def _ours() -> list[str]:
     return [n for n in netns.namespaces() if n.startswith(f"li-{os.getpid()}-")]
@@ -210,6 +239,28 @@ def test_a_long_transfer_arrives_at_the_shaped_rate_both_ways_and_nothing_else_i
             # tbf counts frames: payload is at most 1448/1514 = 0.956 of the rate
             assert 0.9 * rate <= bps <= 1.0 * rate, f"{direction}: {bps / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
         assert len(got) == 2
+    assert _ours() == []
+
+
+@needs_root
+def test_islands_talk_at_the_smaller_of_their_two_rates():
+    """Island 2 behind a slower link of its own: 0 -> 1 runs at the link's rate while, at the same
+    time, 2 -> 0 runs at island 2's (the two flows share no shaper)."""
+    fast, slow = 60 * 10**6, 20 * 10**6
+    with netns.shaped_link(f"{fast}bit,2={slow}bit", 3) as link:
+        a, b, c = link.islands
+        got: dict[str, float] = {}
+        flows = [threading.Thread(target=_stream, args=(a.namespace, b.namespace, b.address, 5001, 3.0, got, "0->1")),
+                 threading.Thread(target=_stream, args=(c.namespace, a.namespace, a.address, 5002, 3.0, got, "2->0"))]
+        for f in flows:
+            f.start()
+        for f in flows:
+            f.join()
+        assert len(got) == 2
+        for direction, rate in (("0->1", fast), ("2->0", slow)):
+            bps = got[direction]
+            assert 0.9 * rate <= bps <= 1.0 * rate, f"{direction}: {bps / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
+        assert "island 2 behind 20 Mbit/s" in link.describe()
     assert _ours() == []
 
 

@@ -116,6 +116,7 @@ def test_values_of_the_wrong_type_are_refused_not_coerced(values, message):
     (["+callbacks.lr={_target_:lightning.pytorch.callbacks.LearningRateMonitr}"],
      "callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitr cannot be imported"),
     (["islands.link=25gbps"], "islands.link: rate '25gbps' is ambiguous"),
+    (["islands.members.1.step_delay_s='0.5,0.1@x'"], "islands.members[1].step_delay_s: cannot read '0.1@x'"),
     (["islands.coordinator=localhost"], "coordinator address 'localhost' is not of the form HOST:PORT or etcd://"),
 ])
 def test_bad_settings_end_the_app_before_any_island_starts(overrides, message, tmp_path, monkeypatch, capsys):

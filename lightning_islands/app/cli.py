@@ -40,11 +40,12 @@ def _run_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-id", default=None, help="namespace of this run on the coordinator")
     parser.add_argument("--live", choices=["auto", "on", "off"], default="auto",
                         help="one live status line per island (default: when attached to a terminal)")
-    parser.add_argument("--link", default=None, metavar="RATE[,RTT][,tuned]",
+    parser.add_argument("--link", default=None, metavar="RATE[,RTT][,tuned][,I=RATE]",
                         help="put each island in its own network namespace behind a link shaped by tc, e.g. "
                              "1gbit,100ms (RATE in bits per second: 1gbit, 200mbit, 25G; byte units such as 25gbps "
                              "are refused; the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
-                             "for a long-fat link); needs root and iproute2")
+                             "for a long-fat link; ',3=200mbit': island 3 behind a rate of its own, both ways); "
+                             "needs root and iproute2")
     parser.add_argument("--coordinator", default=None, metavar="ADDRESS",
                         help="meet at a coordinator that serves already: etcd://h1:2379,h2:2379,h3:2379 (an etcd "
                              "cluster; `lightning-islands coordinator --etcd 3` starts one) or HOST:PORT (default: a "

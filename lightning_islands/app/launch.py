@@ -212,13 +212,14 @@ def run_islands(
     share of this machine's cores
     (:func:`cpu_threads_per_process`).
 
-    ``link`` (``"RATE[,RTT][,tuned]"``, e.g. ``"1gbit,100ms"``; ``None``: none) runs each island in its own
-    network namespace behind a shaped veth (:mod:`lightning_islands.app.netns`; needs root and
-    iproute2): the coordinator then listens at the hub's address (``coordinator_host`` is not
-    used), each island's lanes bind to its veth (``LI_LINK_IFNAME``) and its own process group to
-    ``lo`` (``GLOO_SOCKET_IFNAME=lo``), so only traffic between islands crosses the shaped link.
-    The link in effect is printed first and, with ``log_dir``, written to ``link.json`` there; the
-    namespaces are removed when the run ends, however it ends.
+    ``link`` (``"RATE[,RTT][,tuned][,I=RATE]"``, e.g. ``"1gbit,100ms,3=200mbit"``; ``None``: none)
+    runs each island in its own network namespace behind a shaped veth
+    (:mod:`lightning_islands.app.netns`; needs root and iproute2): the coordinator then listens at
+    the hub's address (``coordinator_host`` is not used), each island's lanes bind to its veth
+    (``LI_LINK_IFNAME``) and its own process group to ``lo`` (``GLOO_SOCKET_IFNAME=lo``), so only
+    traffic between islands crosses the shaped link. The link in effect is printed first and, with
+    ``log_dir``, written to ``link.json`` there; the namespaces are removed when the run ends,
+    however it ends.
 
     ``max_restarts``: an island whose process dies is restarted (all of its processes, by
     ``torch.distributed.run``) up to this many times, while the others train on; it rejoins them
@@ -256,6 +257,7 @@ def run_islands(
 def link_record(shaped: ShapedLink) -> dict[str, Any]:
     """What a run records about its shaped link (``link.json``; the summary shows ``describe``)."""
     return {"spec": str(shaped.spec), "rate_bps": shaped.spec.rate_bps, "rtt_s_asked": shaped.spec.rtt_s,
+            "island_rate_bps": [shaped.spec.rate_of(p.island) for p in shaped.islands],
             "rtt_s": shaped.rtt_s, "netem": shaped.netem, "delay": shaped.delay, "tcp": shaped.spec.tcp,
             "describe": shaped.describe(),
             "hub": shaped.hub_address, "islands": [p.address for p in shaped.islands]}

@@ -24,7 +24,9 @@ Topology, for a run of N islands::
   hub end (hub -> island) of every veth. Between two islands a byte crosses two shapers of the same
   rate, so each direction runs at the rate and both directions at once (an all-gather) at the rate
   each. Inside an island, traffic between its processes goes over ``lo`` (even when addressed to the
-  veth's own address, which Linux delivers locally), so it is never shaped.
+  veth's own address, which Linux delivers locally), so it is never shaped. An island given a rate
+  of its own (``1gbit,100ms,3=200mbit``) has both shapers of its veth at that rate: it talks to every
+  other island at the smaller of their two rates (a site behind a slower uplink).
 - **Delay where the kernel has netem** (detected by trying on the first veth): half the RTT on the
   hub end of every veth, the one qdisc a packet crosses on its way into an island, so the islands
   are ``RTT`` apart and the coordinator at the hub ``RTT / 2`` from each. Not on the island end: a
@@ -93,7 +95,8 @@ _SEQ_LOCK = threading.Lock()
 _SPEC_UNITS = (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1))  # LinkSpec's text
 _TIME_UNITS = {"s": 1.0, "sec": 1.0, "secs": 1.0, "ms": 1e-3, "msec": 1e-3, "msecs": 1e-3,
                "us": 1e-6, "usec": 1e-6, "usecs": 1e-6}
-_FORM = "RATE[,RTT][,tuned], RATE in bits per second, e.g. 1gbit,100ms or 200mbit or 1gbit,100ms,tuned"
+_FORM = ("RATE[,RTT][,tuned][,ISLAND=RATE...], RATE in bits per second, e.g. 1gbit,100ms or 200mbit or "
+         "1gbit,100ms,tuned or 1gbit,100ms,3=200mbit (island 3 behind 200 Mbit/s)")
 TCP_HOSTS = ("default", "tuned")  # the island namespaces' TCP: as a new namespace has it, or TUNED_TCP
 # what an operator sets on the leaders' hosts of a long-fat link: send buffers that may grow to the
 # bandwidth-delay product (32 MiB: 1 Gbit/s at 250 ms), and no return to slow start between rounds
@@ -144,18 +147,35 @@ def format_rate(bps: float) -> str:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """What the link between islands should be: a rate each way, a round-trip time (0: none) and
-    the islands' host TCP (``"default"``, or ``"tuned"``: :data:`TUNED_TCP` in their namespaces)."""
+    """What the link between islands should be: a rate each way, a round-trip time (0: none), the
+    islands' host TCP (``"default"``, or ``"tuned"``: :data:`TUNED_TCP` in their namespaces) and
+    the islands that sit behind a rate of their own (``island_rates``: ``(island, rate_bps)`` pairs,
+    in island order). An island's rate holds both ways on its own veth, so two islands talk at the
+    smaller of their two rates."""
 
     rate_bps: int
     rtt_s: float = 0.0
     tcp: str = "default"
+    island_rates: tuple[tuple[int, int], ...] = ()
+
+    def rate_of(self, island: int) -> int:
+        """The rate of island ``island``'s own end of the link, each way."""
+        return dict(self.island_rates).get(island, self.rate_bps)
+
+    def max_rate(self, num_islands: int) -> int:
+        """The fastest island end among ``num_islands`` islands."""
+        return max(self.rate_of(i) for i in range(num_islands))
 
     def __str__(self) -> str:
-        unit, scale = next((u, scale) for u, scale in _SPEC_UNITS if self.rate_bps % scale == 0)
         rtt = f",{self.rtt_s * 1e3:g}ms" if self.rtt_s else ""
         tcp = f",{self.tcp}" if self.tcp != "default" else ""
-        return f"{self.rate_bps // scale}{unit}{rtt}{tcp}"
+        own = "".join(f",{i}={_spec_rate(bps)}" for i, bps in self.island_rates)
+        return f"{_spec_rate(self.rate_bps)}{rtt}{tcp}{own}"
+
+
+def _spec_rate(bps: int) -> str:
+    unit, scale = next((u, scale) for u, scale in _SPEC_UNITS if bps % scale == 0)
+    return f"{bps // scale}{unit}"
 
 
 def parse_link(spec: str | LinkSpec) -> LinkSpec:
@@ -166,12 +186,21 @@ def parse_link(spec: str | LinkSpec) -> LinkSpec:
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"link {spec!r} is empty; give it as {_FORM}")
     parts = [p.strip() for p in spec.split(",")]
+    own: dict[int, int] = {}
+    while len(parts) > 1 and "=" in parts[-1]:
+        island, _, rate = parts.pop().partition("=")
+        if not island.strip().isdigit():
+            raise ValueError(f"link {spec!r}: {island.strip()!r} before '=' is not an island index; give the link as "
+                             f"{_FORM}")
+        if int(island) in own:
+            raise ValueError(f"link {spec!r} gives island {int(island)} two rates; give the link as {_FORM}")
+        own[int(island)] = parse_rate(rate)
     tcp = parts.pop() if len(parts) > 1 and parts[-1].lower() in TCP_HOSTS else "default"
-    if len(parts) > 2:
-        raise ValueError(f"link {spec!r} has too many parts; give it as {_FORM}")
+    if len(parts) > 2 or any("=" in p for p in parts):
+        raise ValueError(f"link {spec!r} has too many parts, or its parts out of order; give it as {_FORM}")
     rate = parse_rate(parts[0])
     rtt = parse_duration(parts[1]) if len(parts) == 2 else 0.0
-    return LinkSpec(rate, rtt, tcp.lower())
+    return LinkSpec(rate, rtt, tcp.lower(), tuple(sorted(own.items())))
 
 
 def tbf_sizes(rate_bps: int, rtt_s: float = 0.0) -> tuple[int, int]:
@@ -356,6 +385,8 @@ class ShapedLink:
     def describe(self) -> str:
         """One line for logs: the rate, the RTT (or why there is none), the namespaces, the hub."""
         rate = f"{format_rate(self.spec.rate_bps)} each way (tbf)"
+        if self.spec.island_rates:
+            rate += "; " + ", ".join(f"island {i} behind {format_rate(bps)}" for i, bps in self.spec.island_rates)
         if not self.spec.rtt_s:
             delay = "no added delay (none asked)"
         else:
@@ -368,15 +399,16 @@ class ShapedLink:
                 f"({self.subnet})")
 
 
-def _qdiscs(namespace: str, device: str, spec: LinkSpec, delay_s: float) -> bool:
-    """Shape ``device``'s egress to the rate, with ``delay_s`` of netem delay before it when asked;
-    returns whether the delay was set (False when the kernel lacks netem: then tbf alone)."""
-    burst, limit = tbf_sizes(spec.rate_bps, spec.rtt_s)
-    tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(limit)]
+def _qdiscs(namespace: str, device: str, rate_bps: int, rtt_s: float, delay_s: float) -> bool:
+    """Shape ``device``'s egress to ``rate_bps`` (its queue sized for ``rtt_s``), with ``delay_s``
+    of netem delay before it when asked; returns whether the delay was set (False when the kernel
+    lacks netem: then tbf alone)."""
+    burst, limit = tbf_sizes(rate_bps, rtt_s)
+    tbf = ["tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "limit", str(limit)]
     tc = ["tc", "-n", namespace, "qdisc", "add", "dev", device]
     if delay_s > 0:
         # room for every packet the delay holds: full frames at the rate, four times over for small ones
-        packets = max(10_000, 4 * int(spec.rate_bps * delay_s / 8 / 1500))
+        packets = max(10_000, 4 * int(rate_bps * delay_s / 8 / 1500))
         done = _run(tc + ["root", "handle", "1:", "netem", "delay", f"{max(1, round(delay_s * 1e6))}us",
                           "limit", str(packets)], check=False)
         if done.returncode == 0:
@@ -433,8 +465,9 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "
         _run(["ip", "-n", ns, "link", "set", "dev", inner, "up"])
         if spec.tcp == "tuned":  # per network namespace: the machine's own TCP is untouched
             run_in_namespace(ns, lambda: write_sysctls(TUNED_TCP))
-        _qdiscs(ns, inner, spec, 0.0)  # island -> hub: the rate only (see the module docstring)
-        netem = _qdiscs(hub, outer, spec, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: rate and delay
+        rate = spec.rate_of(i)
+        _qdiscs(ns, inner, rate, spec.rtt_s, 0.0)  # island -> hub: the rate only (see the module docstring)
+        netem = _qdiscs(hub, outer, rate, spec.rtt_s, spec.rtt_s / 2 if netem else 0.0)  # hub -> island: and delay
         if delay == "netem" and spec.rtt_s and not netem:
             raise LinkUnavailable("delay='netem' asked, but this kernel has no netem qdisc; use delay='auto' or "
                                   "delay='tun' (a delay line), or a kernel with sch_netem")
@@ -446,10 +479,10 @@ def _build(tag: str, num_islands: int, spec: LinkSpec, seed: int, delay: str = "
                       delay_line=tuns)
 
 
-def delay_line_limit(spec: LinkSpec) -> int:
-    """Bytes the delay line may hold per island: eight times what the delay holds at the rate, at
-    least 64 MiB (the bottleneck's drops belong to tbf's queue, not to the delay)."""
-    held = spec.rate_bps / 8 * spec.rtt_s / 2  # bytes in flight through one delay of RTT / 2
+def delay_line_limit(spec: LinkSpec, num_islands: int = 1) -> int:
+    """Bytes the delay line may hold per island: eight times what the delay holds at the fastest
+    island's rate, at least 64 MiB (the bottleneck's drops belong to tbf's queue, not to the delay)."""
+    held = spec.max_rate(num_islands) / 8 * spec.rtt_s / 2  # bytes in flight through one delay of RTT / 2
     return max(64 << 20, int(8 * held))
 
 
@@ -460,7 +493,7 @@ def _delay_line(link: ShapedLink) -> Iterator[None]:
         yield
         return
     cmd = [sys.executable, "-m", "lightning_islands.app.delayline", "--delay-s", repr(link.spec.rtt_s / 2),
-           "--limit-bytes", str(delay_line_limit(link.spec)), *link.delay_line]
+           "--limit-bytes", str(delay_line_limit(link.spec, len(link.islands))), *link.delay_line]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], CALL_TIMEOUT_S)
@@ -557,6 +590,10 @@ def shaped_link(spec: str | LinkSpec, num_islands: int, delay: str = "auto") -> 
         raise ValueError(f"delay {delay!r} is not one of {', '.join(DELAYS)}")
     if not 1 <= num_islands <= 250:
         raise ValueError(f"a shaped link joins 1 to 250 islands, not {num_islands}")
+    beyond = [i for i, _ in spec.island_rates if i >= num_islands]
+    if beyond:
+        raise ValueError(f"link {spec} gives island {beyond[0]} a rate of its own, but the run has {num_islands} "
+                         f"islands (0..{num_islands - 1}); drop ',{beyond[0]}=...' or add islands")
     check_link_support()
     sweep_stale()
     with _SEQ_LOCK:

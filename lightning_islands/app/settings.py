@@ -17,6 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_islands.app.step_delay import parse_step_delays
 from lightning_islands.engine.settings import IslandSettings, check_types, setting
 
 # settings that were removed, with what replaced them (a job written before names them)
@@ -40,7 +41,9 @@ class Member:
     steps_per_round: int | None = setting(
         None, "Fixed inner steps per round for this island (null: the islands' `steps_per_round`).")
     precision: str | None = setting(None, "This island's Trainer precision, e.g. `bf16-mixed` (null: the Trainer's).")
-    step_delay_s: float = setting(0.0, "Sleep this long after every step: emulates a slower island.")
+    step_delay_s: Any = setting(
+        0.0, "Sleep this long after every step: emulates a slower island. A number, or a schedule "
+             "`'1.5,0.5@200,1.5@400'`: 1.5 s after each step, 0.5 s from step 200, 1.5 s again from step 400.")
 
     def __post_init__(self) -> None:
         check_types(self, "islands.members[i]")
@@ -54,8 +57,7 @@ class Member:
             raise ValueError(f"islands.members[i].batch_size must be >= 1 or null, got {self.batch_size}")
         if self.steps_per_round is not None and self.steps_per_round < 1:
             raise ValueError(f"islands.members[i].steps_per_round must be >= 1 or null, got {self.steps_per_round}")
-        if self.step_delay_s < 0:
-            raise ValueError(f"islands.members[i].step_delay_s must be >= 0, got {self.step_delay_s}")
+        parse_step_delays(self.step_delay_s, "islands.members[i].step_delay_s")
 
 
 def _member(value: Any, index: int) -> Member:
@@ -86,8 +88,9 @@ class LaunchSettings:
 
     members: list[Member] = setting(None, "One entry per island (see the member keys below).", factory=_two_islands)
     link: Any = setting(
-        None, "A shaped link between the islands on this machine: `RATE[,RTT][,tuned]` in bits per second, e.g. "
-              "`'1gbit,100ms'` (quote it) or `[1gbit,100ms]`; each island in its own network namespace behind a "
+        None, "A shaped link between the islands on this machine: `RATE[,RTT][,tuned][,I=RATE]` in bits per second, "
+              "e.g. `'1gbit,100ms'` (quote it) or `[1gbit,100ms]`, `'1gbit,100ms,3=200mbit'`: island 3 behind 200 "
+              "Mbit/s; each island in its own network namespace behind a "
               "tc-shaped veth (needs root and iproute2). null: loopback.")
     max_restarts: int = setting(0, "Restart an island that died up to this many times; it rejoins the others.")
     coordinator: str | None = setting(

@@ -76,7 +76,7 @@ def island_plan(cfg: DictConfig) -> list[int]:
 
 
 def link_spec(cfg: DictConfig) -> str | None:
-    """``islands.link`` as ``"RATE[,RTT][,tuned]"`` (a list ``[1gbit,100ms]`` is joined; Hydra reads an
+    """``islands.link`` as ``"RATE[,RTT][,tuned][,I=RATE]"`` (a list ``[1gbit,100ms]`` is joined; Hydra reads an
     unquoted comma as a sweep), or ``None``: none, or not the islands strategy."""
     link = cfg.islands.get("link") if cfg.strategy.name == "islands" else None
     if link is None or link == "":

@@ -14,6 +14,7 @@ import pickle
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from lightning_islands.app.components import build_callbacks, build_loggers, fil
 from lightning_islands.app.history import History
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.app.settings import engine_settings
+from lightning_islands.app.step_delay import StepDelays, parse_step_delays
 from lightning_islands.callbacks import RoundCheckpoint
 from lightning_islands.engine.saves import holder, round_checkpoints
 from lightning_islands.fsdp import FSDP2Strategy, destroy_world_at_exit
@@ -122,13 +124,14 @@ def restart_checkpoint(ckpt_dir: Path) -> str | None:
 
 
 class StepDelay(pl.Callback):
-    """Emulates a slower island: sleeps ``seconds`` after every training batch."""
+    """Emulates a slower island: sleeps after every training batch as ``delays`` says for that step
+    (a constant, or a schedule: :mod:`lightning_islands.app.step_delay`)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, delays: StepDelays, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.delays, self.sleep = delays, sleep
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        time.sleep(self.seconds)
+        self.sleep(self.delays.at(max(trainer.global_step - 1, 0)))
 
 
 class StepTimer(pl.Callback):
@@ -185,8 +188,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if every_rounds and cfg.strategy.name == "islands":  # found by round: islands resume together
         callbacks.append(RoundCheckpoint(ckpt_dir, every_n_rounds=every_rounds,
                                          keep=int(t.get("keep_round_checkpoints", 2))))
-    if member.get("step_delay_s"):
-        callbacks.append(StepDelay(float(member["step_delay_s"])))
+    delays = parse_step_delays(member.get("step_delay_s") or 0.0, f"islands.members[{island}].step_delay_s")
+    if delays.active:
+        callbacks.append(StepDelay(delays))
     tp = int(member.get("tensor_parallel_size") or 1)  # tensor-parallel ranks read the same batch
     history = History(run_dir / f"island{island}" / "history.jsonl", island, tokens_per_step=0.0)
     callbacks.append(history)
