@@ -49,7 +49,7 @@ step bench_cuda 90 "$PY" benchmarks/codecs.py --device cuda --numel 67108864 --r
 # the CPU codecs (the torch path) on every core
 step bench_cpu 75 "$PY" benchmarks/codecs.py --device cpu --threads "$(nproc)" --numel 67108864 --repeats 5 \
   --warmup 1 --out "$OUT/codecs_cpu.json"
-step train_gpu 120 "$PY" -m lightning_islands.app.cli train trainer=gpu model=moe_gpu \
+step train_gpu 120 "$PY" -m lightning_islands.app.cli train trainer=gpu model=moe_gpu islands.gpus=shared \
   'islands.members=[{devices:1,batch_size:8},{devices:1,batch_size:16}]' trainer.max_steps=60 \
   islands.sync_every=20 islands.codec=int4 trainer.val_check_interval=60 trainer.limit_val_batches=4 \
   trainer.log_every_n_steps=10 hydra.run.dir=/tmp/train_gpu

@@ -46,6 +46,12 @@ def _run_parser() -> argparse.ArgumentParser:
                              "are refused; the RTT: netem, else a TUN delay line; ',tuned': the islands' TCP tuned "
                              "for a long-fat link; ',3=200mbit': island 3 behind a rate of its own, both ways); "
                              "needs root and iproute2")
+    parser.add_argument("--accelerators", default=None, metavar="gpu|cpu|auto[,...]",
+                        help="what each island runs on, one for all or one per island (default auto: gpu where this "
+                             "machine has GPUs); each island sees its accelerator in LI_ACCELERATOR")
+    parser.add_argument("--gpus", choices=["own", "shared"], default="own",
+                        help="own (default): each GPU island sees GPUs of its own (CUDA_VISIBLE_DEVICES), refused "
+                             "when the machine has too few; shared: every GPU island sees every GPU")
     parser.add_argument("--coordinator", default=None, metavar="ADDRESS",
                         help="meet at a coordinator that serves already: etcd://h1:2379,h2:2379,h3:2379 (an etcd "
                              "cluster; `lightning-islands coordinator --etcd 3` starts one) or HOST:PORT (default: a "
@@ -88,6 +94,7 @@ def _checked_islands(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 def _run(argv: list[str]) -> int:
+    from lightning_islands.app.gpus import parse_accelerators, plan_gpus, visible_gpus
     from lightning_islands.app.launch import report_failures, run_islands
 
     if "--" in argv:
@@ -111,8 +118,14 @@ def _run(argv: list[str]) -> int:
             print(f"lightning-islands run: {err}", file=sys.stderr)
             return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
+    try:
+        accelerators = parse_accelerators(args.accelerators, len(islands))
+        plan_gpus(islands, accelerators, visible_gpus(), args.gpus)
+    except ValueError as err:
+        parser.error(str(err))
     results = run_islands(islands, command, log_dir=args.log_dir, run_id=args.run_id, live=live,
-                          link=link, max_restarts=args.max_restarts, coordinator=args.coordinator)
+                          link=link, max_restarts=args.max_restarts, coordinator=args.coordinator,
+                          accelerators=accelerators, gpus=args.gpus)
     return report_failures(results)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from lightning_islands.app.gpus import parse_accelerators, plan_gpus, visible_gpus
 from lightning_islands.app.netns import LinkSpec, ShapedLink, run_in_namespace, shaped_link
 from lightning_islands.link.coordinator import (
     ENV_COORDINATOR,
@@ -203,6 +204,8 @@ def run_islands(
     link: str | LinkSpec | None = None,
     max_restarts: int = 0,
     coordinator: str | None = None,
+    accelerators: str | Sequence[str] | None = None,
+    gpus: str = "own",
 ) -> list[IslandResult]:
     """Run ``command`` as ``len(islands)`` islands of ``islands[i]`` processes each; wait for all.
 
@@ -228,10 +231,18 @@ def run_islands(
     ``coordinator``: the address of a coordinator that serves already (``etcd://h1:2379,...``, or
     ``HOST:PORT``); the islands meet there instead of at a TCPStore started for the run (not with
     ``link``: the namespaces reach only the hub).
+
+    ``accelerators`` (``"gpu,cpu"``, one for all, or ``None``: ``auto``) and ``gpus`` (``"own"`` or
+    ``"shared"``) say which GPUs each island sees (:mod:`lightning_islands.app.gpus`); an island
+    set that needs more GPUs than the machine shows is refused before anything starts.
     """
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     out = out or sys.stdout
+    placed = plan_gpus(islands, parse_accelerators(accelerators, len(islands)), visible_gpus(), gpus)
+    if placed.warning:
+        out.write(f"lightning-islands: {placed.warning}\n")
+    island_env = [{**placed.env[i], **(island_env[i] if island_env is not None else {})} for i in range(len(islands))]
     if coordinator is not None:
         if link is not None:
             raise ValueError("a coordinator of your own and a shaped link together: the islands' namespaces reach "

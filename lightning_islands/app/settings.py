@@ -41,6 +41,9 @@ class Member:
     steps_per_round: int | None = setting(
         None, "Fixed inner steps per round for this island (null: the islands' `steps_per_round`).")
     precision: str | None = setting(None, "This island's Trainer precision, e.g. `bf16-mixed` (null: the Trainer's).")
+    accelerator: str | None = setting(
+        None, "`gpu` or `cpu` for this island (null: `trainer.accelerator`); GPU islands get GPUs of their own "
+              "(`gpus`).")
     step_delay_s: Any = setting(
         0.0, "Sleep this long after every step: emulates a slower island. A number, or a schedule "
              "`'1.5,0.5@200,1.5@400'`: 1.5 s after each step, 0.5 s from step 200, 1.5 s again from step 400.")
@@ -58,6 +61,8 @@ class Member:
         if self.steps_per_round is not None and self.steps_per_round < 1:
             raise ValueError(f"islands.members[i].steps_per_round must be >= 1 or null, got {self.steps_per_round}")
         parse_step_delays(self.step_delay_s, "islands.members[i].step_delay_s")
+        if self.accelerator is not None and self.accelerator not in ("gpu", "cpu"):
+            raise ValueError(f"islands.members[i].accelerator must be gpu, cpu or null, got {self.accelerator!r}")
 
 
 def _member(value: Any, index: int) -> Member:
@@ -93,6 +98,9 @@ class LaunchSettings:
               "Mbit/s; each island in its own network namespace behind a "
               "tc-shaped veth (needs root and iproute2). null: loopback.")
     max_restarts: int = setting(0, "Restart an island that died up to this many times; it rejoins the others.")
+    gpus: str = setting(
+        "own", "`own`: each GPU island sees GPUs of its own on this machine (a set that needs more than it has is "
+               "refused); `shared`: every GPU island sees every GPU (islands emulated on one device).")
     coordinator: str | None = setting(
         None, "Where the islands meet: `etcd://h1:2379,h2:2379,h3:2379` (an etcd cluster, which survives losing a "
               "member: `lightning-islands coordinator --etcd 3` starts one here) or `HOST:PORT` (a coordinator "
@@ -106,6 +114,8 @@ class LaunchSettings:
         if not self.members:
             raise ValueError("islands.members is empty: give one entry per island, e.g. "
                              "islands.members='[{devices:1},{devices:1}]'")
+        if self.gpus not in ("own", "shared"):
+            raise ValueError(f"islands.gpus must be own or shared, got {self.gpus!r}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0 (islands.max_restarts), got {self.max_restarts!r}")
         if self.coordinator is not None:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_islands.app import placeholders
 from lightning_islands.app.components import centralized_batch, check_job
+from lightning_islands.app.gpus import plan_gpus, visible_gpus
 from lightning_islands.app.launch import report_failures, run_islands
 from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
 from lightning_islands.app.report import build_report
@@ -75,6 +76,21 @@ def island_plan(cfg: DictConfig) -> list[int]:
     return [int(cfg.strategy.get("devices", 1))]
 
 
+def island_accelerators(cfg: DictConfig) -> list[str]:
+    """What each island runs on, for the launcher's GPU plan (:mod:`~lightning_islands.app.gpus`):
+    ``islands.members[i].accelerator``, else ``trainer.accelerator`` (``cuda`` is ``gpu``; anything
+    but ``gpu`` and ``cpu`` is ``auto``)."""
+    default = str(cfg.trainer.get("accelerator") or "auto").lower()
+    members = cfg.islands.members if cfg.strategy.name == "islands" else [{}]
+    chosen = [str(m.get("accelerator") or default).lower() for m in members]
+    return [{"cuda": "gpu"}.get(a, a) if a in ("cuda", "gpu", "cpu") else "auto" for a in chosen]
+
+
+def gpu_sharing(cfg: DictConfig) -> str:
+    """``islands.gpus`` (``own`` or ``shared``) for the islands strategy; one world owns its GPUs."""
+    return str(cfg.islands.get("gpus") or "own") if cfg.strategy.name == "islands" else "own"
+
+
 def link_spec(cfg: DictConfig) -> str | None:
     """``islands.link`` as ``"RATE[,RTT][,tuned][,I=RATE]"`` (a list ``[1gbit,100ms]`` is joined; Hydra reads an
     unquoted comma as a sweep), or ``None``: none, or not the islands strategy."""
@@ -102,6 +118,11 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
             check_link_support()
         except (ValueError, LinkUnavailable) as err:
             raise SystemExit(f"lightning-islands: islands.link: {err}") from err
+    plan, accelerators = island_plan(cfg), island_accelerators(cfg)
+    try:  # before anything starts: GPUs the machine does not have
+        plan_gpus(plan, accelerators, visible_gpus(), gpu_sharing(cfg))
+    except ValueError as err:
+        raise SystemExit(f"lightning-islands: {err}") from err
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     placeholders.clear()  # ${li:...} stays for each island's process to fill
@@ -111,12 +132,12 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
         job["data"]["batch_size"] = batch  # type: ignore[index]
     job_path = run_dir / "job.yaml"
     OmegaConf.save(OmegaConf.create(job), job_path)
-    plan = island_plan(cfg)
     print(f"lightning-islands: {cfg.strategy.name}, islands {plan}, run folder {run_dir}", flush=True)
     restarts = int(cfg.islands.get("max_restarts", 0) or 0) if cfg.strategy.name == "islands" else 0
     coordinator = cfg.islands.get("coordinator") if cfg.strategy.name == "islands" else None
     results = run_islands(plan, [sys.executable, "-m", "lightning_islands.app.worker", str(job_path)],
-                          log_dir=run_dir, link=link, max_restarts=restarts, coordinator=coordinator)
+                          log_dir=run_dir, link=link, max_restarts=restarts, coordinator=coordinator,
+                          accelerators=accelerators, gpus=gpu_sharing(cfg))
     code = report_failures(results)
     if code:
         raise SystemExit(code)

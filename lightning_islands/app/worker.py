@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_islands.app.components import build_callbacks, build_loggers, fill_placeholders, trainer_options
+from lightning_islands.app.gpus import ENV_ACCELERATOR
 from lightning_islands.app.history import History
 from lightning_islands.app.launch import ENV_PROGRESS
 from lightning_islands.app.settings import engine_settings
@@ -179,6 +180,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     trainer_kwargs = trainer_options(t)
     if member.get("precision") is not None:
         trainer_kwargs["precision"] = member["precision"]
+    if member.get("accelerator") or str(trainer_kwargs.get("accelerator", "auto")) == "auto":
+        # the island's own, else what the launcher gave it (app/gpus.py: GPUs of its own, or none)
+        trainer_kwargs["accelerator"] = member.get("accelerator") or os.environ.get(ENV_ACCELERATOR, "auto")
     ckpt_dir = run_dir / f"island{island}" / "checkpoints"
     checkpoint = ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True, save_top_k=0,
                                  every_n_train_steps=int(t.get("checkpoint_every_n_steps", 0) or 0) or None)
