@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -63,6 +64,20 @@ def launch_together(*jobs):
         if isinstance(outcome, BaseException):
             raise outcome
     return outcomes
+
+
+def kill_island_process(pid: int) -> None:
+    """SIGKILL an island's training process that never ends by itself (stopped or cut off) and,
+    first, its torch.distributed.run agent if it has one (else the agent would restart it); an
+    island of one process that is never restarted runs without an agent (launch.island_command)."""
+    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    try:
+        agent = b"torch.distributed.run" in Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        agent = False
+    if agent:
+        os.kill(parent, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
 
 
 def load_rounds(out: Path, island: int) -> dict[int, dict]:

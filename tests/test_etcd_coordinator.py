@@ -21,7 +21,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import load_rounds
+from conftest import kill_island_process, load_rounds
 from doubles import run_threads
 from test_engine import SPECS, initial_flat
 from test_membership import _train
@@ -271,8 +271,6 @@ def test_processes_a_stopped_islands_lease_expires_then_the_majority_is_lost_and
     without it. Two members stopped: island 0 ends (no hang) naming the cluster and the fix, its
     checkpoints whole. The members restored, a new launch resumes both islands from the last round
     both kept and trains on, bit-identical."""
-    import os
-    import signal
     from pathlib import Path
 
     first, resumed = tmp_path / "first", tmp_path / "resumed"
@@ -302,8 +300,7 @@ def test_processes_a_stopped_islands_lease_expires_then_the_majority_is_lost_and
             while not (first / "exit_island0_rank0").exists():  # island 0 ends, not hangs
                 assert time.monotonic() < deadline, "island 0 did not end without a majority"
                 time.sleep(0.05)
-            os.kill(int(stat[2]), signal.SIGKILL)  # island 1's torchrun agent first: no restart
-            os.kill(pid, signal.SIGKILL)
+            kill_island_process(pid)
             text = proc.communicate(timeout=120)[0]
         finally:
             if proc.poll() is None:

@@ -1,10 +1,12 @@
-"""Start islands on this machine: a coordinator plus one ``torch.distributed.run`` per island.
+"""Start islands on this machine: a coordinator plus one ``torch.distributed.run`` per island (an
+island of one process that is never restarted runs without the agent, in torchrun's environment).
 
 Used by ``lightning-islands run`` (any script) and by the Hydra app. Each island's output is
 streamed with an ``[island i]`` prefix (and kept in ``island{i}.log`` when a log folder is given);
 attached to a terminal, one live line per island (step, loss, outer round, bytes exchanged) replaces
 the interleaved progress bars. If an island fails, the others are stopped and the failure is
-reported with the island's index and exit code. With a ``link`` each island runs in its own
+reported with the island's index and exit code (an island that outlives its SIGTERM by
+``TERMINATE_GRACE_S`` is killed). With a ``link`` each island runs in its own
 network namespace behind a shaped link (:mod:`lightning_islands.app.netns`).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import signal
@@ -42,6 +45,7 @@ ENV_PROGRESS = "LI_PROGRESS_BAR"
 # How often the launcher looks for islands that ended, and how often it redraws the live status lines.
 POLL_S = 0.05
 STATUS_PERIOD_S = 0.5
+TERMINATE_GRACE_S = 30.0  # an island told to stop is killed after this long (torchrun's agent waits as long)
 
 
 def _ephemeral_low() -> int:
@@ -139,6 +143,29 @@ def torchrun_command(nproc: int, command: Sequence[str], master_port: int, max_r
     if cmd[0].endswith(".py"):
         return base + cmd
     return base + ["--no-python"] + cmd
+
+
+def island_command(nproc: int, command: Sequence[str], master_port: int,
+                   max_restarts: int = 0) -> tuple[list[str], dict[str, str]]:
+    """How to start one island running ``command``, and the environment to add: under
+    ``torch.distributed.run`` (:func:`torchrun_command`), except an island of one process that is
+    never restarted, which runs directly with the environment torchrun would give its one worker
+    (an agent process, and its seconds of importing torch, less per island)."""
+    if nproc != 1 or max_restarts:
+        return torchrun_command(nproc, command, master_port, max_restarts), {}
+    cmd = list(command)
+    if not cmd:
+        raise ValueError("no command given to run in each island; put it after --, e.g. -- python train.py")
+    if os.path.basename(cmd[0]).startswith("python"):
+        cmd = [sys.executable, *cmd[1:]]
+    elif cmd[0].endswith(".py"):
+        cmd = [sys.executable, *cmd]
+    one = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0",
+           "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+           "TORCHELASTIC_USE_AGENT_STORE": "False"}  # no agent: rank 0 serves its own group's store
+    return cmd, one
 
 
 @dataclass
@@ -299,9 +326,11 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                           "PYTHONUNBUFFERED": "1", **link_env[i]})
         if len(islands) > 1 or not live:
             child_env.setdefault(ENV_PROGRESS, "0")
+        started, worker_env = island_command(nproc, command, free_port(), max_restarts)
+        child_env.update(worker_env)
         if island_env is not None:
             child_env.update(island_env[i])
-        cmd = list(prefixes[i]) + torchrun_command(nproc, command, free_port(), max_restarts)
+        cmd = list(prefixes[i]) + started
         single_interactive = len(islands) == 1 and live
         proc = subprocess.Popen(
             cmd, env=child_env, text=True, bufsize=1,
@@ -320,7 +349,7 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
             threads.append(t)
 
     codes: list[int | None] = [None] * len(procs)
-    stopped: set[int] = set()
+    stopped: dict[int, float] = {}  # island -> when it was told to stop (SIGTERM)
     shown, next_status = 0, 0.0
     previous = _raise_on_sigterm()
     try:
@@ -331,8 +360,10 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                     if p.returncode != 0 and i not in stopped:
                         for j, other in enumerate(procs):
                             if codes[j] is None and j not in stopped:
-                                stopped.add(j)
+                                stopped[j] = time.monotonic()
                                 other.terminate()
+                elif codes[i] is None and time.monotonic() - stopped.get(i, math.inf) > TERMINATE_GRACE_S:
+                    p.kill()  # as torchrun's agent does with a worker that outlives its SIGTERM
             if live and len(islands) > 1 and (time.monotonic() >= next_status or all(c is not None for c in codes)):
                 next_status = time.monotonic() + STATUS_PERIOD_S
                 lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands), run_id))]
