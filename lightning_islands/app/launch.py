@@ -1,5 +1,5 @@
-"""Start islands on this machine: a coordinator plus one ``torch.distributed.run`` per island (an
-island of one process that is never restarted runs without the agent, in torchrun's environment).
+"""Start islands on this machine: a coordinator and each island's processes, in the environment
+``torch.distributed.run`` gives its workers (under its agent only where the island may restart).
 
 Used by ``lightning-islands run`` (any script) and by the Hydra app. Each island's output is
 streamed with an ``[island i]`` prefix (and kept in ``island{i}.log`` when a log folder is given);
@@ -146,13 +146,15 @@ def torchrun_command(nproc: int, command: Sequence[str], master_port: int, max_r
 
 
 def island_command(nproc: int, command: Sequence[str], master_port: int,
-                   max_restarts: int = 0) -> tuple[list[str], dict[str, str]]:
-    """How to start one island running ``command``, and the environment to add: under
-    ``torch.distributed.run`` (:func:`torchrun_command`), except an island of one process that is
-    never restarted, which runs directly with the environment torchrun would give its one worker
-    (an agent process, and its seconds of importing torch, less per island)."""
-    if nproc != 1 or max_restarts:
-        return torchrun_command(nproc, command, master_port, max_restarts), {}
+                   max_restarts: int = 0) -> tuple[list[str], list[dict[str, str]]]:
+    """How to start one island running ``command``: the command line and, per process to start,
+    the environment to add. An island that may be restarted runs under ``torch.distributed.run``
+    (:func:`torchrun_command`: one process, the agent); one that is never restarted runs its
+    ``nproc`` processes directly, each with the environment torchrun would give it (an agent
+    process, and its seconds of importing torch, less per island; :class:`IslandProcesses` stops
+    the island's other processes when one fails, as the agent does)."""
+    if max_restarts:
+        return torchrun_command(nproc, command, master_port, max_restarts), [{}]
     cmd = list(command)
     if not cmd:
         raise ValueError("no command given to run in each island; put it after --, e.g. -- python train.py")
@@ -160,12 +162,68 @@ def island_command(nproc: int, command: Sequence[str], master_port: int,
         cmd = [sys.executable, *cmd[1:]]
     elif cmd[0].endswith(".py"):
         cmd = [sys.executable, *cmd]
-    one = {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "ROLE_NAME": "default",
-           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0",
-           "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
-           "TORCHELASTIC_USE_AGENT_STORE": "False"}  # no agent: rank 0 serves its own group's store
-    return cmd, one
+    return cmd, [{"RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
+                  "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                  "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0",
+                  "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+                  "TORCHELASTIC_USE_AGENT_STORE": "False"}  # no agent: rank 0 serves the island's store
+                 for r in range(nproc)]
+
+
+class IslandProcesses:
+    """An island's processes, started directly, seen as one process (``poll``, ``wait``,
+    ``terminate``, ``kill``, ``returncode``, ``pid``): it ends when all of them have; when one fails
+    the others are told to stop (SIGTERM, then SIGKILL after :data:`TERMINATE_GRACE_S`), and the
+    island's exit code is the first failure's."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
+        self.procs = list(procs)
+        self.returncode: int | None = None
+        self._failed: int | None = None
+        self._stopping_since = math.inf
+
+    @property
+    def pid(self) -> int:
+        """The first process's (rank 0's) pid."""
+        return self.procs[0].pid
+
+    def poll(self) -> int | None:
+        """The island's exit code once every process has ended, else None (and stop the others of a
+        failed island)."""
+        codes = [p.poll() for p in self.procs]
+        if self._failed is None:
+            self._failed = next((c for c in codes if c not in (None, 0)), None)
+            if self._failed is not None:
+                self.terminate()
+        if any(c is None for c in codes):
+            if time.monotonic() - self._stopping_since > TERMINATE_GRACE_S:
+                self.kill()
+            return None
+        self.returncode = self._failed if self._failed is not None else 0
+        return self.returncode
+
+    def terminate(self) -> None:
+        """SIGTERM every process still running."""
+        self._stopping_since = min(self._stopping_since, time.monotonic())
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL every process still running."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for every process (``timeout`` for all of them together)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(None if end is None else max(0.0, end - time.monotonic()))
+        code = self.poll()
+        assert code is not None
+        return code
 
 
 @dataclass
@@ -183,11 +241,11 @@ def _pump(stream: IO[str], island: int, sink: IO[str] | None, log: IO[str] | Non
     for line in iter(stream.readline, ""):
         tail.append(line.rstrip("\n"))
         del tail[:-400]
-        if log is not None:
-            log.write(line)
-            log.flush()
-        if sink is not None:
-            with lock:
+        with lock:  # an island's processes share its log
+            if log is not None:
+                log.write(line)
+                log.flush()
+            if sink is not None:
                 sink.write(f"[island {island}] {line}")
                 sink.flush()
     stream.close()
@@ -326,27 +384,28 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                           "PYTHONUNBUFFERED": "1", **link_env[i]})
         if len(islands) > 1 or not live:
             child_env.setdefault(ENV_PROGRESS, "0")
-        started, worker_env = island_command(nproc, command, free_port(), max_restarts)
-        child_env.update(worker_env)
-        if island_env is not None:
-            child_env.update(island_env[i])
+        started, worker_envs = island_command(nproc, command, free_port(), max_restarts)
         cmd = list(prefixes[i]) + started
         single_interactive = len(islands) == 1 and live
-        proc = subprocess.Popen(
-            cmd, env=child_env, text=True, bufsize=1,
-            stdout=None if single_interactive else subprocess.PIPE,
-            stderr=None if single_interactive else subprocess.STDOUT,
-        )
-        procs.append(proc)
         tail: list[str] = []
         tails.append(tail)
         log = open(logs_path / f"island{i}.log", "w") if logs_path is not None and not single_interactive else None
         files.append(log)
-        if proc.stdout is not None:
-            t = threading.Thread(target=_pump, args=(proc.stdout, i, None if live else out, log, tail, lock),
-                                 daemon=True)
-            t.start()
-            threads.append(t)
+        island_procs = []
+        for worker_env in worker_envs:
+            proc_env = {**child_env, **worker_env, **(island_env[i] if island_env is not None else {})}
+            proc = subprocess.Popen(
+                cmd, env=proc_env, text=True, bufsize=1,
+                stdout=None if single_interactive else subprocess.PIPE,
+                stderr=None if single_interactive else subprocess.STDOUT,
+            )
+            island_procs.append(proc)
+            if proc.stdout is not None:
+                t = threading.Thread(target=_pump, args=(proc.stdout, i, None if live else out, log, tail, lock),
+                                     daemon=True)
+                t.start()
+                threads.append(t)
+        procs.append(island_procs[0] if len(island_procs) == 1 else IslandProcesses(island_procs))
 
     codes: list[int | None] = [None] * len(procs)
     stopped: dict[int, float] = {}  # island -> when it was told to stop (SIGTERM)
@@ -403,7 +462,7 @@ def _raise_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def with_timeout_kill(proc: subprocess.Popen, timeout: float = 20.0) -> None:
+def with_timeout_kill(proc: subprocess.Popen | IslandProcesses, timeout: float = 20.0) -> None:
     """Wait for ``proc``; kill it if it does not end within ``timeout`` seconds."""
     try:
         proc.wait(timeout=timeout)
