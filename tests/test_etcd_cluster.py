@@ -79,3 +79,18 @@ def test_a_bad_member_count_is_refused(capsys):
         main(["coordinator", "--etcd", "0"])
     assert ended.value.code == 2 and "--etcd 0: give the number of members" in capsys.readouterr().err
     assert os.access(etcd_binary(), os.X_OK)
+
+
+def test_a_port_taken_before_a_member_starts_makes_the_cluster_start_on_other_ports(tmp_path):
+    import socket
+
+    cluster = LocalEtcdCluster(1, data_dir=tmp_path / "etcd")
+    taken = cluster.members[0].client_port
+    with socket.socket() as squatter:  # another process took the port between its pick and etcd's start
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with cluster:
+            assert cluster.members[0].client_port != taken
+            cluster.put("k", "v")
+            assert cluster.get("k") == "v"
+    assert b"address already in use" in (tmp_path / "etcd" / "m0.log").read_bytes()

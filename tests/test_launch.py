@@ -37,3 +37,9 @@ def test_a_rank_that_outlives_its_sigterm_is_killed(tmp_path, monkeypatch):
     script.write_text("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + FAILING_RANK)
     results = launch.run_islands([2, 1], [sys.executable, str(script)], log_dir=tmp_path / "logs", live=False)
     assert [(r.returncode, r.stopped) for r in results] == [(3, False), (-9, True)]
+
+
+def test_ports_picked_together_are_all_different():
+    for _ in range(20):
+        ports = launch.free_ports(40)
+        assert len(set(ports)) == 40

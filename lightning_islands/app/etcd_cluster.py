@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_islands.app.etcd_tls import make_certificates
-from lightning_islands.app.launch import free_port
+from lightning_islands.app.launch import free_ports
 from lightning_islands.link.etcd_credentials import EtcdCredentials
 from lightning_islands.link.etcd_store import ROOT
 
@@ -149,8 +149,8 @@ class LocalEtcdCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = token
         self.binary = etcd_binary()
-        self.members = [Member(f"m{i}", hosts[i] if hosts else host, free_port(), free_port(), self.root / f"m{i}")
-                        for i in range(size)]
+        self.members = [Member(f"m{i}", hosts[i] if hosts else host, 0, 0, self.root / f"m{i}") for i in range(size)]
+        self._pick_ports()
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._supervisor: threading.Thread | None = None
@@ -237,11 +237,34 @@ class LocalEtcdCluster:
             member.process = subprocess.Popen([*prefix, *self._command(member, state)], stdout=out,
                                               stderr=subprocess.STDOUT, start_new_session=True)
 
+    def _pick_ports(self) -> None:
+        ports = free_ports(2 * len(self.members))  # all different: no two members are given one port
+        for i, member in enumerate(self.members):
+            member.client_port, member.peer_port = ports[2 * i], ports[2 * i + 1]
+
     def start(self, timeout: float = 60.0) -> LocalEtcdCluster:
-        """Start every member, wait until all are healthy, then supervise them."""
-        for member in self.members:
-            self._spawn(member, "new")
-        self.wait_healthy(timeout)
+        """Start every member, wait until all are healthy, then supervise them. A port taken by
+        another process between its pick and the member's start makes the cluster start again on
+        other ports (at most twice)."""
+        for attempt in range(3):
+            logged = {m.name: m.log_path.stat().st_size if m.log_path.exists() else 0 for m in self.members}
+            for member in self.members:
+                self._spawn(member, "new")
+            try:
+                self.wait_healthy(timeout)
+                break
+            except EtcdUnavailable:
+                taken = any(b"address already in use" in m.log_path.read_bytes()[logged[m.name]:] for m in self.members
+                            if m.process is not None and m.process.poll() is not None)
+                if attempt == 2 or not taken:
+                    raise
+                log.warning("etcd: a member's port was taken as it started; the cluster starts again on other ports")
+                for member in self.members:
+                    if member.process is not None and member.process.poll() is None:
+                        member.process.kill()
+                        member.process.wait()
+                    shutil.rmtree(member.data_dir, ignore_errors=True)
+                self._pick_ports()
         self._supervisor = threading.Thread(target=self._supervise, name="etcd-supervisor", daemon=True)
         self._supervisor.start()
         return self

@@ -60,17 +60,32 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range where
     it can be: connections take their source ports from that range, so none of them can take the
     port between this check and its server binding it (the island's rendezvous)."""
-    low = _ephemeral_low()
-    for _ in range(64 if low > 11024 else 0):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", random.randrange(low - 10000, low)))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` different ports as :func:`free_port` picks them (all held until all are picked, so
+    that two servers started together never get the same one)."""
+    low, held = _ephemeral_low(), []
+    try:
+        for _ in range(count):
+            for _ in range(64 if low > 11024 else 0):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind(("127.0.0.1", random.randrange(low - 10000, low)))
+                except OSError:
+                    s.close()
+                    continue
+                held.append(s)
+                break
+            else:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind(("127.0.0.1", 0))
+                held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 ISLANDS_FORM = "processes per island, comma-separated, each at least 1, e.g. 2,1 (two islands: 2 processes and 1)"
