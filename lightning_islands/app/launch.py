@@ -66,13 +66,13 @@ def free_port() -> int:
 def free_ports(count: int) -> list[int]:
     """``count`` different ports as :func:`free_port` picks them (all held until all are picked, so
     that two servers started together never get the same one)."""
-    low, held = _ephemeral_low(), []
+    low, held, pick = _ephemeral_low(), [], random.SystemRandom()  # not the caller's seeded `random`
     try:
         for _ in range(count):
             for _ in range(64 if low > 11024 else 0):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:
-                    s.bind(("127.0.0.1", random.randrange(low - 10000, low)))
+                    s.bind(("127.0.0.1", pick.randrange(low - 10000, low)))
                 except OSError:
                     s.close()
                     continue
@@ -389,6 +389,7 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
     procs, threads, tails, files = [], [], [], []
     lock = threading.Lock()
     threads_each = cpu_threads_per_process(sum(islands))
+    ports = free_ports(len(islands))  # one per island's own store, all different
     for i, nproc in enumerate(islands):
         child_env = dict(os.environ)
         child_env.update(env or {})
@@ -399,7 +400,7 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                           "PYTHONUNBUFFERED": "1", **link_env[i]})
         if len(islands) > 1 or not live:
             child_env.setdefault(ENV_PROGRESS, "0")
-        started, worker_envs = island_command(nproc, command, free_port(), max_restarts)
+        started, worker_envs = island_command(nproc, command, ports[i], max_restarts)
         cmd = list(prefixes[i]) + started
         single_interactive = len(islands) == 1 and live
         tail: list[str] = []
