@@ -45,7 +45,7 @@ SHOW = ("import os\nprint('SEEN', os.environ['LI_ISLAND'], os.environ['LOCAL_RAN
 def test_launched_islands_see_their_own_gpus(monkeypatch, tmp_path):
     """Real launches (torchrun per island) on a machine that shows four GPUs: islands of 2 and 1 GPU
     processes and a CPU island see what the plan gave them; too many processes end before any start."""
-    monkeypatch.setattr(launch, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    monkeypatch.setattr(G, "visible_gpus", lambda: ["0", "1", "2", "3"])
     show = tmp_path / "show.py"
     show.write_text(SHOW)
     command = [sys.executable, str(show)]
@@ -76,7 +76,6 @@ def test_run_and_train_refuse_too_few_gpus_before_anything_starts(monkeypatch, t
     from lightning_islands.app import cli
 
     monkeypatch.setattr(G, "visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr(train, "visible_gpus", lambda: ["0", "1"])
 
     def no_island(*args, **kwargs):
         raise AssertionError("an island was started")

@@ -216,6 +216,20 @@ def _stream(src_ns: str, dst_ns: str, dst: str, port: int, seconds: float, resul
     receiver.join(timeout=20)
 
 
+def _at_once(flows: dict[str, tuple[netns.IslandPort, netns.IslandPort]], seconds: float = 3.0) -> dict[str, float]:
+    """:func:`_stream` for each ``name: (sender, receiver)`` at the same time (ports 5001, 5002, ...);
+    the receivers' bit rates by name."""
+    got: dict[str, float] = {}
+    threads = [threading.Thread(target=_stream, args=(src.namespace, dst.namespace, dst.address, 5001 + k, seconds,
+                                                      got, name))
+               for k, (name, (src, dst)) in enumerate(flows.items())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
 @needs_root
 def test_a_long_transfer_arrives_at_the_shaped_rate_both_ways_and_nothing_else_is_reachable():
     rate = 60 * 10**6
@@ -228,13 +242,7 @@ def test_a_long_transfer_arrives_at_the_shaped_rate_both_ways_and_nothing_else_i
         for port in link.islands:
             routes = subprocess.run(["ip", "-n", port.namespace, "route"], capture_output=True, text=True).stdout
             assert "default" not in routes and routes.count("\n") == 1, routes
-        got: dict[str, float] = {}
-        flows = [threading.Thread(target=_stream, args=(a.namespace, b.namespace, b.address, 5001, 3.0, got, "0->1")),
-                 threading.Thread(target=_stream, args=(b.namespace, a.namespace, a.address, 5002, 3.0, got, "1->0"))]
-        for f in flows:
-            f.start()
-        for f in flows:
-            f.join()
+        got = _at_once({"0->1": (a, b), "1->0": (b, a)})
         for direction, bps in got.items():
             # tbf counts frames: payload is at most 1448/1514 = 0.956 of the rate
             assert 0.9 * rate <= bps <= 1.0 * rate, f"{direction}: {bps / 1e6:.1f} Mbit/s, shaped to {rate / 1e6:g}"
@@ -249,13 +257,7 @@ def test_islands_talk_at_the_smaller_of_their_two_rates():
     fast, slow = 60 * 10**6, 20 * 10**6
     with netns.shaped_link(f"{fast}bit,2={slow}bit", 3) as link:
         a, b, c = link.islands
-        got: dict[str, float] = {}
-        flows = [threading.Thread(target=_stream, args=(a.namespace, b.namespace, b.address, 5001, 3.0, got, "0->1")),
-                 threading.Thread(target=_stream, args=(c.namespace, a.namespace, a.address, 5002, 3.0, got, "2->0"))]
-        for f in flows:
-            f.start()
-        for f in flows:
-            f.join()
+        got = _at_once({"0->1": (a, b), "2->0": (c, a)})
         assert len(got) == 2
         for direction, rate in (("0->1", fast), ("2->0", slow)):
             bps = got[direction]

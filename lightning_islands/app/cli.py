@@ -94,7 +94,7 @@ def _checked_islands(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 def _run(argv: list[str]) -> int:
-    from lightning_islands.app.gpus import parse_accelerators, plan_gpus, visible_gpus
+    from lightning_islands.app.gpus import place_islands
     from lightning_islands.app.launch import report_failures, run_islands
 
     if "--" in argv:
@@ -118,14 +118,13 @@ def _run(argv: list[str]) -> int:
             print(f"lightning-islands run: {err}", file=sys.stderr)
             return 2
     live = {"auto": None, "on": True, "off": False}[args.live]
-    try:
-        accelerators = parse_accelerators(args.accelerators, len(islands))
-        plan_gpus(islands, accelerators, visible_gpus(), args.gpus)
+    try:  # before anything starts (run_islands checks again, for its other callers)
+        place_islands(islands, args.accelerators, args.gpus)
     except ValueError as err:
         parser.error(str(err))
     results = run_islands(islands, command, log_dir=args.log_dir, run_id=args.run_id, live=live,
                           link=link, max_restarts=args.max_restarts, coordinator=args.coordinator,
-                          accelerators=accelerators, gpus=args.gpus)
+                          accelerators=args.accelerators, gpus=args.gpus)
     return report_failures(results)
 
 

@@ -50,12 +50,17 @@ def parse_accelerators(text: str | Sequence[str] | None, num_islands: int) -> li
 
 @dataclass(frozen=True)
 class GpuPlan:
-    """What each island runs on and the environment that says so (``env[i]``); ``warning``: why
+    """The environment that says what each island runs on and sees (``env[i]``); ``warning``: why
     ``auto`` islands share GPUs, when they do."""
 
-    accelerators: tuple[str, ...]
     env: tuple[dict[str, str], ...]
     warning: str | None = None
+
+
+def place_islands(islands: Sequence[int], accelerators: str | Sequence[str] | None, sharing: str = "own") -> GpuPlan:
+    """:func:`plan_gpus` on this machine's GPUs for ``accelerators`` as :func:`parse_accelerators`
+    reads them (a ValueError names what is wrong)."""
+    return plan_gpus(islands, parse_accelerators(accelerators, len(islands)), visible_gpus(), sharing)
 
 
 def plan_gpus(islands: Sequence[int], accelerators: Sequence[str], gpus: Sequence[str],
@@ -90,7 +95,7 @@ def plan_gpus(islands: Sequence[int], accelerators: Sequence[str], gpus: Sequenc
         else:
             seen, start = ",".join(gpus[start:start + nproc]), start + nproc
         env.append({"CUDA_VISIBLE_DEVICES": seen, ENV_ACCELERATOR: accelerator})
-    return GpuPlan(tuple(wanted), tuple(env), warning)
+    return GpuPlan(tuple(env), warning)
 
 
 def _visible() -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_islands.app.gpus import parse_accelerators, plan_gpus, visible_gpus
+from lightning_islands.app.gpus import place_islands
 from lightning_islands.app.netns import LinkSpec, ShapedLink, run_in_namespace, shaped_link
 from lightning_islands.link.coordinator import (
     ENV_COORDINATOR,
@@ -187,10 +187,11 @@ def island_command(nproc: int, command: Sequence[str], master_port: int,
 
 
 class IslandProcesses:
-    """An island's processes, started directly, seen as one process (``poll``, ``wait``,
-    ``terminate``, ``kill``, ``returncode``, ``pid``): it ends when all of them have; when one fails
-    the others are told to stop (SIGTERM, then SIGKILL after :data:`TERMINATE_GRACE_S`), and the
-    island's exit code is the first failure's."""
+    """An island's processes (its directly started ranks, or its torchrun agent) seen as one
+    process (``poll``, ``wait``, ``terminate``, ``kill``, ``returncode``, ``pid``): it ends when all
+    of them have; when one fails the others are told to stop; processes told to stop (SIGTERM) are
+    killed when they outlive :data:`TERMINATE_GRACE_S`, as torchrun's agent does with its workers.
+    The island's exit code is the first failure's."""
 
     def __init__(self, procs: Sequence[subprocess.Popen]) -> None:
         self.procs = list(procs)
@@ -339,7 +340,7 @@ def run_islands(
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     out = out or sys.stdout
-    placed = plan_gpus(islands, parse_accelerators(accelerators, len(islands)), visible_gpus(), gpus)
+    placed = place_islands(islands, accelerators, gpus)
     if placed.warning:
         out.write(f"lightning-islands: {placed.warning}\n")
     island_env = [{**placed.env[i], **(island_env[i] if island_env is not None else {})} for i in range(len(islands))]
@@ -421,10 +422,10 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                                      daemon=True)
                 t.start()
                 threads.append(t)
-        procs.append(island_procs[0] if len(island_procs) == 1 else IslandProcesses(island_procs))
+        procs.append(IslandProcesses(island_procs))
 
     codes: list[int | None] = [None] * len(procs)
-    stopped: dict[int, float] = {}  # island -> when it was told to stop (SIGTERM)
+    stopped: set[int] = set()
     shown, next_status = 0, 0.0
     previous = _raise_on_sigterm()
     try:
@@ -435,10 +436,8 @@ def _launch(islands: Sequence[int], command: Sequence[str], coordinator: Coordin
                     if p.returncode != 0 and i not in stopped:
                         for j, other in enumerate(procs):
                             if codes[j] is None and j not in stopped:
-                                stopped[j] = time.monotonic()
+                                stopped.add(j)
                                 other.terminate()
-                elif codes[i] is None and time.monotonic() - stopped.get(i, math.inf) > TERMINATE_GRACE_S:
-                    p.kill()  # as torchrun's agent does with a worker that outlives its SIGTERM
             if live and len(islands) > 1 and (time.monotonic() >= next_status or all(c is not None for c in codes)):
                 next_status = time.monotonic() + STATUS_PERIOD_S
                 lines = [_status_line(i, s, codes[i]) for i, s in enumerate(coordinator.status(len(islands), run_id))]
@@ -478,7 +477,7 @@ def _raise_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, handler)
 
 
-def with_timeout_kill(proc: subprocess.Popen | IslandProcesses, timeout: float = 20.0) -> None:
+def with_timeout_kill(proc: IslandProcesses, timeout: float = 20.0) -> None:
     """Wait for ``proc``; kill it if it does not end within ``timeout`` seconds."""
     try:
         proc.wait(timeout=timeout)

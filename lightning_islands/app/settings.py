@@ -17,6 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_islands.app.gpus import SHARING
 from lightning_islands.app.step_delay import parse_step_delays
 from lightning_islands.engine.settings import IslandSettings, check_types, setting
 
@@ -114,7 +115,7 @@ class LaunchSettings:
         if not self.members:
             raise ValueError("islands.members is empty: give one entry per island, e.g. "
                              "islands.members='[{devices:1},{devices:1}]'")
-        if self.gpus not in ("own", "shared"):
+        if self.gpus not in SHARING:
             raise ValueError(f"islands.gpus must be own or shared, got {self.gpus!r}")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an int >= 0 (islands.max_restarts), got {self.max_restarts!r}")

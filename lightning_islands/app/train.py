@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_islands.app import placeholders
 from lightning_islands.app.components import centralized_batch, check_job
-from lightning_islands.app.gpus import plan_gpus, visible_gpus
+from lightning_islands.app.gpus import place_islands
 from lightning_islands.app.launch import report_failures, run_islands
 from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
 from lightning_islands.app.report import build_report
@@ -120,7 +120,7 @@ def drive(cfg: DictConfig) -> dict[str, Any]:
             raise SystemExit(f"lightning-islands: islands.link: {err}") from err
     plan, accelerators = island_plan(cfg), island_accelerators(cfg)
     try:  # before anything starts: GPUs the machine does not have
-        plan_gpus(plan, accelerators, visible_gpus(), gpu_sharing(cfg))
+        place_islands(plan, accelerators, gpu_sharing(cfg))
     except ValueError as err:
         raise SystemExit(f"lightning-islands: {err}") from err
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
