@@ -128,6 +128,17 @@ class MemoryLink:
             self.stats.bytes_received += posts[src].numel()
         return posts[src]
 
+    def swap_bytes(self, payload: torch.Tensor, peers: Sequence[int], limit: int | None = None
+                   ) -> dict[int, torch.Tensor]:
+        group = sorted({self.island, *peers})
+        key = f"{self._next('swap')}/{'-'.join(map(str, group))}"
+        posts = self.hub.meet(key, self.island, payload.detach().cpu().clone(), needed=group)
+        got = {i: posts[i] for i in group if i != self.island}
+        self._check({i: t.numel() for i, t in got.items()}, limit)
+        self.stats.bytes_sent += payload.numel() * len(got)
+        self.stats.bytes_received += sum(t.numel() for t in got.values())
+        return got
+
     def take_stats(self) -> LinkStats:
         stats, self.stats = self.stats, LinkStats()
         return stats

@@ -167,6 +167,35 @@ def test_lanes_all_gather_payloads_of_different_sizes_and_count_bytes(sizes):
     assert links[0].take_stats().bytes_sent == 0
 
 
+@pytest.mark.parametrize("groups", [[[0, 1]], [[0, 1], [2, 3]], [[0, 2], [1], [3, 4, 5]]],
+                         ids=["pair (directed groups)", "two pairs", "a lone island, a pair, a group of three"])
+def test_lanes_swap_payloads_within_each_group_only_and_count_bytes(groups):
+    n = sum(len(g) for g in groups)
+    coord = Coordinator()
+    links = [IslandLink(coord.address, i, n, run_id="swap", lanes=3) for i in range(n)]
+    payloads = [torch.arange(3 * i + (i % 2) * 5, dtype=torch.uint8) for i in range(n)]  # island 0's is empty
+    results: list = [None] * n
+    peers = {i: [j for j in g if j != i] for g in groups for i in g}
+
+    def island(i: int) -> None:
+        links[i].open_lanes()
+        results[i] = links[i].swap_bytes(payloads[i], peers[i])
+
+    threads = [threading.Thread(target=island, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(n):
+        assert sorted(results[i]) == peers[i]
+        assert all(torch.equal(results[i][j], payloads[j]) for j in peers[i]), f"island {i}"
+        stats = links[i].take_stats()
+        assert stats.bytes_sent == payloads[i].numel() * len(peers[i])
+        assert stats.bytes_received == sum(payloads[j].numel() for j in peers[i])
+    for link in links:
+        link.close()
+
+
 @pytest.mark.parametrize("announced", [-4, 2**40], ids=["negative", "oversized"])
 def test_a_payload_size_no_honest_island_sends_is_refused_before_allocating(announced, caplog):
     """Island 1 announces a size of its payload that is negative, or 1 TiB against a limit of 64

@@ -1,6 +1,7 @@
 """Where the outer state goes in a checkpoint: a torch distributed checkpoint beside the module's.
 
-Each rank's shards of the anchors, the outer momentum and the error-feedback residual are saved
+Each rank's shards of the anchors, the outer momentum, the error-feedback residual and (with the
+butterfly topology) the bases of its stages are saved
 as DTensors placed like the module's parameters (under their names), so an island's checkpoint
 holds them as it holds the parameters, and a resumed island of the same shape gets its own shards
 back. The folder is ``islands_outer/`` inside the checkpoint.
@@ -35,7 +36,8 @@ def save_outer_state(checkpoint: Path, state: dict, params: Sequence[Tensor], la
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    tensors = {k: _as_dtensors(state[k], params, layout) for k in STATE_KEYS if state.get(k) is not None}
+    keys = [*STATE_KEYS, *(k for k in state if k.startswith("base"))]  # the butterfly's bases too
+    tensors = {k: _as_dtensors(state[k], params, layout) for k in keys if state.get(k) is not None}
     dcp_save(tensors, storage_writer=FileSystemWriter(checkpoint / OUTER_DIR, overwrite=True))
 
 

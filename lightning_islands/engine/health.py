@@ -33,12 +33,18 @@ def majority(headers: Sequence[RoundHeader]) -> list[int]:
     return max(groups.values(), key=lambda g: (len(g), -g[0])) if groups else []
 
 
-def state_summary(state: OuterState, layout: CanonicalLayout, fragment: int) -> StateSummary:
+def state_summary(state: OuterState, layout: CanonicalLayout, fragment: int, stage: int | None = None
+                  ) -> StateSummary:
     """What every island's global state of ``fragment`` (the one a round is about to step, laid out
     by ``layout``) must agree on before the round, with every fragment's outer step count (a
     collective of the island, cheap: a checksum of each rank's shards at their canonical places,
-    no gather). Each fragment is checked once per H steps, in its own round."""
+    no gather). Each fragment is checked once per H steps, in its own round. With the butterfly
+    (``stage``), the islands of a group must agree on the stage's base instead (their global states
+    and momenta are their own: :mod:`lightning_islands.engine.mixing`)."""
     idx, momentum, steps = state.indices(fragment), state.momentum, state.steps()
+    if stage is not None:
+        return StateSummary(fragment, layout.island_checksum([state.bases[stage][i] for i in idx]), None,
+                            steps if isinstance(steps, int) else tuple(steps))
     return StateSummary(fragment, layout.island_checksum([state.anchors[i] for i in idx]),
                         None if momentum is None else layout.island_checksum([momentum[i] for i in idx]),
                         steps if isinstance(steps, int) else tuple(steps))

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands.engine import rendezvous
+from lightning_islands.engine.butterfly import Butterfly
 from lightning_islands.engine.checkpoint import load_outer_state, save_outer_state
 from lightning_islands.engine.fragments import split_fragments
 from lightning_islands.engine.island import Island
@@ -27,7 +28,7 @@ from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import IslandSettings
-from lightning_islands.engine.state import OuterState
+from lightning_islands.engine.state import OuterState, base_key
 from lightning_islands.link.protocol import Link
 
 # the shortest default grace window (a short round must not drop an island that pauses briefly)
@@ -56,8 +57,10 @@ class IslandEngineBase:
         fragments = split_fragments([e.name for e in layout.entries], [e.numel for e in layout.entries],
                                     settings.fragments, settings.fragment_layout)
         self.fragment_layouts = [layout] if len(fragments) == 1 else [layout.subset(f) for f in fragments]
+        self.butterfly = Butterfly(num_islands) if settings.topology == "butterfly" else None
         self.state = OuterState([settings.outer_optimizer() for _ in fragments], settings.outer_device,
-                                fragments if len(fragments) > 1 else None)
+                                fragments if len(fragments) > 1 else None,
+                                self.butterfly.stages if self.butterfly is not None else 0)
         self.schedule = Schedule(settings, island)
         self.meeting = RoundMeeting(self.side, settings, self.codec, layout)
         self.round_tokens = 0  # this rank's tokens in the current round
@@ -105,6 +108,10 @@ class IslandEngineBase:
              joining: bool = False) -> None:
         """Meet the other islands and compare fingerprints (:func:`rendezvous.meet`); ``joining``: this
         island is new to a run under way (it compares with the run's record)."""
+        if joining and self.butterfly is not None:
+            raise ValueError(f"island {self.island} cannot join a run under way with topology=butterfly yet (its "
+                             "groups are fixed by the islands the run started with); start the run with every island, "
+                             "or use topology=allreduce")
         rendezvous.meet(self.side, open_link, fingerprint, rejoining, joining, dataclasses.asdict(self.settings))
 
     def adopt_initial_state(self, locals_: Sequence[Tensor], buffers: dict[str, Tensor]) -> None:
@@ -119,10 +126,12 @@ class IslandEngineBase:
 
     def agree_on_start(self, more: bool) -> list[int]:
         """The islands' start agreement (a collective of the island): every island's global state
-        must be the same; returns the islands that have no training steps left (``more=False``)."""
+        must be the same (with the butterfly, each island has its own: its partners check theirs
+        against it at their stage); returns the islands that have no training steps left (``more=False``)."""
         if self.num_islands == 1:
             return [] if more else [self.island]
-        return rendezvous.agree_on_start(self.side, self.global_state_digest(), self.schedule.round, more)
+        digest = self.global_state_digest() if self.butterfly is None else None
+        return rendezvous.agree_on_start(self.side, digest, self.schedule.round, more)
 
     def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
         """Act on the start agreement (:func:`rendezvous.settle_start`)."""
@@ -180,6 +189,7 @@ class IslandEngineBase:
                 "totals": dict(self.totals), "outer_steps": state["outer_steps"],
                 "recent_rounds": list(self.recent_rounds),
                 "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None,
+                "stages": len(self.state.bases),
                 "island": self.island, "num_islands": self.num_islands, "fingerprint": self.fingerprint(resuming)}
 
     def save_checkpoint(self, path: Path, params: Sequence[Tensor]) -> None:
@@ -197,9 +207,16 @@ class IslandEngineBase:
                 "its own checkpoint (resume=[...])")
         use_residual = bool(meta.get("has_residual")) and self.settings.use_error_feedback
         keys = ["anchor"] + ["momentum"] * bool(meta["has_momentum"]) + ["residual"] * use_residual
+        saved_stages, stages = int(meta.get("stages", 0)), len(self.state.bases)
+        if saved_stages and saved_stages != stages:
+            raise ValueError(f"{path} was saved by a butterfly of {saved_stages} stage(s) (its islands' states "
+                             f"differ), but this run has {stages or 'no'} stages (topology={self.settings.topology}, "
+                             f"{self.num_islands} islands); resume with the topology and island count it was saved "
+                             "with, or start afresh")
+        keys += [base_key(k) for k in range(saved_stages)]  # none saved: the bases start from the anchors
         loaded = load_outer_state(path, keys, params, self.layout, self.state.anchors)
-        self.state.load_state_dict({"anchor": loaded["anchor"], "momentum": loaded.get("momentum"),
-                                    "residual": loaded.get("residual"), "outer_steps": meta["outer_steps"]})
+        self.state.load_state_dict({**loaded, "momentum": loaded.get("momentum"), "residual": loaded.get("residual"),
+                                    "outer_steps": meta["outer_steps"]})
         self.schedule.load_state_dict(meta)
         self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
         self.recent_rounds = list(meta.get("recent_rounds", []))

@@ -15,6 +15,8 @@ import logging
 import time
 
 from lightning_islands.codecs import Codec
+from lightning_islands.engine import mixing
+from lightning_islands.engine.butterfly import Butterfly
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
 from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
@@ -37,6 +39,7 @@ class RoundMeeting:
 
     def __init__(self, island: Island, settings: IslandSettings, codec: Codec, layout: CanonicalLayout) -> None:
         self.island, self.settings, self.codec, self.layout = island, settings, codec, layout
+        self.butterfly = Butterfly(island.num_islands) if settings.topology == "butterfly" else None
         self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)  # what every round moved, summed
 
     def meet(self, header: RoundHeader) -> MergePlan:
@@ -50,9 +53,18 @@ class RoundMeeting:
             link.add_wait(time.perf_counter() - t0)
             for change in link.membership_changes():
                 log.warning("islands: island %d sees membership change: %s", self.island.index, change)
-        plan = MergePlan.of(headers, s.weighting, s.exclude_norm_ratio, self.layout)
+        plan = self.plan(headers)
         plan.warn_left_out(s.exclude_norm_ratio)
         return plan
+
+    def plan(self, headers: list[RoundHeader]) -> MergePlan:
+        """The round's merge, as every rank of every island derives it from the headers (with the
+        butterfly, each group's islands that agree on its base are the ones merged)."""
+        s, agreeing = self.settings, None
+        if self.butterfly is not None:
+            stage = mixing.stage_of(self.butterfly, headers[self.island.index].round, s.fragments)
+            agreeing = mixing.agreement(self.butterfly, headers, stage)[0]
+        return MergePlan.of(headers, s.weighting, s.exclude_norm_ratio, self.layout, agreeing)
 
     def exchange(self, plan: MergePlan, layout: CanonicalLayout, delta_sq: float, keep_residual: bool) -> ChunkExchange:
         """The leader's exchange of a round with ``plan``, over the fragment laid out by ``layout``."""

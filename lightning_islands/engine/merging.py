@@ -21,10 +21,12 @@ from lightning_islands.engine.layout import CanonicalLayout
 log = logging.getLogger(__name__)
 
 
-def members(headers: Sequence[RoundHeader], exclude_norm_ratio: float | None) -> list[int]:
+def members(headers: Sequence[RoundHeader], exclude_norm_ratio: float | None,
+            agreeing: Sequence[int] | None = None) -> list[int]:
     """The islands merged this round: those that hold the majority's global state
-    (:func:`health.majority`) with a sound pseudo-gradient (:func:`outer.merge_members` of the norms)."""
-    agree = set(health.majority(headers))
+    (:func:`health.majority`; or ``agreeing``, with the butterfly: each group's own) with a sound
+    pseudo-gradient (:func:`outer.merge_members` of the norms)."""
+    agree = set(health.majority(headers) if agreeing is None else agreeing)
     return outer.merge_members([h.norm if i in agree else None for i, h in enumerate(headers)], exclude_norm_ratio)
 
 
@@ -38,6 +40,7 @@ class MergePlan:
     members: list[int]
     weights: list[float]
     coefs: dict[str, list[Tensor]]
+    agreeing: tuple[int, ...] = ()  # the islands that hold the state they must (the rest are repaired)
 
     @property
     def stepped(self) -> bool:
@@ -51,12 +54,13 @@ class MergePlan:
 
     @classmethod
     def of(cls, headers: Sequence[RoundHeader], weighting: str, exclude_norm_ratio: float | None,
-           layout: CanonicalLayout) -> MergePlan:
-        """The plan every island derives from ``headers``; an error naming the cause and the fix when
-        no island can be merged."""
-        headers, chosen = list(headers), members(headers, exclude_norm_ratio)
+           layout: CanonicalLayout, agreeing: Sequence[int] | None = None) -> MergePlan:
+        """The plan every island derives from ``headers`` (``agreeing``: as :func:`members`); an
+        error naming the cause and the fix when no island can be merged."""
+        agreeing = health.majority(headers) if agreeing is None else agreeing
+        headers, chosen = list(headers), members(headers, exclude_norm_ratio, agreeing)
         round_ = headers[0].round
-        if not chosen and not health.majority(headers):
+        if not chosen and not agreeing:
             raise RuntimeError(f"round {round_}: every island present is rejoining, so none holds the global state; "
                                "restart the run from the islands' last checkpoints (resume=...)")
         if not chosen:
@@ -68,11 +72,12 @@ class MergePlan:
             if rows[name] != coefs[name][0].numel():
                 raise ValueError(f"{name} has {rows[name]} rows but {coefs[name][0].numel()} expert counts")
         weights = [1.0 if weighting == "equal" else float(h.tokens) for h in headers]
-        return cls(headers, chosen, weights, coefs)
+        return cls(headers, chosen, weights, coefs, tuple(agreeing))
 
     def left_out(self) -> list[int]:
-        """Islands present, not joining, and not merged (a non-finite or outlying pseudo-gradient)."""
-        return [i for i, h in enumerate(self.headers) if i not in self.members and h.votes]
+        """Islands present, not joining, holding the state they must, and not merged (a non-finite or
+        outlying pseudo-gradient)."""
+        return [i for i in self.agreeing if i not in self.members and self.headers[i].votes]
 
     def warn_left_out(self, exclude_norm_ratio: float | None) -> None:
         """Log the islands left out of the merge and why (the leader does, once a round)."""

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs import with_residual
-from lightning_islands.engine import flight, health, outer
+from lightning_islands.engine import flight, health, mixing, outer
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
 from lightning_islands.engine.flight import InFlight
@@ -62,6 +62,7 @@ class PendingRound:
     inner_steps: int = 0  # the island's inner steps when the round started
     blocking: float = 0.0  # seconds the training thread spent on an overlapped round (start and land)
     leave: bool = False  # this island retires from the run with this round (the others go on)
+    mix: mixing.PendingMix | None = None  # the butterfly's: the stage, the proposal's optimizer, the group
 
     @property
     def stop(self) -> bool:
@@ -115,18 +116,24 @@ class IslandEngine(IslandEngineBase):
         deltas = [outer.pseudo_gradient(state.anchors[i].to(locals_[i].device), locals_[i]) for i in idx]
         # the pseudo-gradient's squared norm (a plain, replicated tensor counts once: on rank 0)
         own_sq = sum_sq([d for j, d in enumerate(deltas) if layout.owns(j)])
-        sent = deltas
-        if s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
-            if state.residual is None:
-                state.residual = [torch.zeros_like(a) for a in state.anchors]
-            else:
-                sent = [with_residual(d, state.residual[i].to(d.device), s.error_feedback_decay)
-                        for d, i in zip(deltas, idx)]
-        delta_sq, tokens = self.group.sum([own_sq, float(self.round_tokens)])
+        mix, sent = None, deltas
+        if self.butterfly is not None:  # the island's own outer step, sent as its distance from the stage's base
+            mix, sent = mixing.PendingMix.start(self.butterfly, state, fragment, self.schedule.round, s.fragments,
+                                                deltas)
+            own_sq = [own_sq, sum_sq([state.anchors[i] for j, i in enumerate(idx) if layout.owns(j)])]
+        had_residual = state.residual is not None
+        if s.use_error_feedback and not had_residual:
+            state.residual = [torch.zeros_like(a) for a in state.anchors]
+        elif s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
+            sent = [with_residual(d, state.residual[i].to(d.device), s.error_feedback_decay) for d, i in zip(sent, idx)]
+        sums = self.group.sum([*(own_sq if mix else [own_sq]), float(self.round_tokens)])
+        delta_sq, tokens = sums[0], sums[-1]
+        if mix is not None:
+            mix.anchor_sq = sums[1]
         step_seconds = self.schedule.step_seconds(t_start)
         self._step_seconds = step_seconds
         pending = PendingRound([], tokens, step_seconds, t_start, fragment, inner_steps=self.schedule.inner_steps,
-                               experts=experts)
+                               experts=experts, mix=mix)
         if stop and s.on_end == "leave" and self.num_islands > 1:
             pending.leave, stop, round_ = True, False, self.schedule.round
             self.side.on_leader(lambda link: link.retire_after(round_))
@@ -143,7 +150,8 @@ class IslandEngine(IslandEngineBase):
         layout = self.fragment_layouts[pending.fragment]
         tokens, experts = self._since_last_sync(pending, layout)
         norm = math.sqrt(delta_sq) if math.isfinite(delta_sq) else None
-        summary = health.state_summary(self.state, layout, pending.fragment) if self.num_islands > 1 else None
+        summary = None if self.num_islands == 1 else health.state_summary(
+            self.state, layout, pending.fragment, None if pending.mix is None else pending.mix.stage)
         return RoundHeader(self.schedule.round, 0, pending.fragment, tokens, self.schedule.round_steps,
                            pending.step_seconds, experts, stop, norm, summary,
                            joining=self.joining)  # a joiner's state is whatever it restarted with: repaired, not merged
@@ -153,10 +161,11 @@ class IslandEngine(IslandEngineBase):
         """One attempt of a synchronous round: headers, exchange, the agreement that it counted, repair."""
         box: dict[str, MergePlan] = {}  # the leader's plan (every rank derives the same from the headers)
         pending.headers = self.side.agree(lambda: box.setdefault("plan", self.meeting.meet(header)).headers)
-        plan = box.get("plan") or MergePlan.of(pending.headers, self.settings.weighting,
-                                               self.settings.exclude_norm_ratio, self.layout)
+        plan = box.get("plan") or self.meeting.plan(pending.headers)
+        if pending.mix is not None:  # the butterfly: the group checks its base first, then mixes
+            pending.repaired = pending.mix.meet(self, pending.headers, plan)
         if plan.stepped:
-            pending.grads, pending.metrics = self._exchange(sent, delta_sq, plan, pending.fragment)
+            pending.grads, pending.metrics = self._exchange(sent, delta_sq, plan, pending.fragment, pending.mix)
             pending.metrics.update(plan.expert_gap_metrics())
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
@@ -164,21 +173,25 @@ class IslandEngine(IslandEngineBase):
         if pending.stop:
             self.schedule.stopping = True
         self.joining = False
-        # after the exchange, as an overlapped round does (a joiner's round and the others' may differ in kind)
-        pending.repaired = self._repair_counted(pending.headers, locals_)
+        if pending.mix is None:  # after the exchange, as an overlapped round does (a joiner's round and the
+            pending.repaired = self._repair_counted(pending.headers, locals_)  # others' may differ in kind)
         return pending
 
-    def _exchange(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan,
-                  fragment: int) -> tuple[list[Tensor], dict[str, float]]:
+    def _exchange(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan, fragment: int,
+                  mix: mixing.PendingMix | None = None) -> tuple[list[Tensor], dict[str, float]]:
         """Every rank: the merged pseudo-gradient's part for this rank's shards of ``fragment`` (the
-        outer step's gradients) through the one chunk loop: each chunk of what the island sends
+        outer step's gradients; with the butterfly's ``mix``, the group's mixed distance from the
+        base) through the one chunk loop: each chunk of what the island sends
         (``sent``: the pseudo-gradient plus the decayed error-feedback residual) is gathered to the
         leader, exchanged, and scattered back with the new residual. The round's metrics on the leader."""
         layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
         anchors = [state.anchors[i] for i in idx]
         residual = [state.residual[i] for i in idx] if state.residual is not None else None
         bounds = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
-        exchange = self.meeting.exchange(plan, layout, delta_sq, residual is not None) if self.is_leader else None
+        exchange = None
+        if self.is_leader:
+            exchange = (self.meeting.exchange(plan, layout, delta_sq, residual is not None) if mix is None else
+                        mix.exchange(self.codec, self.link, self.island, plan, delta_sq, residual is not None))
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
         into = None if len(bounds) == 1 else [torch.zeros_like(a) for a in anchors]
         got: list[Tensor] = []
@@ -265,7 +278,8 @@ class IslandEngine(IslandEngineBase):
         if pending.grads is None:
             return {}
         idx = self.state.indices(pending.fragment)
-        opt = self.state.step(pending.fragment, pending.grads)
+        opt = self.state.step(pending.fragment, pending.grads) if pending.mix is None else pending.mix.land(
+            self.state, pending.grads, self.island)
         pending.grads = None
         metrics = dict(pending.metrics)
         metrics.update({"islands/outer_lr": opt.lr_at(opt.steps), "islands/outer_momentum": opt.momentum_at(opt.steps)})

@@ -18,6 +18,8 @@ from lightning_islands.engine import floatenv, outer
 from lightning_islands.engine.fragments import LAYOUTS
 from lightning_islands.engine.layout import CanonicalLayout
 
+TOPOLOGIES = ("allreduce", "butterfly")
+
 
 def sync_warmup_list(value: Any) -> list[int]:
     """``sync_warmup`` as a list of positive ints, or a ValueError naming the expected form."""
@@ -149,6 +151,12 @@ class IslandSettings:
     overlap_alpha: float = setting(
         0.0, "With overlap, a fragment's local parameters become `global + alpha * (local - global)` when its outer "
              "step lands (0: the new global parameters; 1: keep local).")
+    topology: str = setting(
+        "allreduce", "Who mixes with whom in a round: `allreduce` (every island merges every island's pseudo-gradient; "
+                     "the islands hold one global state) or `butterfly` (stage k of a fragment's rounds pairs island i "
+                     "with island i XOR 2^k; each island steps its own global model with its own outer momentum and "
+                     "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
+                     "butterfly). Butterfly does not combine with `overlap_steps` or `expert_weighting` yet.")
     min_islands: int = setting(
         1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
            "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "
@@ -245,6 +253,7 @@ class IslandSettings:
         if self.steps_per_round is not None and self.steps_per_round < 1:
             raise ValueError(f"steps_per_round must be >= 1 or null (sync_every), got {self.steps_per_round}")
         self._check_streaming()
+        self._check_topology()
         if self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         self.outer_optimizer()  # validates the outer step's settings
@@ -282,6 +291,16 @@ class IslandSettings:
         if not 0.0 <= self.overlap_alpha <= 1.0:
             raise ValueError(f"overlap_alpha must be in [0, 1], got {self.overlap_alpha}")
 
+    def _check_topology(self) -> None:
+        """``topology`` and what it does not combine with yet."""
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES} (islands.topology), got {self.topology!r}")
+        if self.topology == "butterfly":
+            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting)):
+                if value:
+                    raise ValueError(f"topology=butterfly does not combine with {name}={value!r} yet; set "
+                                     f"islands.{name} to its default or use topology=allreduce")
+
     def make_codec(self) -> Codec:
         """The wire format of pseudo-gradients."""
         return make_codec(self.codec, block_size=self.block_size)
@@ -315,6 +334,7 @@ class IslandSettings:
             "fragments": [self.fragments, self.fragment_layout],
             "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
+            "topology": self.topology,
             "resuming": bool(resuming),
             # the link's: different lanes would wait for groups that never form; a member set or a
             # wait that islands judge differently would split the run

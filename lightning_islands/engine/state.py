@@ -2,7 +2,9 @@
 
 The anchors are the global parameters (fp32), the outer optimizer's momentum the same shape, and
 the error-feedback residual what the codec dropped from what this island sent last round (decayed
-into the next). Each is a list of tensors in parameter order, shaped like this rank's local shards,
+into the next). With the butterfly topology it also keeps one *base* per stage: the global state
+this island and its partners of that stage agreed on when they last mixed (what their payloads are
+differences from). Each is a list of tensors in parameter order, shaped like this rank's local shards,
 so the strategy can save them as the module's parameters are saved.
 """
 
@@ -17,6 +19,11 @@ from torch import Tensor
 from lightning_islands.engine.outer import OuterSGD
 
 
+def base_key(stage: int) -> str:
+    """The state-dict key of the butterfly's base of ``stage``."""
+    return f"base{stage}"
+
+
 class OuterState:
     """Anchors, the outer optimizers (their momentum) and the error-feedback residual of one rank.
 
@@ -25,10 +32,11 @@ class OuterState:
             keeps their momentum and its own step count).
         device: where the state lives (``None``: where each local shard is).
         fragments: the parameter indices of each fragment (default: one fragment, all parameters).
+        stages: the butterfly's stages (one base each; 0: no bases, the all-reduce topology).
     """
 
     def __init__(self, optimizer: OuterSGD | Sequence[OuterSGD], device: torch.device | str | None = None,
-                 fragments: Sequence[Sequence[int]] | None = None) -> None:
+                 fragments: Sequence[Sequence[int]] | None = None, stages: int = 0) -> None:
         self.optimizers = [optimizer] if isinstance(optimizer, OuterSGD) else list(optimizer)
         self.fragments = [list(f) for f in fragments] if fragments is not None else None
         if len(self.optimizers) != len(self.fragments or [0]):
@@ -36,6 +44,8 @@ class OuterState:
         self.device = torch.device(device) if device else None  # None or "": where each shard is
         self.anchors: list[Tensor] = []
         self.residual: list[Tensor] | None = None
+        self.stages = stages
+        self.bases: list[list[Tensor]] = []  # per stage, shaped like the anchors
 
     @property
     def optimizer(self) -> OuterSGD:
@@ -57,6 +67,7 @@ class OuterState:
         """Take fp32 copies of ``tensors`` (this rank's shards) as the anchors."""
         self.anchors = [t.detach().to(device=self.device or t.device, dtype=torch.float32, copy=True)
                         for t in tensors]
+        self.bases = [[a.clone() for a in self.anchors] for _ in range(self.stages)]
 
     def step(self, fragment: int, grads: Sequence[Tensor]) -> OuterSGD:
         """The outer step of ``fragment``'s anchors from their merged pseudo-gradients; returns its optimizer."""
@@ -95,11 +106,12 @@ class OuterState:
         return counts[0] if len(counts) == 1 else counts
 
     def state_dict(self) -> dict[str, Any]:
-        """``anchor``, ``momentum`` (or None), ``residual`` (or None): tensor lists in parameter
-        order; ``outer_steps``: the outer step count (a list, one per fragment, with fragments)."""
+        """``anchor``, ``momentum`` (or None), ``residual`` (or None), with the butterfly ``base0``
+        .. (one per stage): tensor lists in parameter order; ``outer_steps``: the outer step count (a
+        list, one per fragment, with fragments)."""
         return {"anchor": list(self.anchors), "momentum": self.momentum,
                 "residual": None if self.residual is None else list(self.residual),
-                "outer_steps": self.steps()}
+                "outer_steps": self.steps(), **{base_key(k): list(b) for k, b in enumerate(self.bases)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (copied into the existing anchors' place)."""
@@ -120,6 +132,9 @@ class OuterState:
             # a fragment that has not stepped has no momentum yet (saved as zeros beside the others)
             opt.buffers = ([momentum[i].to(self.anchors[i].device).clone() for i in self.indices(f)]
                            if momentum is not None and steps[f] > 0 else [])
+        for k, base in enumerate(self.bases):  # a state saved without bases (all-reduce): the anchors
+            for b, saved in zip(base, state.get(base_key(k)) or state["anchor"]):
+                b.copy_(saved)
         residual = state.get("residual")
         self.residual = (None if residual is None
                          else [r.to(a.device).clone() for r, a in zip(residual, self.anchors)])

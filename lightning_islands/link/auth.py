@@ -389,6 +389,29 @@ class AuthenticatedLink:
         self._account(t1 - t0 + time.perf_counter() - t2)
         return got[:-TAG_BYTES]
 
+    def swap_bytes(self, payload: Tensor, peers: Sequence[int], limit: int | None = None) -> dict[int, Tensor]:
+        """Swap ``payload`` with ``peers`` (:meth:`Link.swap_bytes`), each received payload checked
+        against its tag, which binds the sender and the group (``limit``: as :meth:`all_gather_bytes`)."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError("payload must be a 1-D uint8 tensor")
+        epoch, seq = self._next_seq()
+        group = sum(1 << i for i in {self.island, *peers})  # the islands of the swap, as a bit mask
+
+        def header(i: int, length: int) -> bytes:
+            return payload_header("swap", epoch, seq, i, group, self.num_islands, length)
+
+        t0 = time.perf_counter()
+        signed = self._signed(payload, header(self.island, payload.numel()))
+        t1 = time.perf_counter()
+        got = self.link.swap_bytes(signed, peers, None if limit is None else limit + TAG_BYTES)
+        t2 = time.perf_counter()
+        islands = sorted(got)
+        what = f"swap_bytes call {seq}" + (f" of epoch {epoch!r}" if epoch else "")
+        self._check(what, islands, [got[i] for i in islands],
+                    [header(i, max(0, got[i].numel() - TAG_BYTES)) for i in islands])
+        self._account(t1 - t0 + time.perf_counter() - t2)
+        return {i: got[i][:-TAG_BYTES] for i in islands}
+
     def _account(self, seconds: float) -> None:
         with self._lock:
             self.seconds_authenticating += seconds

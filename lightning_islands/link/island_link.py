@@ -19,7 +19,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, suppress
 from datetime import timedelta
 from typing import TypeVar
@@ -506,6 +506,36 @@ class IslandLink:
         for i, t in zip(present, got):
             out[i] = t
         return out
+
+    def swap_bytes(self, payload: torch.Tensor, peers: Sequence[int], limit: int | None = None
+                   ) -> dict[int, torch.Tensor]:
+        """Send one uint8 CPU tensor to each island of ``peers`` present this round and receive each
+        one's (:meth:`Link.swap_bytes`); sizes are swapped first and refused above ``limit``, as in
+        :meth:`all_gather_bytes`, whose accounting and failure handling it shares."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError("payload must be a 1-D uint8 tensor")
+        payload = payload.cpu().contiguous()
+        present = self.present
+        islands = [i for i in peers if i in present and i != self.island]
+        if not islands:
+            return {}
+        ranks = [present.index(i) for i in islands]
+        t0 = time.perf_counter()
+        try:
+            sizes = self._watched("a swap's sizes", lambda: self.lanes.swap_sizes(payload.numel(), ranks))
+            self._check_sizes("a swap", dict(zip(islands, sizes)), limit)
+            t1 = time.perf_counter()
+            got = self._watched("a swap", lambda: self.lanes.swap(payload, ranks, sizes), sum(sizes))
+        except (RoundLost, IslandAborted, PayloadRefused):
+            raise
+        except RuntimeError as err:
+            raise self._lost("a swap", err) from err
+        t2 = time.perf_counter()
+        self.stats.seconds_waiting += t1 - t0
+        self.stats.seconds_exchanging += t2 - t1
+        self.stats.bytes_sent += payload.numel() * len(islands)
+        self.stats.bytes_received += sum(sizes)
+        return dict(zip(islands, got))
 
     def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
         """Broadcast a uint8 tensor from island ``src`` to every island present (initial state, repairs)."""

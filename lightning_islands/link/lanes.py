@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from lightning_islands.link.coordinator import ENV_LINK_IFNAME
 
+SIZE_TAG, DATA_TAG = 1, 2  # the gloo tags of a swap's sizes and of its pieces
 START_LANES = "lanes"  # the key of the lanes every island opens when the run starts (IslandLink.open_lanes)
 
 
@@ -181,6 +182,38 @@ class Lanes:
         for w in works:
             w.wait()
         return [torch.cat([outs[k][i] for k in range(n_lanes)])[:size] for i, size in enumerate(sizes)]
+
+    def swap_sizes(self, n: int, peers: Sequence[int]) -> list[int]:
+        """Each of ``peers``' (member ranks) payload size, sent to this member as ``n`` goes to them, on lane 0."""
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = [torch.empty(1, dtype=torch.int64) for _ in peers]
+        works = [w for p, buf in zip(peers, out)
+                 for w in (self.groups[0].send([mine], p, SIZE_TAG), self.groups[0].recv([buf], p, SIZE_TAG))]
+        for w in works:
+            w.wait()
+        return [int(t.item()) for t in out]
+
+    def swap(self, payload: torch.Tensor, peers: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``payload`` to each of ``peers`` (member ranks) and receive each one's (of ``sizes``),
+        a piece per lane in parallel; in ``peers``' order. Between two members the directed groups
+        carry each direction on its own connection."""
+        if self.directed and len(peers) == 1:
+            both = [sizes[0], sizes[0]]
+            both[self.rank] = payload.numel()
+            return [self._pairwise(payload, both)[peers[0]]]
+        received = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        works = []
+        for k, group in enumerate(self.groups):
+            a, b = self._pieces(payload.numel())[k]
+            for p, buf, size in zip(peers, received, sizes):
+                c, d = self._pieces(size)[k]
+                if b > a:
+                    works.append(group.send([payload[a:b]], p, DATA_TAG))
+                if d > c:
+                    works.append(group.recv([buf[c:d]], p, DATA_TAG))
+        for w in works:
+            w.wait()
+        return received
 
     def broadcast_size(self, payload: torch.Tensor | None, root: int) -> int:
         """The size of member ``root``'s ``payload`` (``None`` elsewhere), on every member, on lane 0."""

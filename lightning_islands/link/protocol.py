@@ -10,6 +10,7 @@ engine can run a round again, rejoin, or end with a message that names the cause
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -127,6 +128,13 @@ class Link(Protocol):
 
     def broadcast_bytes(self, payload: Tensor | None, src: int = 0, limit: int | None = None) -> Tensor:
         """Island ``src``'s uint8 payload on every island (``limit``: as :meth:`all_gather_bytes`)."""
+        ...
+
+    def swap_bytes(self, payload: Tensor, peers: Sequence[int], limit: int | None = None) -> dict[int, Tensor]:
+        """Send the 1-D uint8 ``payload`` to each island in ``peers`` and receive one from each (every
+        peer calls it naming this island among its own); returns them by island. Only the islands
+        named take part: the butterfly's groups swap at once, each among itself. ``limit``: as
+        :meth:`all_gather_bytes`; :class:`RoundLost` when a peer is lost."""
         ...
 
     def take_stats(self) -> LinkStats:

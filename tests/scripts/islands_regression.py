@@ -239,6 +239,7 @@ def main() -> None:
     p.add_argument("--nan-step", type=int, default=0)
     p.add_argument("--fragments", type=int, default=1, help="the strategy's fragments")
     p.add_argument("--overlap", type=int, default=0, help="the strategy's overlap_steps")
+    p.add_argument("--topology", default="allreduce", help="the strategy's topology")
     p.add_argument("--alpha", type=float, default=0.0, help="the strategy's overlap_alpha")
     p.add_argument("--exchange-chunk-mib", type=float, default=1024.0, help="the strategy's exchange_chunk_mib")
     p.add_argument("--kill-island", type=int, default=-1, help="this island SIGKILLs itself (first start only)")
@@ -296,7 +297,8 @@ def main() -> None:
                               steps_per_round=per_island(args.steps_per_round) or None,
                               exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
                               overlap_steps=args.overlap, overlap_alpha=args.alpha, min_islands=args.min_islands,
-                              grace_s=args.grace_s or None, on_end=per_island(args.on_end, str))
+                              grace_s=args.grace_s or None, on_end=per_island(args.on_end, str),
+                              topology=args.topology)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()

@@ -1,0 +1,300 @@
+"""The butterfly round (``topology="butterfly"``): each island mixes its proposal with its partners'.
+
+Every island holds its own global model (the anchors) and its own outer momentum. A round of
+fragment ``f`` at round ``r`` is stage ``k = (r // F) mod stages`` of the butterfly
+(:class:`~lightning_islands.engine.butterfly.Butterfly`: islands ``i`` and ``i XOR 2**k``, extras
+joined to their unit). In it each island
+
+1. takes its own outer step on its own pseudo-gradient: its *proposal* ``P_i`` (its momentum is
+   its own and only its own pseudo-gradients ever enter it);
+2. sends ``Q(P_i - B_k + decay * residual)``: its proposal's distance from the stage's *base*
+   ``B_k``, the state its group agreed on when it last mixed at stage ``k`` (all islands start with
+   ``B_k`` = the common initial state), compressed by the codec with error feedback;
+3. receives its partners' payloads only (one per round for a power of two), and every island of
+   the group computes ``B_k + sum_j c_j D(payload_j)`` in island order, ``c_j`` the islands' merge
+   weights (tokens, or equal) normalised over the group: the group's new global state, which
+   becomes its new ``B_k`` too.
+
+**The invariant** (instead of "every island identical after every round"): every stage keeps the
+weighted sum ``sum_j w_j X_j`` of the group's reconstructed proposals ``X_j = B_k + D(payload_j)``
+(float rounding aside; the tests check it against float64), the islands of a group leave the stage
+bit-identical, and ``log2 N`` stages of pure mixing give every island the weighted mean of all
+(:func:`~lightning_islands.engine.butterfly.mix`). The mean of the islands' models follows the
+outer step on the mean pseudo-gradient (the outer SGD is linear), so the islands' average trains
+as DiLoCo does while each island receives one payload instead of ``N - 1``.
+
+**The state check** compares, within each group, the checksum of ``B_k`` (and the outer step
+counts): the group's majority of voting islands (a tie: the lowest; no voting island: the lowest
+present) is its source, and an island whose base differs (restarted from an older checkpoint, or
+late for an earlier stage) takes the source's anchors, base and momentum before the exchange and
+is left out of the mix, adopting the group's result. A group with one unit present (its partner
+lost) is the identity: the proposal is the new global state, the base stays.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_islands.codecs import Codec
+from lightning_islands.codecs.buffers import Buffers
+from lightning_islands.engine import outer
+from lightning_islands.engine.butterfly import Butterfly
+from lightning_islands.engine.exchange import LINK_TOTALS
+from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.merging import MergePlan
+from lightning_islands.engine.state import OuterState
+from lightning_islands.engine.stats import RoundStats, _diff_sq
+from lightning_islands.link.protocol import Link
+
+if TYPE_CHECKING:
+    from lightning_islands.engine.lifecycle import IslandEngineBase
+
+log = logging.getLogger(__name__)
+
+
+def stage_of(butterfly: Butterfly, round_: int, fragments: int) -> int:
+    """The stage of round ``round_`` (fragments take turns, so a fragment's own count is ``round_ // F``)."""
+    return butterfly.stage_of(round_ // fragments)
+
+
+def present_group(butterfly: Butterfly, headers: Sequence[RoundHeader], island: int, stage: int) -> list[int]:
+    """The islands of ``island``'s group at ``stage`` present in the round (``headers``), in island order."""
+    return sorted(i for unit in butterfly.group(island, stage) for i in unit
+                  if i < len(headers) and not headers[i].absent)
+
+
+def agreement(butterfly: Butterfly, headers: Sequence[RoundHeader], stage: int) -> tuple[list[int], dict[int, int]]:
+    """The islands whose state summary agrees with their group's source (module docstring), and for
+    every island whose does not, its source. Every island derives the same from the same headers."""
+    agree: list[int] = []
+    repairs: dict[int, int] = {}
+    for island in range(min(butterfly.num_islands, len(headers))):
+        group = present_group(butterfly, headers, island, stage)
+        if not group or group[0] != island:  # each group once, at its lowest present island
+            continue
+        votes: dict[object, list[int]] = {}
+        for i in group:
+            if headers[i].votes:
+                votes.setdefault(headers[i].state, []).append(i)
+        source = max(votes.values(), key=lambda g: (len(g), -g[0]))[0] if votes else group[0]
+        for i in group:
+            if headers[i].state == headers[source].state:
+                agree.append(i)
+            else:
+                repairs[i] = source
+    return sorted(agree), repairs
+
+
+def proposal(optimizer: outer.OuterSGD, anchors: Sequence[Tensor],
+             deltas: Sequence[Tensor]) -> tuple[outer.OuterSGD, list[Tensor]]:
+    """This island's outer step on its own pseudo-gradients, taken on copies: the stepped optimizer
+    (its momentum) and the proposal; the state itself changes only when the round counts."""
+    stepped = copy.copy(optimizer)
+    stepped.buffers = [None if b is None else b.clone() for b in optimizer.buffers]
+    params = [a.clone() for a in anchors]
+    stepped.step(params, deltas)
+    return stepped, params
+
+
+class MixExchange:
+    """The leader's side of one butterfly round, :meth:`run` once per chunk (as
+    :class:`~lightning_islands.engine.exchange.ChunkExchange` is for the all-reduce).
+
+    Args:
+        codec: the wire format.
+        link: the other islands.
+        island: this island's index.
+        group: the islands of its group present in the round, in island order.
+        members: those of them whose proposals are mixed (this island may be left out: it then
+            sends nothing and adopts the mix).
+        weights: every island's merge weight, in island order.
+        delta_sq: this island's pseudo-gradient's squared norm (metrics).
+        keep_residual: whether to return what the codec dropped (error feedback).
+    """
+
+    def __init__(self, codec: Codec, link: Link, island: int, group: Sequence[int], members: Sequence[int],
+                 weights: Sequence[float], delta_sq: float, keep_residual: bool) -> None:
+        self.codec, self.link, self.island = codec, link, island
+        self.peers = [i for i in group if i != island]
+        self.members, self.weights = list(members), [float(weights[i]) for i in members]
+        self.stats = RoundStats(len(self.members), delta_sq)
+        self.keep_residual = keep_residual
+        self.link_sums = dict.fromkeys(LINK_TOTALS, 0.0)
+        self.spread_sq = dict.fromkeys(self.peers, 0.0)  # squared distance to each partner's proposal
+        self.stage, self.anchor_sq = 0, 0.0  # for the metrics
+        self.scratch = Buffers()
+
+    def run(self, part: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        """Quantize this chunk of what the island sends (its proposal's distance from the base, plus
+        the decayed residual), swap it with the group, mix the members' in island order. Returns the
+        mixed distance from the base and, with error feedback, what quantization dropped: both in
+        the scratch buffers, valid until the next chunk."""
+        scratch, codec = self.scratch, self.codec
+        m, dev = part.numel(), part.device
+        residual = scratch.take("residual", m, device=dev) if self.keep_residual else None
+        mine = self.island in self.members
+        if mine:
+            payload = codec.encode(part, out=scratch.take("payload", codec.nbytes(m), torch.uint8, dev),
+                                   scratch=scratch)
+            own = codec.decode(payload, out=scratch.take("own", m, device=dev), scratch=scratch)
+            if residual is not None:
+                torch.sub(part, own, out=residual)
+        else:  # left out (repaired, or a non-finite pseudo-gradient): it adopts the group's mix
+            payload, own = torch.empty(0, dtype=torch.uint8, device=dev), part
+            if residual is not None:
+                residual.zero_()
+        got = self.link.swap_bytes(payload, self.peers, limit=codec.nbytes(m)) if self.peers else {}
+        moved = self.link.take_stats()
+        for key in LINK_TOTALS:
+            self.link_sums[key] += getattr(moved, key)
+        decoded = [own if i == self.island else
+                   codec.decode(got[i].to(dev), out=scratch.take(f"decoded{i}", m, device=dev), scratch=scratch)
+                   for i in self.members]
+        if not decoded:  # no island of the group can be mixed: each keeps its state (PendingMix.land)
+            merged = torch.zeros_like(part)
+        elif len(decoded) == 1:
+            merged = torch.clone(decoded[0])
+        else:
+            merged = outer.merge(decoded, self.weights, out=scratch.take("merged", m, device=dev),
+                                 scratch=scratch.take("term", m, device=dev))
+        if mine:
+            for i, d in zip(self.members, decoded):
+                if i != self.island:
+                    self.spread_sq[i] += _diff_sq(d, own)
+        self.stats.add(part, own, payload.numel(), decoded, merged)
+        return merged, residual
+
+    def metrics(self, chunks: int, num_islands: int, error_feedback: bool) -> dict[str, float]:
+        """The round's metrics, once every chunk moved (``chunks``): the all-reduce's, and the stage,
+        the group's size and ``islands/spread``: the largest distance between this island's proposal
+        and a partner's before the mix, relative to the norm of its global model (:attr:`anchor_sq`)."""
+        metrics = self.stats.metrics(error_feedback=error_feedback)
+        anchor_sq, stage = self.anchor_sq, self.stage
+        metrics.update({f"islands/{key}": value for key, value in self.link_sums.items()})
+        spread = math.sqrt(max(self.spread_sq.values(), default=0.0))
+        metrics.update({"islands/exchange_chunks": float(chunks), "islands/butterfly_stage": float(stage),
+                        "islands/group_size": float(len(self.peers) + 1), "islands/mixed": float(len(self.members)),
+                        "islands/spread": spread / math.sqrt(anchor_sq) if anchor_sq > 0 else 0.0,
+                        "islands/islands_present": float(len(self.link.present)),
+                        "islands/islands_left_out": float(len(self.peers) + 1 - len(self.members)),
+                        "islands/cosine": self.stats.cosine()})
+        return metrics
+
+    def take(self, name: str, numel: int, device: torch.device) -> Tensor:
+        """A chunk-sized fp32 scratch tensor (the gathered chunk), reused by every chunk."""
+        return self.scratch.take(name, numel, device=device)
+
+    def release(self) -> None:
+        """Drop the scratch buffers (after the last chunk)."""
+        self.scratch.clear()
+
+
+@dataclass
+class PendingMix:
+    """One butterfly round of one rank, from :meth:`start` (the proposal) to :meth:`land`."""
+
+    butterfly: Butterfly
+    stage: int
+    fragment: int
+    stepped: outer.OuterSGD  # the island's outer optimizer after its own step (committed when it is mixed)
+    anchor_sq: float = 0.0  # the squared norm of the island's global model of the fragment (the spread's scale)
+    group: list[int] = field(default_factory=list)  # the group's islands present, in island order
+    members: list[int] = field(default_factory=list)  # those mixed
+
+    @classmethod
+    def start(cls, butterfly: Butterfly, state: OuterState, fragment: int, round_: int, fragments: int,
+              deltas: Sequence[Tensor]) -> tuple[PendingMix, list[Tensor]]:
+        """The island's own outer step (on copies) and what it sends: the proposal minus the stage's base."""
+        stage = stage_of(butterfly, round_, fragments)
+        idx = state.indices(fragment)
+        stepped, params = proposal(state.optimizers[fragment], [state.anchors[i] for i in idx], deltas)
+        base = [state.bases[stage][i] for i in idx]
+        return cls(butterfly, stage, fragment, stepped), [p.sub_(b.to(p.device)) for p, b in zip(params, base)]
+
+    def meet(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], plan: MergePlan) -> int:
+        """Every rank, once the headers are known: the group and its members, and the repair of the
+        islands whose base differs from their group's source (before the exchange: a repaired island
+        is left out of the mix and adopts it). Returns how many islands were repaired."""
+        _, repairs = agreement(self.butterfly, headers, self.stage)
+        self.group = present_group(self.butterfly, headers, engine.island, self.stage)
+        self.members = [i for i in self.group if i in plan.members and i not in repairs]
+        if repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
+            repair(engine, self, headers, repairs)
+        return len(repairs)
+
+    def exchange(self, codec: Codec, link: Link | None, island: int, plan: MergePlan, delta_sq: float,
+                 keep_residual: bool) -> MixExchange:
+        """The leader's exchange of the round."""
+        assert link is not None, "the butterfly runs with other islands"
+        exchange = MixExchange(codec, link, island, self.group, self.members, plan.weights, delta_sq, keep_residual)
+        exchange.stage, exchange.anchor_sq = self.stage, self.anchor_sq
+        return exchange
+
+    def land(self, state: OuterState, mixed: Sequence[Tensor], island: int) -> outer.OuterSGD:
+        """The group's new global state ``base + mixed`` becomes the island's anchors (and, when
+        another unit of the group was there, the stage's base); a mixed island keeps its stepped
+        outer momentum, a left-out one its old. Returns the fragment's optimizer."""
+        idx, base = state.indices(self.fragment), state.bases[self.stage]
+        if self.members:
+            partnered = {self.butterfly.unit_of(i) for i in self.group} != {self.butterfly.unit_of(island)}
+            for g, i in zip(mixed, idx):
+                torch.add(base[i], g.to(base[i].device), out=state.anchors[i])
+                if partnered:
+                    base[i].copy_(state.anchors[i])
+        if island in self.members:
+            state.optimizers[self.fragment] = self.stepped
+        else:  # the step counts (the stages and the state check stay in step); the momentum is not its
+            state.optimizers[self.fragment].steps += 1
+        return state.optimizers[self.fragment]
+
+
+def repair(engine: IslandEngineBase, mix: PendingMix, headers: Sequence[RoundHeader], repairs: dict[int, int]) -> None:
+    """Each source sends the islands it repairs its anchors, base and (if any) momentum of the
+    fragment; they take them and the source's outer step count (every rank; a collective of the island)."""
+    island, state, f = engine.island, engine.state, mix.fragment
+    layout, idx, opt = engine.fragment_layouts[f], state.indices(f), state.optimizers[f]
+    repaired = [bad for bad, src in repairs.items() if src == island]
+    peers = repaired or ([repairs[island]] if island in repairs else [])
+    payload: Tensor | None = None
+    if repaired:
+        parts = [[state.anchors[i] for i in idx], [state.bases[mix.stage][i] for i in idx]]
+        parts += [list(opt.buffers)] if opt.buffers and all(b is not None for b in opt.buffers) else []
+        flats = [layout.gather_to_leader(p, engine.device) for p in parts]
+        payload = None if flats[0] is None else torch.cat([t.cpu() for t in flats]).view(torch.uint8)  # type: ignore
+    empty = torch.empty(0, dtype=torch.uint8)
+    box: dict[int, Tensor] = {}
+
+    def swap(link: Link) -> int:
+        got = link.swap_bytes(payload if payload is not None else empty, peers, limit=12 * layout.numel)
+        if island in repairs:
+            box[0] = got[repairs[island]].view(torch.float32)
+        return int(box[0].numel()) if box else 0
+
+    count = engine.side.agree(lambda: swap(engine.link))  # type: ignore[arg-type]
+    if island not in repairs:
+        return
+    n, flat = layout.numel, box.get(0)
+    if count not in (2 * n, 3 * n):
+        raise RuntimeError(f"island {repairs[island]} sent {count} values to repair island {island}'s fragment {f} "
+                           f"of {n}; run the same version and model on every island")
+    got = [layout.scatter_from_leader(None if flat is None else flat[k * n : (k + 1) * n], engine.device)
+           for k in range(count // n)]
+    with torch.no_grad():
+        for k, i in enumerate(idx):
+            state.anchors[i].copy_(got[0][k])
+            state.bases[mix.stage][i].copy_(got[1][k])
+    opt.buffers = [t.to(state.anchors[i].device) for t, i in zip(got[2], idx)] if count == 3 * n else []
+    summary = headers[repairs[island]].state
+    steps = summary.outer_steps if summary is not None else opt.steps
+    opt.steps = steps if isinstance(steps, int) else steps[f]
+    if engine.is_leader:
+        log.warning("islands: island %d's base of stage %d differs from island %d's before round %d; taking island "
+                    "%d's global state", island, mix.stage, repairs[island], headers[island].round, repairs[island])

@@ -1,0 +1,193 @@
+"""The butterfly topology in the round: islands and ranks as threads (the engine harness of test_engine).
+
+The invariant the butterfly keeps instead of "identical everywhere after every round"
+(lightning_islands.engine.mixing): the islands of a stage's group leave it bit-identical, every
+stage mixes the group's proposals with their token weights (checked against DiLoCo's outer step
+per island and the weighted mix in float64), each island receives only its partners' payloads, and
+an island whose base differs from its partner's takes the partner's state and ends the stage equal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from doubles import ThreadGroup, ThreadIsland
+from test_engine import INNER_LR, SPECS, Plan, initial_flat, leaders, run, target
+
+from lightning_islands.engine import CanonicalLayout, IslandSettings
+from lightning_islands.engine.butterfly import Butterfly
+from lightning_islands.engine.fragments import split_fragments
+
+BUTTERFLY = {"topology": "butterfly"}
+
+
+def butterfly_reference(plan: Plan) -> tuple[list[list[torch.Tensor]], list[float]]:
+    """Each island's global state after each round, in float64: its own outer step (Nesterov, its own
+    momentum) on its own pseudo-gradient, then the weighted mix of its group's proposals; and island
+    0's spread each round (the largest distance from its proposal to a partner's, over its global
+    model's norm before the round)."""
+    s = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **plan.settings}
+    n, h, mu, lr = len(plan.sizes), s["sync_every"], s["outer_momentum"], s["outer_lr"]
+    bf = Butterfly(n)
+    glob = [initial_flat(0).double() for _ in range(n)]
+    bufs: list[torch.Tensor | None] = [None] * n
+    out, spreads, step = [], [], 0
+    for r in range(plan.rounds):
+        props, weights = [], []
+        for i in range(n):
+            local = glob[i].clone()
+            for k in range(h):
+                local = local - INNER_LR * (local - target(i, step + k).double())
+            delta = glob[i] - local
+            bufs[i] = delta.clone() if bufs[i] is None else mu * bufs[i] + delta
+            props.append(glob[i] - lr * (delta + mu * bufs[i]))
+            weights.append(plan.sizes[i] * plan.tokens[i] * h)
+        stage = bf.stage_of(r)
+        spreads.append(max(float((props[j] - props[0]).norm()) for j in bf.peers(0, stage)) / float(glob[0].norm()))
+        for i in range(n):
+            group = [j for unit in bf.group(i, stage) for j in unit]
+            glob[i] = sum(weights[j] * props[j] for j in group) / sum(weights[j] for j in group)
+        step += h
+        out.append([g.float() for g in glob])
+    return out, spreads
+
+
+def pairs(bf: Butterfly, stage: int) -> list[list[int]]:
+    groups = {tuple(sorted(j for unit in bf.group(i, stage) for j in unit)) for i in range(bf.num_islands)}
+    return [list(g) for g in sorted(groups)]
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 1, 3], [2, 1, 3]])
+def test_each_stage_leaves_its_group_identical_and_matches_the_float64_mix(sizes):
+    plan = Plan(sizes=sizes, tokens=[8, 3, 5, 2][: len(sizes)], rounds=4, settings=BUTTERFLY)
+    results = leaders(run(plan))
+    bf = Butterfly(len(sizes))
+    want, spreads = butterfly_reference(plan)
+    for r in range(plan.rounds):
+        for group in pairs(bf, bf.stage_of(r)):
+            first = results[group[0]]["rounds"][r]
+            for i in group[1:]:
+                assert torch.equal(results[i]["rounds"][r], first), f"round {r}: islands {group} differ"
+        for i in range(len(sizes)):
+            torch.testing.assert_close(results[i]["rounds"][r], want[r][i], rtol=1e-5, atol=1e-5)
+        assert results[0]["metrics"][r]["islands/spread"] == pytest.approx(spreads[r], rel=1e-4)
+    if len(sizes) == 4:  # islands 0 and 3 never share a group: their states differ, the mix still pulls them
+        assert not torch.equal(results[0]["rounds"][-1], results[3]["rounds"][-1])
+        m = results[0]["metrics"][-1]
+        assert m["islands/group_size"] == 2 and m["islands/butterfly_stage"] == 1
+        # one payload in, one out: the partner's, not N - 1 of them
+        assert m["islands/bytes_received"] == m["islands/payload_bytes"] == m["islands/bytes_sent"]
+
+
+def test_quantized_butterfly_rounds_keep_groups_identical_across_shardings():
+    plan = Plan(sizes=[2, 3, 1, 2], tokens=[4, 4, 4, 4], rounds=4,
+                settings={**BUTTERFLY, "codec": "int4", "error_feedback": True})
+    results = leaders(run(plan))
+    bf = Butterfly(4)
+    for r in range(plan.rounds):
+        for group in pairs(bf, bf.stage_of(r)):
+            assert all(torch.equal(results[i]["rounds"][r], results[group[0]]["rounds"][r]) for i in group)
+    assert all(m["islands/residual_norm"] > 0 for m in results[1]["metrics"])
+
+
+def fragment_positions(fragment: int, fragments: int) -> torch.Tensor:
+    """The flat canonical positions of ``fragment``'s parameters."""
+    layout = CanonicalLayout(SPECS)
+    idx = split_fragments([e.name for e in layout.entries], [e.numel for e in layout.entries], fragments,
+                          "sequential")[fragment]
+    return torch.cat([torch.arange(layout.entries[i].offset, layout.entries[i].offset + layout.entries[i].numel)
+                      for i in idx])
+
+
+def test_with_fragments_the_stage_follows_each_fragments_own_rounds():
+    plan = Plan(sizes=[1, 1, 1, 1], tokens=[4, 4, 4, 4], rounds=8,
+                settings={**BUTTERFLY, "fragments": 2, "sync_every": 4, "fragment_layout": "sequential"})
+    results = leaders(run(plan))
+    bf = Butterfly(4)
+    for r in range(plan.rounds):
+        stage, pos = bf.stage_of(r // 2), fragment_positions(r % 2, 2)
+        assert results[0]["metrics"][r]["islands/butterfly_stage"] == stage
+        for group in pairs(bf, stage):
+            for i in group:
+                assert torch.equal(results[i]["rounds"][r][pos], results[group[0]]["rounds"][r][pos]), (r, group)
+        other = [g for g in pairs(bf, stage) if 0 not in g][0][0]
+        assert not torch.equal(results[0]["rounds"][r][pos], results[other]["rounds"][r][pos])
+
+
+def test_an_island_whose_base_differs_takes_its_partners_state():
+    plan = Plan(sizes=[1, 2, 1, 1], tokens=[4, 4, 4, 4], rounds=2, settings=BUTTERFLY)
+    first = run(plan)
+    saved = {key: copy.deepcopy(res) for key, res in first.items()}
+    for rank in range(2):  # island 1 restarts from a damaged base of stage 0 (every rank's shards)
+        saved[1, rank]["state"]["base0"] = [b + 1e-3 for b in saved[1, rank]["state"]["base0"]]
+    plan.rounds = 3  # round 2 is stage 0 again: islands 0 and 1 meet
+    everyone = run(plan, resume=saved)
+    results = leaders(everyone)
+    m0, m1 = results[0]["metrics"][-1], results[1]["metrics"][-1]
+    assert m0["islands/islands_repaired"] == m1["islands/islands_repaired"] == 1
+    assert m0["islands/mixed"] == 1 and m0["islands/group_size"] == 2
+    assert torch.equal(results[0]["rounds"][-1], results[1]["rounds"][-1]), "the repaired island ends equal"
+    assert results[2]["metrics"][-1]["islands/islands_repaired"] == 1, "the round's count, on every island"
+    assert torch.equal(results[2]["rounds"][-1], results[3]["rounds"][-1])
+    # island 1 took island 0's momentum from before the round (island 0's own step then moved its own)
+    before = torch.cat([m.reshape(-1) for m in saved[0, 0]["state"]["momentum"]])
+    for rank in range(2):
+        layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(2), rank))
+        got = everyone[1, rank]["state"]["momentum"]
+        assert all(torch.equal(got[i], layout.shard_of(before, i)) for i in range(len(SPECS)))
+
+
+@pytest.mark.parametrize("bad", [{"overlap_steps": 1}, {"expert_weighting": True}, {"topology": "ring"}])
+def test_unsupported_butterfly_settings_are_refused_with_the_fix(bad):
+    with pytest.raises(ValueError, match="topology"):
+        IslandSettings(**{**BUTTERFLY, **bad})
+
+
+def test_four_islands_over_the_real_authenticated_link_give_the_in_memory_bits():
+    """The butterfly's pairwise swaps over the coordinator and gloo lanes (threads of this process),
+    every payload under a MAC that binds its sender and group: the same states as in memory."""
+    from doubles import run_threads
+    from test_engine import inner_steps
+
+    from lightning_islands.engine import IslandEngine
+    from lightning_islands.link.auth import AuthenticatedLink
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
+
+    plan = Plan(sizes=[1, 1, 1, 1], tokens=[4, 6, 3, 5], rounds=3,
+                settings={**BUTTERFLY, "codec": "int4", "error_feedback": True})
+    coordinator = Coordinator()
+    links = [AuthenticatedLink(IslandLink(coordinator.address, i, 4, run_id="bfly", lanes=2), b"k" * 32, "bfly")
+             for i in range(4)]
+
+    def island(i: int) -> list[torch.Tensor]:
+        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
+        layout = CanonicalLayout(SPECS)
+        engine = IslandEngine(settings, layout, i, 4, torch.device("cpu"), torch.device("cpu"))
+        locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
+        engine.meet(lambda: links[i], settings.fingerprint(layout, False, "cpu"))
+        engine.adopt_initial_state(locals_, {})
+        out = []
+        for _ in range(plan.rounds):
+            inner_steps(engine, locals_, i, plan.tokens[i])
+            engine.run_round(locals_)
+            out.append(engine.global_flat().clone())
+        return out
+
+    over_tcp = run_threads([lambda i=i: island(i) for i in range(4)])
+    for link in links:
+        link.close()
+    in_memory = [res["rounds"] for res in leaders(run(plan))]
+    for i in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(over_tcp[i], in_memory[i])), f"island {i}"
+
+
+def test_an_island_cannot_join_a_butterfly_run_under_way():
+    from lightning_islands.engine import IslandEngine
+
+    settings = IslandSettings(**BUTTERFLY)
+    engine = IslandEngine(settings, CanonicalLayout(SPECS), 4, 5, torch.device("cpu"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="cannot join a run under way with topology=butterfly"):
+        engine.meet(lambda: None, {}, joining=True)  # type: ignore[arg-type,return-value]
