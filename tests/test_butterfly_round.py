@@ -191,3 +191,16 @@ def test_an_island_cannot_join_a_butterfly_run_under_way():
     engine = IslandEngine(settings, CanonicalLayout(SPECS), 4, 5, torch.device("cpu"), torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot join a run under way with topology=butterfly"):
         engine.meet(lambda: None, {}, joining=True)  # type: ignore[arg-type,return-value]
+
+
+def test_a_nan_island_is_left_out_of_its_pair_and_adopts_its_partners_proposal():
+    from test_streaming import run as run_steps
+
+    steps = 12  # rounds end at steps 3, 7, 11 (H=4); island 1 breaks in the second round (stage 1: 1 with 3)
+    islands = run_steps([1, 1, 1, 1], BUTTERFLY, steps, poison=(1, 5, float("nan")))
+    assert [m["islands/islands_left_out"] for m in islands[3]["metrics"]] == [0.0, 1.0, 0.0]
+    assert [m["islands/mixed"] for m in islands[1]["metrics"]] == [2.0, 1.0, 2.0]
+    assert [m["islands/islands_left_out"] for m in islands[0]["metrics"]] == [0.0, 0.0, 0.0]
+    assert torch.equal(islands[1]["globals"][1], islands[3]["globals"][1]), "the pair still ends the stage equal"
+    assert all(torch.isfinite(g).all() for island in islands for g in island["globals"])
+    assert all(torch.isfinite(t).all() for t in islands[1]["locals"])

@@ -943,3 +943,41 @@ def test_islands_that_fall_in_either_phase_are_given_up_and_the_survivors_finish
     stall = max(b - a for a, b in zip(times, times[1:]))
     print(f"{kind}, 4 islands: island 0's longest stall between rounds {stall:.1f} s (grace {grace:g} s)")
     assert stall < grace + 10.0 < deadline, f"island 0 stalled {stall:.1f} s between rounds (grace {grace:g} s)"
+
+
+def test_a_stopped_island_in_a_butterfly_leaves_its_partners_mixing_alone(tmp_path):
+    """Four butterfly islands; island 1 is stopped (SIGSTOP: alive, silent) in its inner steps of round
+    2. Its partners (island 3 at stage 1, island 0 at stage 0) treat their stage as the identity
+    within the grace window and every other island finishes every round, pairs still bit-identical."""
+    out, grace = tmp_path / "bfly", 3.0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1,1,1", "--live", "off", "--",
+         sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out), "--steps", "16", "--H", "4",
+         "--batch-sizes", "4,8,6,5", "--grace-s", str(grace), "--deadline-s", "120", "--topology", "butterfly",
+         "--codec", "int4", "--fault", "1:inner:6:STOP"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        until = time.monotonic() + 300
+        while not all((out / f"island{i}_done").exists() for i in (0, 2, 3)) and proc.poll() is None:
+            assert time.monotonic() < until, "the survivors did not finish"
+            time.sleep(0.2)
+        pid = int((out / "pid_island1").read_text())
+        assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0] == "T", "island 1 is stopped"
+        kill_island_process(pid)
+        text = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopping island 1" in text, text[-4000:]
+    rounds = {i: load_rounds(out, i) for i in (0, 2, 3)}
+    assert all(sorted(r) == [1, 2, 3, 4] for r in rounds.values()), text[-4000:]
+    def same(a: int, b: int, r: int) -> bool:  # the global models (each island's momentum is its own)
+        return all(torch.equal(t, rounds[b][r]["params"][n]) for n, t in rounds[a][r]["params"].items())
+
+    for r in (2, 4):  # stage 1: islands 0 and 2 together, island 3 without its partner
+        assert same(0, 2, r) and not same(2, 3, r), f"round {r}"
+        assert rounds[3][r]["metrics"]["islands/group_size"] == 1.0
+    assert same(2, 3, 3) and not same(0, 2, 3)  # stage 0: islands 2 and 3; island 0 alone
+    assert rounds[0][3]["metrics"]["islands/group_size"] == 1.0
+    times = sorted(p.stat().st_mtime for p in out.glob("island0_round*.pt"))
+    assert max(b - a for a, b in zip(times, times[1:])) < grace + 10.0
