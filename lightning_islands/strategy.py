@@ -236,7 +236,7 @@ class IslandStrategy(FSDP2Strategy):
 
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
-                          grace_s=grace_s, secret=self._secret, join=self.join)
+                          grace_s=grace_s, secret=self._secret, join=self.join, wait_for_slow=not s.max_staleness)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     def _adopt_run_settings(self) -> IslandSettings:

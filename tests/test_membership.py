@@ -23,7 +23,7 @@ from lightning_islands.link import liveness
 from lightning_islands.link.coordinator import Coordinator
 from lightning_islands.link.island_link import IslandLink
 from lightning_islands.link.membership import Decision, Membership
-from lightning_islands.link.protocol import QuorumLost
+from lightning_islands.link.protocol import LateForRound, QuorumLost
 
 GRACE = 1.0
 
@@ -117,6 +117,42 @@ def test_a_silent_island_is_left_out_after_the_grace_window_and_the_quorum_holds
     strict = Membership(store, "q2", 0, 2, 2, GRACE, None, lambda i: None)
     with pytest.raises(QuorumLost, match=r"fewer than min_islands=2.*islands.min_islands"):
         strict.decide(0, {"i": 0})
+
+
+def test_without_waiting_for_slow_islands_a_majority_goes_on_after_the_grace_window():
+    """max_staleness: islands 1 and 2 beat (alive, still training). Island 0 alone is no majority of
+    the three and keeps waiting past the grace window; once island 1 arrives the two go on without
+    island 2 after the window, and island 2, arriving later, is late for that round."""
+    coordinator = Coordinator()
+    store = coordinator.store
+    ms = [Membership(store, "slow", i, 3, 1, GRACE, None, lambda i: None) for i in range(3)]
+    for m in ms:
+        m.wait_for_slow = False
+    beating = threading.Event()
+
+    def beat() -> None:  # islands 1 and 2 make progress
+        k = 0
+        while not beating.is_set():
+            k += 1
+            for i in (1, 2):
+                store.set(ms[0].alive_key(i), f"0:{k}")
+            time.sleep(0.1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    got: dict[int, Any] = {}
+    first = threading.Thread(target=lambda: got.setdefault(0, ms[0].decide(0, {"i": 0})))
+    first.start()
+    first.join(timeout=3 * GRACE)
+    assert first.is_alive(), "one island of three alive is no majority: it waits"
+    t0 = time.monotonic()
+    decision, headers = ms[1].decide(0, {"i": 1})
+    first.join(timeout=30)
+    assert decision.present == (0, 1) and headers == [{"i": 0}, {"i": 1}, None]
+    assert got[0][0] == decision
+    assert time.monotonic() - t0 < GRACE + 5.0
+    with pytest.raises(LateForRound, match="round 0 was decided without island 2"):
+        ms[2].decide(0, {"i": 2})
+    beating.set()
 
 
 def test_a_failed_attempt_counts_for_no_island():

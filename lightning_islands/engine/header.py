@@ -55,7 +55,10 @@ class RoundHeader:
     parameter of the fragment (``None`` without expert weighting); ``stop``: it ends training with
     this round; ``norm``: its pseudo-gradient's norm (``None`` when not finite); ``state``: its
     global state's summary (``None`` for a lone island); ``joining``: it is (re)joining, so its
-    state is whatever it restarted with (repaired, not merged); ``absent``: it is not in the round.
+    state is whatever it restarted with (repaired, not merged, unless it is a recent global state:
+    ``max_staleness``); ``absent``: it is not in the round; ``recent``: with ``max_staleness``, the
+    checksums of the fragment's global state this island held at its last outer step counts
+    (steps -> checksum), by which the others tell a late island's state from a drifted one.
     """
 
     round: int
@@ -70,6 +73,7 @@ class RoundHeader:
     state: StateSummary | None = None
     joining: bool = False
     absent: bool = False
+    recent: dict[int, int] | None = None
 
     @classmethod
     def absent_from(cls, round_: int, stop: bool = False) -> RoundHeader:
@@ -87,7 +91,8 @@ class RoundHeader:
                 "tokens": self.tokens, "steps": self.steps, "step_seconds": self.step_seconds,
                 "experts": self.experts, "stop": self.stop, "norm": self.norm,
                 "state": None if self.state is None else self.state.to_wire(), "joining": self.joining,
-                "absent": self.absent}
+                "absent": self.absent, **({"recent": {str(k): v for k, v in self.recent.items()}} if self.recent
+                                          else {})}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any] | None, round_: int, island: int) -> RoundHeader:
@@ -106,7 +111,7 @@ class RoundHeader:
                        None if experts is None else {k: [float(c) for c in v] for k, v in experts.items()},
                        bool(d["stop"]), None if d["norm"] is None else float(d["norm"]),
                        None if d["state"] is None else StateSummary.from_wire(d["state"]), bool(d["joining"]),
-                       bool(d["absent"]))
+                       bool(d["absent"]), {int(k): int(v) for k, v in d["recent"].items()} if d.get("recent") else None)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise HeaderError(f"island {island}'s round {round_} header is malformed ({type(err).__name__}: {err}); "
                               "run the same lightning_islands version on every island") from err

@@ -72,6 +72,8 @@ class IslandEngineBase:
         self.joining = False  # (re)joining: the next round replaces this island's global state
         self._step_seconds = 0.0  # the last round's seconds per inner step (the default grace window)
         self._state_exchanges = 0
+        # max_staleness: the checksum of each fragment's global state at its last outer step counts
+        self.recent_states: dict[int, dict[int, int]] = {}
 
     @property
     def link(self) -> Link | None:
@@ -131,7 +133,9 @@ class IslandEngineBase:
         if self.num_islands == 1:
             return [] if more else [self.island]
         digest = self.global_state_digest() if self.butterfly is None else None
-        return rendezvous.agree_on_start(self.side, digest, self.schedule.round, more)
+        steps = self.state.steps()
+        return rendezvous.agree_on_start(self.side, digest, self.schedule.round, more,
+                                         steps if isinstance(steps, int) else sum(steps), self.settings.max_staleness)
 
     def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
         """Act on the start agreement (:func:`rendezvous.settle_start`)."""
@@ -190,6 +194,7 @@ class IslandEngineBase:
                 "recent_rounds": list(self.recent_rounds),
                 "has_momentum": state["momentum"] is not None, "has_residual": state["residual"] is not None,
                 "stages": len(self.state.bases),
+                "recent_states": {str(f): {str(k): v for k, v in r.items()} for f, r in self.recent_states.items()},
                 "island": self.island, "num_islands": self.num_islands, "fingerprint": self.fingerprint(resuming)}
 
     def save_checkpoint(self, path: Path, params: Sequence[Tensor]) -> None:
@@ -220,6 +225,8 @@ class IslandEngineBase:
         self.schedule.load_state_dict(meta)
         self.round_tokens = int(meta["round_tokens"]) if self.is_leader else 0
         self.recent_rounds = list(meta.get("recent_rounds", []))
+        self.recent_states = {int(f): {int(k): int(v) for k, v in r.items()}
+                              for f, r in meta.get("recent_states", {}).items()}
         self.totals = dict(meta["totals"])
 
     # ------------------------------------------------------------------ the round's inputs

@@ -64,7 +64,8 @@ class RoundMeeting:
         if self.butterfly is not None:
             stage = mixing.stage_of(self.butterfly, headers[self.island.index].round, s.fragments)
             agreeing = mixing.agreement(self.butterfly, headers, stage)[0]
-        return MergePlan.of(headers, s.weighting, s.exclude_norm_ratio, self.layout, agreeing)
+        return MergePlan.of(headers, s.weighting, s.exclude_norm_ratio, self.layout, agreeing, s.max_staleness,
+                            s.staleness_decay)
 
     def exchange(self, plan: MergePlan, layout: CanonicalLayout, delta_sq: float, keep_residual: bool) -> ChunkExchange:
         """The leader's exchange of a round with ``plan``, over the fragment laid out by ``layout``."""

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from lightning_islands.engine import health, outer
-from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.header import RoundHeader, StateSummary
 from lightning_islands.engine.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,31 @@ def members(headers: Sequence[RoundHeader], exclude_norm_ratio: float | None,
     return outer.merge_members([h.norm if i in agree else None for i, h in enumerate(headers)], exclude_norm_ratio)
 
 
+def _steps(summary: StateSummary) -> int:
+    """The outer step count of the summary's fragment."""
+    steps = summary.outer_steps
+    return steps if isinstance(steps, int) else steps[summary.fragment]
+
+
+def stale_islands(headers: Sequence[RoundHeader], agreeing: Sequence[int], max_staleness: int) -> dict[int, int]:
+    """The islands outside ``agreeing`` whose global state of the round's fragment is the one the
+    first agreeing island held 1 to ``max_staleness`` outer steps ago (its header's ``recent``
+    checksums): late, not drifted. Each with its age in rounds of the fragment."""
+    if not max_staleness or not agreeing:
+        return {}
+    src = headers[agreeing[0]]
+    if src.state is None or not src.recent:
+        return {}
+    now, found = _steps(src.state), {}
+    for i, h in enumerate(headers):
+        if i in agreeing or h.absent or h.state is None:
+            continue
+        age = now - _steps(h.state)
+        if 1 <= age <= max_staleness and src.recent.get(_steps(h.state)) == h.state.anchors:
+            found[i] = age
+    return found
+
+
 @dataclass(frozen=True)
 class MergePlan:
     """A round's merge: its ``headers`` (island order), the ``members`` merged, every island's
@@ -41,6 +66,7 @@ class MergePlan:
     weights: list[float]
     coefs: dict[str, list[Tensor]]
     agreeing: tuple[int, ...] = ()  # the islands that hold the state they must (the rest are repaired)
+    stale: dict[int, int] = field(default_factory=dict)  # max_staleness: late islands merged, and their age
 
     @property
     def stepped(self) -> bool:
@@ -54,11 +80,15 @@ class MergePlan:
 
     @classmethod
     def of(cls, headers: Sequence[RoundHeader], weighting: str, exclude_norm_ratio: float | None,
-           layout: CanonicalLayout, agreeing: Sequence[int] | None = None) -> MergePlan:
-        """The plan every island derives from ``headers`` (``agreeing``: as :func:`members`); an
-        error naming the cause and the fix when no island can be merged."""
+           layout: CanonicalLayout, agreeing: Sequence[int] | None = None, max_staleness: int = 0,
+           staleness_decay: float = 1.0) -> MergePlan:
+        """The plan every island derives from ``headers`` (``agreeing``: as :func:`members`; with
+        ``max_staleness``, late islands whose state is a recent global state (:func:`stale_islands`)
+        are merged too, their weight times ``staleness_decay`` per round of age); an error naming
+        the cause and the fix when no island can be merged."""
         agreeing = health.majority(headers) if agreeing is None else agreeing
-        headers, chosen = list(headers), members(headers, exclude_norm_ratio, agreeing)
+        stale = stale_islands(headers, agreeing, max_staleness)
+        headers, chosen = list(headers), members(headers, exclude_norm_ratio, [*agreeing, *stale])
         round_ = headers[0].round
         if not chosen and not agreeing:
             raise RuntimeError(f"round {round_}: every island present is rejoining, so none holds the global state; "
@@ -71,8 +101,17 @@ class MergePlan:
             coefs[name] = outer.expert_coefficients([headers[i].experts[name] for i in chosen])  # type: ignore
             if rows[name] != coefs[name][0].numel():
                 raise ValueError(f"{name} has {rows[name]} rows but {coefs[name][0].numel()} expert counts")
-        weights = [1.0 if weighting == "equal" else float(h.tokens) for h in headers]
-        return cls(headers, chosen, weights, coefs, tuple(agreeing))
+        weights = [(1.0 if weighting == "equal" else float(h.tokens)) * staleness_decay ** stale.get(i, 0)
+                   for i, h in enumerate(headers)]
+        return cls(headers, chosen, weights, coefs, tuple(agreeing), {i: a for i, a in stale.items() if i in chosen})
+
+    def staleness_metrics(self, island: int) -> dict[str, float]:
+        """With ``max_staleness``: the age of this island's pseudo-gradient in the round (0: current;
+        -1: too old, or its state not a recent global one: not merged) and how many late ones the
+        round merged."""
+        h = self.headers[island]
+        age = self.stale.get(island, 0 if island in self.agreeing or h.absent else -1)
+        return {"islands/staleness": float(age), "islands/stale_merged": float(len(self.stale))}
 
     def left_out(self) -> list[int]:
         """Islands present, not joining, holding the state they must, and not merged (a non-finite or

@@ -127,12 +127,20 @@ def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
-def agree_on_start(island: Island, digest: str | None, round_: int, more: bool) -> list[int]:
+def agree_on_start(island: Island, digest: str | None, round_: int, more: bool, steps: int = 0,
+                   max_staleness: int = 0) -> list[int]:
     """The islands' start agreement: every island's global state (``digest``, on the leader) must be
-    the same; returns the islands that have no training steps left (``more=False``)."""
+    the same; returns the islands that have no training steps left (``more=False``). With
+    ``max_staleness`` an island whose outer step count (``steps``) is behind the furthest by at most
+    that many may hold an older state (a late island's, checked against the others' recent states at
+    its first round); the islands at the furthest count must agree."""
 
     def compare(link: Link) -> list[int]:
-        found = link.gather_objects("start", {"digest": digest, "round": round_, "more": more})
+        found = link.gather_objects("start", {"digest": digest, "round": round_, "more": more, "steps": steps})
+        furthest = max(int(d.get("steps", 0)) for d in found)
+        behind = [d for d in found if int(d.get("steps", 0)) < furthest]
+        if max_staleness and all(furthest - int(d["steps"]) <= max_staleness for d in behind):
+            found = [d for d in found if int(d.get("steps", 0)) == furthest]
         if len({d["digest"] for d in found}) != 1:
             raise RuntimeError(
                 f"islands start from different global states (at rounds {[d['round'] for d in found]}); "

@@ -35,7 +35,7 @@ from lightning_islands.engine import flight, health, mixing, outer
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
 from lightning_islands.engine.flight import InFlight
-from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.header import RoundHeader, StateSummary
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.lifecycle import IslandEngineBase
 from lightning_islands.engine.merging import MergePlan
@@ -62,6 +62,7 @@ class PendingRound:
     inner_steps: int = 0  # the island's inner steps when the round started
     blocking: float = 0.0  # seconds the training thread spent on an overlapped round (start and land)
     leave: bool = False  # this island retires from the run with this round (the others go on)
+    late: bool = False  # the round went on without this island
     mix: mixing.PendingMix | None = None  # the butterfly's: the stage, the proposal's optimizer, the group
 
     @property
@@ -140,10 +141,13 @@ class IslandEngine(IslandEngineBase):
         header = self._header(pending, delta_sq, stop)
         if background:
             return self._fly(pending, sent, delta_sq, header)
-        return run_attempts(header.round, lambda k: self._attempt(pending, sent, delta_sq, replace(header, attempt=k),
+        done = run_attempts(header.round, lambda k: self._attempt(pending, sent, delta_sq, replace(header, attempt=k),
                                                                   locals_),
                             lambda why: self._left_behind(pending, why, 0), lambda: self._ended(pending),
                             self.is_leader)
+        if done.late and s.max_staleness:  # taken into the round under way, its work pending (max_staleness)
+            return self._catch_up(locals_, experts, stop, pending)
+        return done
 
     def _header(self, pending: PendingRound, delta_sq: float, stop: bool) -> RoundHeader:
         """This island's header of the round (a collective of the island: the state summary)."""
@@ -154,7 +158,22 @@ class IslandEngine(IslandEngineBase):
             self.state, layout, pending.fragment, None if pending.mix is None else pending.mix.stage)
         return RoundHeader(self.schedule.round, 0, pending.fragment, tokens, self.schedule.round_steps,
                            pending.step_seconds, experts, stop, norm, summary,
-                           joining=self.joining)  # a joiner's state is whatever it restarted with: repaired, not merged
+                           joining=self.joining,  # a joiner's state is whatever it restarted with: repaired
+                           recent=self._remember(summary))
+
+    def _remember(self, summary: StateSummary | None) -> dict[int, int] | None:
+        """With ``max_staleness``: record this island's global state checksum at the fragment's step
+        count (while it holds the global state) and return the last ``max_staleness + 1`` of them."""
+        keep = self.settings.max_staleness
+        if not keep or summary is None:
+            return None
+        steps = summary.outer_steps if isinstance(summary.outer_steps, int) else summary.outer_steps[summary.fragment]
+        recent = self.recent_states.setdefault(summary.fragment, {})
+        if not self.joining:
+            recent[steps] = summary.anchors
+        for old in [k for k in recent if k < steps - keep]:
+            del recent[old]
+        return dict(recent) or None
 
     def _attempt(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: RoundHeader,
                  locals_: Sequence[Tensor]) -> PendingRound:
@@ -167,6 +186,8 @@ class IslandEngine(IslandEngineBase):
         if plan.stepped:
             pending.grads, pending.metrics = self._exchange(sent, delta_sq, plan, pending.fragment, pending.mix)
             pending.metrics.update(plan.expert_gap_metrics())
+            if self.settings.max_staleness:
+                pending.metrics.update(plan.staleness_metrics(self.island))
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
         self.side.agree(lambda: self.meeting.settle(header.round, pending.run_ends))
@@ -320,13 +341,32 @@ class IslandEngine(IslandEngineBase):
     def _left_behind(self, pending: PendingRound, why: str, steps_since: int) -> PendingRound:
         """The round went on without this island (it came too late): it takes no outer step now and
         joins the next round, where the others' global state replaces its own. ``steps_since``:
-        inner steps taken since the round's sync point (they count for the next round)."""
+        inner steps taken since the round's sync point (they count for the next round). With
+        ``max_staleness`` a synchronous round is caught up instead (:meth:`_catch_up`)."""
+        self.joining = True
+        pending.headers, pending.grads, pending.late = [], None, True
+        if self.settings.max_staleness and pending.flight is None and not steps_since:
+            return pending
         if self.is_leader:
             log.warning("islands: %s; island %d rejoins at the next round", why, self.island)
-        self.joining = True
         self.schedule.skip(steps_since)
-        pending.headers, pending.grads = [], None
         return pending
+
+    def _catch_up(self, locals_: Sequence[Tensor], experts: dict[str, list[float]] | None, stop: bool,
+                  late: PendingRound) -> PendingRound:
+        """A late island with ``max_staleness`` (every rank): it asks to be taken into the round under
+        way at once, without more inner steps, and runs it as a joiner: its pseudo-gradient, still
+        taken from its old anchors with all its tokens since, is merged there as a late one (within
+        ``max_staleness`` rounds) and it adopts the newer global state."""
+        try:
+            round_ = self.side.with_link(lambda link: link.rejoin(self.settings.deadline_s))
+        except RunEnded:
+            return self._ended(late)
+        if self.is_leader:
+            log.warning("islands: island %d was late for round %d; it joins round %d with its work pending",
+                        self.island, self.schedule.round, round_)
+        self.schedule.round = round_
+        return self.start(locals_, experts, stop, late.started)
 
     def _ended(self, pending: PendingRound) -> PendingRound:
         """The others ended training while this island was getting back in: it stops too."""

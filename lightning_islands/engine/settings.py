@@ -157,6 +157,14 @@ class IslandSettings:
                      "with island i XOR 2^k; each island steps its own global model with its own outer momentum and "
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
                      "butterfly). Butterfly does not combine with `overlap_steps` or `expert_weighting` yet.")
+    max_staleness: int = setting(
+        0, "S: an island alive but slow is not waited for past the grace window (`grace_s`) once a majority of the "
+           "islands alive has arrived; the round goes on without it, and its pseudo-gradient is merged into a later "
+           "round, at most S rounds old, its weight its tokens times `staleness_decay` per round of age; it then "
+           "adopts the newer global state. 0: every round waits for every island alive (a barrier).")
+    staleness_decay: float = setting(
+        0.5, "With `max_staleness`: the factor a late pseudo-gradient's merge weight takes per round of age "
+             "(1: tokens alone).")
     min_islands: int = setting(
         1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
            "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "
@@ -295,8 +303,16 @@ class IslandSettings:
         """``topology`` and what it does not combine with yet."""
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {TOPOLOGIES} (islands.topology), got {self.topology!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0 (islands.max_staleness), got {self.max_staleness}")
+        if not 0.0 < self.staleness_decay <= 1.0:
+            raise ValueError(f"staleness_decay must be in (0, 1] (islands.staleness_decay), got {self.staleness_decay}")
+        if self.max_staleness and self.overlap_steps:
+            raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
+                             f"{self.overlap_steps} yet; set one of them to 0")
         if self.topology == "butterfly":
-            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting)):
+            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting),
+                                ("max_staleness", self.max_staleness)):
                 if value:
                     raise ValueError(f"topology=butterfly does not combine with {name}={value!r} yet; set "
                                      f"islands.{name} to its default or use topology=allreduce")
@@ -335,6 +351,7 @@ class IslandSettings:
             "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
             "topology": self.topology,
+            "staleness": [self.max_staleness, self.staleness_decay],
             "resuming": bool(resuming),
             # the link's: different lanes would wait for groups that never form; a member set or a
             # wait that islands judge differently would split the run

@@ -179,6 +179,9 @@ class Membership:
         self.leaving: int | None = None  # the round after which this island retires (None: it stays)
         self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
         self._requests: dict[int, bytes] = {}  # the last join request seen of each island
+        # max_staleness: an island alive but slow is waited for at most grace_s once a majority of the
+        # islands alive has arrived (False: as long as it is alive, a barrier)
+        self.wait_for_slow = True
 
     @property
     def size(self) -> int:
@@ -321,6 +324,7 @@ class Membership:
         expected = (set(self.previous.present) - self.retired if self.previous else set(self.roster)) | {self.island}
         waited_for = [self._k(f"{key}/h/{i}") for i in sorted(expected)]
         missing: list[int] = []  # the islands still waited for, for the deadline's message
+        since = time.monotonic()  # when this island began waiting for the attempt's members
 
         def ready() -> tuple[Decision, bool] | None:
             if not self.store.check(waited_for):
@@ -354,6 +358,8 @@ class Membership:
                     f"min_islands={self.min_islands}; islands {sorted(gone)} were silent for more than "
                     f"{self.grace_s:g} s (grace_s) or failed. Restart them (they rejoin) or lower islands.min_islands")
             present = tuple(sorted(arrived | (joiners - gone)))
+            if missing and self._gives_up_on_slow(round_, missing, arrived, alive, since):
+                missing[:] = []
             if missing or len(present) < self.min_islands:
                 return None
             joining = tuple(sorted(joiners - gone))
@@ -361,6 +367,20 @@ class Membership:
 
         return self._wait(round_, ready, scan, lambda: f"islands {missing} are alive but did not arrive at its "
                                                        "meeting (still training)")
+
+    def _gives_up_on_slow(self, round_: int, slow: Sequence[int], arrived: set[int], alive: set[int],
+                          since: float) -> bool:
+        """With ``wait_for_slow`` off (max_staleness): whether the round goes on without the islands
+        ``slow`` (alive, not arrived): a majority of the islands alive has arrived, at least
+        ``min_islands`` of them, and this island has waited ``grace_s`` since it arrived."""
+        if self.wait_for_slow or len(arrived) < self.min_islands or 2 * len(arrived) <= len(alive):
+            return False
+        if time.monotonic() - since < self.grace_s:
+            return False
+        log.warning("lightning_islands: island %d: round %d goes on without islands %s (alive but slower than the "
+                    "grace window, %g s); their work is merged into a later round (max_staleness)", self.island,
+                    round_, list(slow), self.grace_s)
+        return True
 
     def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],
                  joining_incs: tuple[int, ...]) -> Decision:

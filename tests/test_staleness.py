@@ -1,0 +1,161 @@
+"""Bounded staleness (``max_staleness``): a late island's work is merged into a later round.
+
+Islands are threads (the engine harness of test_engine); :class:`LateLink` is the in-memory link
+double with one change: in the rounds it is told, one island arrives after the round was decided
+without it (:class:`LateForRound`, as the real membership raises it) and is taken into the next
+round when it asks (``rejoin``). The merge is checked against DiLoCo in float64 with the late
+island's pseudo-gradient, taken from its old anchors, weighted by its tokens times the decay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+from test_engine import INNER_LR, SPECS, initial_flat, target
+
+from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.link.protocol import LateForRound
+
+H, TOKENS = 3, [4, 6, 5]
+
+
+class LateLink(MemoryLink):
+    """A :class:`MemoryLink` whose island ``late[r]`` misses round ``r`` (the others decide it alone)."""
+
+    def __init__(self, hub: Hub, island: int, late: dict[int, int]) -> None:
+        super().__init__(hub, island)
+        self.late, self.round = late, -1
+
+    def meet_round(self, round_: int, header: dict) -> list[dict | None]:
+        self.round, self._calls = round_, 0
+        missing = self.late.get(round_)
+        if missing == self.island:
+            raise LateForRound(f"round {round_} was decided without island {self.island}")
+        self.present = tuple(i for i in range(self.num_islands) if i != missing)
+        posts = self.hub.meet(f"round{round_}", self.island, header, needed=self.present)
+        return [posts.get(i) if i in self.present else None for i in range(self.num_islands)]
+
+    def rejoin(self, timeout_s: float) -> int:
+        return self.round + 1
+
+    def _next(self, kind: str) -> str:
+        return f"r{self.round}/{super()._next(kind)}"
+
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
+        posts = self.hub.meet(self._next("gather"), self.island, payload.detach().cpu().clone(), needed=self.present)
+        self.stats.bytes_received += sum(t.numel() for i, t in posts.items() if i != self.island)
+        return [posts.get(i, torch.empty(0, dtype=torch.uint8)) for i in range(self.num_islands)]
+
+    def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
+        value = payload.detach().cpu().clone() if self.island == src else None
+        return self.hub.meet(self._next("broadcast"), self.island, value, needed=[src])[src]
+
+
+def _island(i: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub) -> dict[str, Any]:
+    s = IslandSettings(sync_every=H, outer_lr=0.7, outer_momentum=0.9, codec="fp32", max_staleness=2,
+                       staleness_decay=0.5, **settings)
+    layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(1), 0))
+    engine = IslandEngine(s, layout, i, 3, torch.device("cpu"), torch.device("cpu"))
+    locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
+    engine.meet(lambda: LateLink(hub, i, late), s.fingerprint(layout, False, "cpu"))
+    engine.adopt_initial_state(locals_, {})
+    out: dict[str, Any] = {"rounds": {}, "metrics": {}}
+    while engine.schedule.round < rounds:
+        for _ in range(engine.schedule.steps_per_round - engine.schedule.round_steps):
+            goal = target(i, engine.schedule.inner_steps)
+            for k, loc in enumerate(locals_):
+                loc.sub_(torch.mul(torch.sub(loc, layout.shard_of(goal, k)), INNER_LR))
+            engine.count_tokens(TOKENS[i])
+            engine.schedule.close_step()
+        metrics, _ = engine.run_round(locals_)
+        r = engine.schedule.round - 1
+        out["rounds"][r], out["metrics"][r] = engine.global_flat().clone(), metrics
+    return out
+
+
+def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    hub = Hub(3)
+    return run_threads([lambda i=i: _island(i, rounds, late, settings or {}, hub) for i in range(3)])
+
+
+def reference(rounds: int, late: dict[int, int], max_staleness: int = 2, decay: float = 0.5) -> list[torch.Tensor]:
+    """The global state after each round in float64: a late island trains its H steps from the global
+    state it had, misses the round (and waits, without steps, through the rounds it is late for
+    again), and its pseudo-gradient joins the merge of the round that takes it in with weight
+    tokens * decay^age (dropped past ``max_staleness``)."""
+    glob, buf, out = initial_flat(0).double(), None, []
+    steps = [0, 0, 0]
+    anchor: dict[int, tuple[torch.Tensor, int]] = {}  # a late island's anchors and outer step count
+    for r in range(rounds):
+        deltas, weights = [], []
+        for i in range(3):
+            if late.get(r) == i:  # trains its steps, arrives after the decision (late again: it waits)
+                if i in anchor:
+                    continue
+                local = glob.clone()
+                for _ in range(H):
+                    local = local - INNER_LR * (local - target(i, steps[i]).double())
+                    steps[i] += 1
+                anchor[i] = (glob, r, local)  # type: ignore[assignment]
+                continue
+            if i in anchor:  # caught up: no more steps, its pseudo-gradient from its old anchors
+                old, when, local = anchor.pop(i)  # type: ignore[misc]
+                age = r - when
+                if age <= max_staleness:
+                    deltas.append(old - local)
+                    weights.append(TOKENS[i] * H * decay ** age)
+                continue
+            local = glob.clone()
+            for _ in range(H):
+                local = local - INNER_LR * (local - target(i, steps[i]).double())
+                steps[i] += 1
+            deltas.append(glob - local)
+            weights.append(TOKENS[i] * H)
+        merged = sum(w / sum(weights) * d for w, d in zip(weights, deltas))
+        buf = merged.clone() if buf is None else 0.9 * buf + merged
+        glob = glob - 0.7 * (merged + 0.9 * buf)
+        out.append(glob.float())
+    return out
+
+
+def test_a_late_islands_pseudo_gradient_is_merged_a_round_later_with_its_decayed_weight():
+    late = {1: 2}  # island 2 misses round 1; round 2 merges its work from round 1's anchors (age 1)
+    islands = run(4, late)
+    want = reference(4, late)
+    for r in range(4):
+        for i in range(3):
+            if late.get(r) == i:
+                assert r not in islands[i]["rounds"], "a late island takes no outer step of its own"
+                continue
+            torch.testing.assert_close(islands[i]["rounds"][r], want[r], rtol=1e-5, atol=1e-5)
+            assert torch.equal(islands[i]["rounds"][r], islands[0]["rounds"][r]), f"round {r}, island {i}"
+    assert islands[2]["metrics"][2]["islands/staleness"] == 1.0
+    assert islands[0]["metrics"][2]["islands/stale_merged"] == 1.0
+    assert islands[0]["metrics"][2]["islands/islands_repaired"] == 1.0, "the late island adopts the new state"
+    assert [islands[0]["metrics"][r]["islands/staleness"] for r in range(4)] == [0.0] * 4
+
+
+def test_a_contribution_older_than_max_staleness_is_dropped_and_its_island_adopts():
+    late = {1: 2, 2: 2, 3: 2}  # island 2 is late three rounds running: its work from round 1 is 3 rounds old
+    # when it is taken in (round 4), so it is dropped
+    islands = run(5, late)
+    want = reference(5, late)
+    for r in range(5):
+        torch.testing.assert_close(islands[0]["rounds"][r], want[r], rtol=1e-5, atol=1e-5)
+    assert sorted(islands[2]["rounds"]) == [0, 4]
+    for r in (0, 4):
+        assert torch.equal(islands[2]["rounds"][r], islands[0]["rounds"][r])
+    assert islands[2]["metrics"][4]["islands/staleness"] == -1.0  # 3 > max_staleness=2: not merged
+    assert islands[0]["metrics"][4]["islands/stale_merged"] == 0.0
+
+
+@pytest.mark.parametrize("bad, needle", [({"max_staleness": -1}, "max_staleness"),
+                                         ({"staleness_decay": 0.0}, "staleness_decay"),
+                                         ({"max_staleness": 1, "overlap_steps": 1}, "overlap_steps"),
+                                         ({"max_staleness": 1, "topology": "butterfly"}, "max_staleness")])
+def test_bad_staleness_settings_are_refused_naming_them(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        IslandSettings(**bad)
