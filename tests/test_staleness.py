@@ -19,7 +19,7 @@ from test_engine import INNER_LR, SPECS, initial_flat, target
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
 from lightning_islands.link.protocol import LateForRound
 
-H, TOKENS = 3, [4, 6, 5]
+H, TOKENS = 3, [4, 6, 5, 3]
 
 
 class LateLink(MemoryLink):
@@ -54,11 +54,12 @@ class LateLink(MemoryLink):
         return self.hub.meet(self._next("broadcast"), self.island, value, needed=[src])[src]
 
 
-def _island(i: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub) -> dict[str, Any]:
-    s = IslandSettings(sync_every=H, outer_lr=0.7, outer_momentum=0.9, codec="fp32", max_staleness=2,
-                       staleness_decay=0.5, **settings)
+def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub
+            ) -> dict[str, Any]:
+    s = IslandSettings(**{"sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "fp32",
+                          "max_staleness": 2, "staleness_decay": 0.5, **settings})
     layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(1), 0))
-    engine = IslandEngine(s, layout, i, 3, torch.device("cpu"), torch.device("cpu"))
+    engine = IslandEngine(s, layout, i, n, torch.device("cpu"), torch.device("cpu"))
     locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
     engine.meet(lambda: LateLink(hub, i, late), s.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
@@ -76,9 +77,10 @@ def _island(i: int, rounds: int, late: dict[int, int], settings: dict[str, Any],
     return out
 
 
-def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    hub = Hub(3)
-    return run_threads([lambda i=i: _island(i, rounds, late, settings or {}, hub) for i in range(3)])
+def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None, n: int = 3
+        ) -> list[dict[str, Any]]:
+    hub = Hub(n)
+    return run_threads([lambda i=i: _island(i, n, rounds, late, settings or {}, hub) for i in range(n)])
 
 
 def reference(rounds: int, late: dict[int, int], max_staleness: int = 2, decay: float = 0.5) -> list[torch.Tensor]:
@@ -154,8 +156,25 @@ def test_a_contribution_older_than_max_staleness_is_dropped_and_its_island_adopt
 
 @pytest.mark.parametrize("bad, needle", [({"max_staleness": -1}, "max_staleness"),
                                          ({"staleness_decay": 0.0}, "staleness_decay"),
-                                         ({"max_staleness": 1, "overlap_steps": 1}, "overlap_steps"),
-                                         ({"max_staleness": 1, "topology": "butterfly"}, "max_staleness")])
+                                         ({"max_staleness": 1, "overlap_steps": 1}, "overlap_steps")])
 def test_bad_staleness_settings_are_refused_naming_them(bad, needle):
     with pytest.raises(ValueError, match=needle):
         IslandSettings(**bad)
+
+
+def test_with_the_butterfly_a_late_island_misses_its_stage_and_mixes_its_work_at_the_next():
+    """Four butterfly islands; island 1 misses round 1 (stage 1, partner island 3, which mixes alone)
+    and joins round 2 (stage 0, partner island 0) with its work since round 0: the pair mixes it with
+    its weight halved (age 1) and ends bit-identical, and island 1's step count catches up."""
+    bfly = {"topology": "butterfly", "codec": "int4", "error_feedback": True}
+    late, on_time = run(4, {1: 1}, bfly, n=4), run(4, {}, bfly, n=4)
+    assert 1 not in late[1]["rounds"]
+    assert late[3]["metrics"][1]["islands/group_size"] == 1.0 and late[3]["metrics"][1]["islands/mixed"] == 1.0
+    m0, m1 = late[0]["metrics"][2], late[1]["metrics"][2]
+    assert m1["islands/staleness"] == 1.0 and m0["islands/stale_merged"] == 1.0 and m0["islands/mixed"] == 2.0
+    assert torch.equal(late[0]["rounds"][2], late[1]["rounds"][2])
+    assert not torch.equal(late[0]["rounds"][2], on_time[0]["rounds"][2])
+    assert torch.equal(late[2]["rounds"][0], on_time[2]["rounds"][0])
+    # round 3 (stage 1 again): islands 1 and 3 meet with their bases in agreement, no repair
+    assert late[1]["metrics"][3]["islands/islands_repaired"] == 0.0 and late[1]["metrics"][3]["islands/mixed"] == 2.0
+    assert torch.equal(late[1]["rounds"][3], late[3]["rounds"][3])

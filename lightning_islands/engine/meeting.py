@@ -60,12 +60,12 @@ class RoundMeeting:
     def plan(self, headers: list[RoundHeader]) -> MergePlan:
         """The round's merge, as every rank of every island derives it from the headers (with the
         butterfly, each group's islands that agree on its base are the ones merged)."""
-        s, agreeing = self.settings, None
+        s, agreeing, ages = self.settings, None, None
         if self.butterfly is not None:
             stage = mixing.stage_of(self.butterfly, headers[self.island.index].round, s.fragments)
-            agreeing = mixing.agreement(self.butterfly, headers, stage)[0]
+            agreeing, _, ages = mixing.agreement(self.butterfly, headers, stage)
         return MergePlan.of(headers, s.weighting, s.exclude_norm_ratio, self.layout, agreeing, s.max_staleness,
-                            s.staleness_decay)
+                            s.staleness_decay, ages)
 
     def exchange(self, plan: MergePlan, layout: CanonicalLayout, delta_sq: float, keep_residual: bool) -> ChunkExchange:
         """The leader's exchange of a round with ``plan``, over the fragment laid out by ``layout``."""

@@ -81,13 +81,19 @@ class MergePlan:
     @classmethod
     def of(cls, headers: Sequence[RoundHeader], weighting: str, exclude_norm_ratio: float | None,
            layout: CanonicalLayout, agreeing: Sequence[int] | None = None, max_staleness: int = 0,
-           staleness_decay: float = 1.0) -> MergePlan:
+           staleness_decay: float = 1.0, ages: dict[int, int] | None = None) -> MergePlan:
         """The plan every island derives from ``headers`` (``agreeing``: as :func:`members`; with
         ``max_staleness``, late islands whose state is a recent global state (:func:`stale_islands`)
         are merged too, their weight times ``staleness_decay`` per round of age); an error naming
-        the cause and the fix when no island can be merged."""
+        the cause and the fix when no island can be merged. ``ages``: with the butterfly, the late
+        islands among ``agreeing`` and their ages (each island's state is its own there): those
+        older than ``max_staleness`` are not merged."""
         agreeing = health.majority(headers) if agreeing is None else agreeing
-        stale = stale_islands(headers, agreeing, max_staleness)
+        if ages is None:
+            stale = stale_islands(headers, agreeing, max_staleness)
+        else:
+            stale = {i: a for i, a in ages.items() if a <= max_staleness and i in agreeing}
+            agreeing = [i for i in agreeing if ages.get(i, 0) <= max_staleness]
         headers, chosen = list(headers), members(headers, exclude_norm_ratio, [*agreeing, *stale])
         round_ = headers[0].round
         if not chosen and not agreeing:

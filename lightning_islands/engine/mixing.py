@@ -71,11 +71,14 @@ def present_group(butterfly: Butterfly, headers: Sequence[RoundHeader], island: 
                   if i < len(headers) and not headers[i].absent)
 
 
-def agreement(butterfly: Butterfly, headers: Sequence[RoundHeader], stage: int) -> tuple[list[int], dict[int, int]]:
-    """The islands whose state summary agrees with their group's source (module docstring), and for
-    every island whose does not, its source. Every island derives the same from the same headers."""
+def agreement(butterfly: Butterfly, headers: Sequence[RoundHeader], stage: int
+              ) -> tuple[list[int], dict[int, int], dict[int, int]]:
+    """The islands whose stage base agrees with their group's source (module docstring); for every
+    island whose does not, its source; and the age of each island that missed rounds (its outer step
+    count behind its group's furthest: a late island). Every island derives the same from the headers."""
     agree: list[int] = []
     repairs: dict[int, int] = {}
+    ages: dict[int, int] = {}
     for island in range(min(butterfly.num_islands, len(headers))):
         group = present_group(butterfly, headers, island, stage)
         if not group or group[0] != island:  # each group once, at its lowest present island
@@ -83,14 +86,30 @@ def agreement(butterfly: Butterfly, headers: Sequence[RoundHeader], stage: int) 
         votes: dict[object, list[int]] = {}
         for i in group:
             if headers[i].votes:
-                votes.setdefault(headers[i].state, []).append(i)
+                votes.setdefault(_base(headers[i]), []).append(i)
         source = max(votes.values(), key=lambda g: (len(g), -g[0]))[0] if votes else group[0]
+        furthest = max(_steps(headers[i]) for i in group)
         for i in group:
-            if headers[i].state == headers[source].state:
+            if _base(headers[i]) == _base(headers[source]):
                 agree.append(i)
             else:
                 repairs[i] = source
-    return sorted(agree), repairs
+            if _steps(headers[i]) < furthest:
+                ages[i] = furthest - _steps(headers[i])
+    return sorted(agree), repairs, ages
+
+
+def _base(header: RoundHeader) -> int | None:
+    """The checksum of the island's base of the round's stage (its state summary's anchors field)."""
+    return None if header.state is None else header.state.anchors
+
+
+def _steps(header: RoundHeader) -> int:
+    """The island's outer step count of the round's fragment."""
+    if header.state is None:
+        return 0
+    steps = header.state.outer_steps
+    return steps if isinstance(steps, int) else steps[header.state.fragment]
 
 
 def proposal(optimizer: outer.OuterSGD, anchors: Sequence[Tensor],
@@ -208,6 +227,7 @@ class PendingMix:
     anchor_sq: float = 0.0  # the squared norm of the island's global model of the fragment (the spread's scale)
     group: list[int] = field(default_factory=list)  # the group's islands present, in island order
     members: list[int] = field(default_factory=list)  # those mixed
+    steps_after: int = 0  # the group's outer step count after the round (a late island's catches up)
 
     @classmethod
     def start(cls, butterfly: Butterfly, state: OuterState, fragment: int, round_: int, fragments: int,
@@ -223,9 +243,10 @@ class PendingMix:
         """Every rank, once the headers are known: the group and its members, and the repair of the
         islands whose base differs from their group's source (before the exchange: a repaired island
         is left out of the mix and adopts it). Returns how many islands were repaired."""
-        _, repairs = agreement(self.butterfly, headers, self.stage)
+        _, repairs, _ = agreement(self.butterfly, headers, self.stage)
         self.group = present_group(self.butterfly, headers, engine.island, self.stage)
         self.members = [i for i in self.group if i in plan.members and i not in repairs]
+        self.steps_after = max(_steps(headers[i]) for i in self.group) + 1
         if repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
             repair(engine, self, headers, repairs)
         return len(repairs)
@@ -251,8 +272,8 @@ class PendingMix:
                     base[i].copy_(state.anchors[i])
         if island in self.members:
             state.optimizers[self.fragment] = self.stepped
-        else:  # the step counts (the stages and the state check stay in step); the momentum is not its
-            state.optimizers[self.fragment].steps += 1
+        # the round counts for every island of the group (a left-out one keeps its momentum, not the step)
+        state.optimizers[self.fragment].steps = self.steps_after
         return state.optimizers[self.fragment]
 
 

@@ -311,8 +311,7 @@ class IslandSettings:
             raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
                              f"{self.overlap_steps} yet; set one of them to 0")
         if self.topology == "butterfly":
-            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting),
-                                ("max_staleness", self.max_staleness)):
+            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting)):
                 if value:
                     raise ValueError(f"topology=butterfly does not combine with {name}={value!r} yet; set "
                                      f"islands.{name} to its default or use topology=allreduce")
