@@ -25,6 +25,8 @@ def _quiet_env():
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch's store clients look up their peer's name; a lost DNS query costs glibc's 5 s timeout
+    os.environ.setdefault("RES_OPTIONS", "timeout:1")
     yield
 
 

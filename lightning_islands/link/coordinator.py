@@ -145,11 +145,29 @@ class Coordinator:
     """A standalone c10d TCPStore server that holds membership and rounds for every island.
 
     Keep the object alive for as long as islands train; ``port=0`` picks a free port.
+
+    It listens on ``host`` only, on a socket bound here: left to itself, the store listens on
+    every interface as IPv6 (``::``), and every peer it accepts is then an IPv4-mapped address
+    (``::ffff:127.0.0.1``) that no hosts file names, so the store's reverse lookup of each accepted
+    peer (for its logs) asks DNS, in the one thread that serves every client: a DNS query that is
+    lost stalls every island's store requests for the resolver's timeout (5 s).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=60))
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(socket.SOMAXCONN)
+            port = listener.getsockname()[1]
+            self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60), master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the descriptor now
         self.host = host
         self.port = self.store.port
 
