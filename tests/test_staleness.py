@@ -178,3 +178,17 @@ def test_with_the_butterfly_a_late_island_misses_its_stage_and_mixes_its_work_at
     # round 3 (stage 1 again): islands 1 and 3 meet with their bases in agreement, no repair
     assert late[1]["metrics"][3]["islands/islands_repaired"] == 0.0 and late[1]["metrics"][3]["islands/mixed"] == 2.0
     assert torch.equal(late[1]["rounds"][3], late[3]["rounds"][3])
+
+
+def test_max_tokens_stops_every_island_after_the_round_that_reaches_the_runs_budget():
+    from test_engine import Plan, leaders
+    from test_engine import run as run_plan
+
+    # a round merges 4*3 (island 0) + 2*4*3 (island 1, two ranks) = 36 tokens: 80 is reached in round 3
+    results = leaders(run_plan(Plan(sizes=[1, 2], tokens=[4, 4], rounds=10, settings={"max_tokens": 80})))
+    for island in results:
+        assert len(island["rounds"]) == 3
+        assert [m["islands/run_tokens"] for m in island["metrics"]] == [36.0, 72.0, 108.0]
+        assert island["schedule"]["stopping"] is True
+    with pytest.raises(ValueError, match="max_tokens"):
+        IslandSettings(max_tokens=100, fragments=2, sync_every=4)

@@ -63,13 +63,15 @@ class PendingRound:
     blocking: float = 0.0  # seconds the training thread spent on an overlapped round (start and land)
     leave: bool = False  # this island retires from the run with this round (the others go on)
     late: bool = False  # the round went on without this island
+    merged_tokens: float = 0.0  # the tokens of every island merged this round
+    budget_spent: bool = False  # the run's max_tokens is reached with this round: every island stops
     mix: mixing.PendingMix | None = None  # the butterfly's: the stage, the proposal's optimizer, the group
 
     @property
     def stop(self) -> bool:
         """Whether this island stops training after this round: some island ends the run with it (so
         every island does), or this island retires with it."""
-        return self.leave or self.run_ends
+        return self.leave or self.run_ends or self.budget_spent
 
     @property
     def run_ends(self) -> bool:
@@ -188,6 +190,7 @@ class IslandEngine(IslandEngineBase):
             pending.metrics.update(plan.expert_gap_metrics())
             if self.settings.max_staleness:
                 pending.metrics.update(plan.staleness_metrics(self.island))
+            pending.merged_tokens = math.fsum(pending.headers[i].tokens for i in plan.members)
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
         self.side.agree(lambda: self.meeting.settle(header.round, pending.run_ends))
@@ -307,6 +310,8 @@ class IslandEngine(IslandEngineBase):
         self.state.write_to(locals_, idx, self.settings.overlap_alpha if overlapped else 0.0)
         self.schedule.advance(pending.tokens, pending.headers,
                               self.schedule.inner_steps - pending.inner_steps if overlapped else 0)
+        if self.schedule.count_run_tokens(pending.merged_tokens):
+            pending.budget_spent = self.schedule.stopping = True
         keep = self.settings.fragments - 1
         self.recent_rounds = [*self.recent_rounds, {"tokens": pending.tokens, "experts": pending.experts}][-keep:] \
             if keep else []
@@ -316,6 +321,7 @@ class IslandEngine(IslandEngineBase):
         metrics.update({"islands/round": float(sched.round), "islands/fragment": float(pending.fragment),
                         "islands/islands_repaired": float(pending.repaired),
                         "islands/inner_steps": float(sched.inner_steps), "islands/round_tokens": pending.tokens,
+                        "islands/run_tokens": float(sched.run_tokens),
                         "islands/step_seconds": pending.step_seconds,
                         "islands/steps_per_round": float(sched.steps_per_round),
                         "islands/seconds_outer_step": time.perf_counter() - pending.started})

@@ -31,6 +31,7 @@ class Schedule:
         self.round_steps = 0
         self.inner_steps = 0
         self.total_tokens = 0
+        self.run_tokens = 0  # tokens merged into the global model, summed over the islands (max_tokens)
         self.stopping = False  # the islands agreed to stop: no further rounds start
         self.steps_per_round = self.planned_steps(0)
         # the round's clock (step time for balance="time"): validation and a fit's first step excluded
@@ -100,6 +101,13 @@ class Schedule:
         self.total_tokens += int(tokens)
         self.steps_per_round = next_steps
 
+    def count_run_tokens(self, merged: float) -> bool:
+        """Add a round's merged tokens (every island's, as every island counts them from the headers);
+        returns whether the run's ``max_tokens`` is reached (the islands stop after this round)."""
+        self.run_tokens += int(merged)
+        budget = self.settings.max_tokens
+        return budget is not None and self.run_tokens >= budget
+
     def skip(self, steps_since: int = 0) -> None:
         """The round went on without this island: move to the next one without an outer step."""
         self.round += 1
@@ -135,11 +143,12 @@ class Schedule:
         """The counters a checkpoint keeps (the keys of the checkpoint's ``islands`` entry)."""
         return {"round": self.round, "inner_steps": self.inner_steps, "round_steps": self.round_steps,
                 "total_tokens": self.total_tokens, "steps_per_round": self.steps_per_round,
-                "stopping": self.stopping}
+                "stopping": self.stopping, "run_tokens": self.run_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (older checkpoints may lack the last two keys)."""
         self.round, self.inner_steps, self.round_steps = state["round"], state["inner_steps"], state["round_steps"]
         self.total_tokens = state["total_tokens"]
+        self.run_tokens = int(state.get("run_tokens", 0))
         self.stopping = bool(state.get("stopping", False))
         self.steps_per_round = int(state.get("steps_per_round", self.steps_per_round))

@@ -126,6 +126,10 @@ class IslandSettings:
     max_rounds: int | None = setting(
         None, "Stop after this many outer rounds (needed with `balance=time`, where islands run different numbers "
               "of steps; raise the Trainer's `max_steps`).")
+    max_tokens: int | None = setting(
+        None, "Stop after the round at which the tokens merged into the global model, summed over the islands, reach "
+              "this many (a budget of the run's tokens, however the islands share them: a fast island trains more "
+              "of them). Needs `fragments=1` and no `overlap_steps`.")
     deadline_s: float = setting(
         3600.0, "The longest one round may take on an island, from its first meeting until the round counts, all "
                 "attempts included; also the longest the start waits for an island, and the bound of a transfer "
@@ -256,6 +260,10 @@ class IslandSettings:
             raise ValueError(f"on_end must be 'stop' or 'leave' (islands.on_end), got {self.on_end!r}")
         if self.balance not in ("none", "time"):
             raise ValueError(f"balance must be 'none' or 'time', got {self.balance!r}")
+        if self.max_tokens is not None and (self.max_tokens < 1 or self.fragments != 1 or self.overlap_steps):
+            raise ValueError(f"max_tokens must be >= 1 or null and needs fragments=1 and overlap_steps=0 "
+                             f"(islands.max_tokens), got max_tokens={self.max_tokens} with fragments={self.fragments}, "
+                             f"overlap_steps={self.overlap_steps}")
         if self.max_rounds is not None and self.max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1 or None, got {self.max_rounds}")
         if self.steps_per_round is not None and self.steps_per_round < 1:
@@ -346,6 +354,7 @@ class IslandSettings:
             "expert_weighting": self.expert_weighting,
             "balance": self.balance,
             "max_rounds": self.max_rounds,
+            "max_tokens": self.max_tokens,
             "fragments": [self.fragments, self.fragment_layout],
             "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
