@@ -248,6 +248,20 @@ def test_payloads_are_the_codecs_own_sizes_per_chunk():
         assert k.wire_bytes == 2 * (-(-k.payload_bytes // 2) * 2)  # to the two others, padded to the lanes
 
 
+@pytest.mark.parametrize("n, partners", [(4, 1), (8, 1), (3, 2), (6, 3)])
+def test_the_butterfly_receives_from_its_partners_only(n, partners):
+    """Four islands all-gather three payloads per round over three ring steps; the butterfly swaps
+    one with one partner in one step (a count that is not a power of two: up to three partners)."""
+    ring = plan([free_island()] * n, numel=4_000_000, bps=1e9, rtt=0.05, codec="int4")
+    pairs = replace(ring, topology="butterfly")
+    a, b = fragment_cost(ring, ring.numel), fragment_cost(pairs, pairs.numel)
+    assert pairs.peers == partners
+    assert b.wire_bytes * (n - 1) == a.wire_bytes * partners
+    assert b.sizes_s == pytest.approx(0.05) and a.sizes_s == pytest.approx((n - 1) * 0.05)
+    assert simulate(pairs).islands[0].utilization > simulate(ring).islands[0].utilization
+    assert simulate(pairs).bytes_per_round * (n - 1) == pytest.approx(simulate(ring).bytes_per_round * partners)
+
+
 def test_step_time_from_flops_and_the_default_tcp_window(tmp_path):
     assert step_seconds(50e9, 1e6, 1e18) == pytest.approx(0.3)
     (tmp_path / "tcp_rmem").write_text("4096 131072 33554432\n")

@@ -25,7 +25,8 @@ import lightning.pytorch as pl
 
 # what a round line keeps of the round's islands/* metrics
 ROUND_KEYS = ("bytes_sent", "bytes_received", "seconds_exchanging", "seconds_waiting", "seconds_blocking",
-              "islands_present", "islands_left_out", "islands_repaired", "round_tokens", "payload_bytes")
+              "islands_present", "islands_left_out", "islands_repaired", "round_tokens", "payload_bytes",
+              "run_tokens", "staleness", "spread", "butterfly_stage")
 
 
 class History(pl.Callback):

@@ -87,6 +87,7 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
         rounds=rounds,
         sync_warmup=tuple(settings.sync_warmup or ()),
         exchange_path=exchange_path,
+        topology=settings.topology,
     )
 
 

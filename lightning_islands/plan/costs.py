@@ -123,7 +123,9 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
     over all its devices, and nothing is gathered or scattered.
     """
     codec, link = inputs.codec_obj, inputs.link
-    n = inputs.num_islands
+    n, peers = inputs.num_islands, inputs.peers
+    # a ring all-gather takes N - 1 steps of latency; the butterfly's swaps go to the partners at once
+    ring = 1 if inputs.topology == "butterfly" and n > 1 else n - 1
     overlap = inputs.overlap_steps > 0
     sliced = inputs.exchange_path == "sliced"
     parallel = min(i.devices for i in inputs.islands) if sliced else 1
@@ -144,17 +146,17 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
             return 0.0
         return _seconds(FP32_BYTES * values * (spec.devices - 1) / spec.devices, spec.intra_bytes_per_s)
 
-    merge_passes = (n - 1) * DECODE_PASSES + n * MERGE_PASSES
+    merge_passes = peers * DECODE_PASSES + (peers + 1) * MERGE_PASSES
     chunks = []
     for values, count in kinds:
         payload = codec.nbytes(values)
         padded = -(-payload // inputs.lanes) * inputs.lanes
-        wire = padded * (n - 1) * parallel
+        wire = padded * peers * parallel
         busy = _seconds(wire * 8, rate)
         pre = tuple(codec_work(i, values, ENCODE_PASSES) + (0.0 if overlap else moved(i, values)) for i in range(n))
         post = tuple(codec_work(i, values, merge_passes) + (0.0 if overlap else scatters * moved(i, values))
                      for i in range(n))
-        chunks.append(ChunkCost(values, count, payload, wire, (n - 1) * step_latency + busy, busy, pre, post))
+        chunks.append(ChunkCost(values, count, payload, wire, ring * step_latency + busy, busy, pre, post))
 
     def rank_passes(i: int, passes: float) -> float:
         spec = inputs.islands[i]
@@ -169,10 +171,10 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
     held = m if overlap or chunk is None else min(m, chunk)
     return FragmentCost(
         numel=m, chunks=tuple(chunks), prep=prep, finish=finish,
-        sizes_s=(n - 1) * step_latency,
+        sizes_s=ring * step_latency,
         wire_bytes=sum(k.count * k.wire_bytes for k in chunks),
         leader_s=leader, blocking=blocking,
         link_s=sum(k.count * k.transfer_s for k in chunks),
-        latency_s=(3 * link.store_rtt if n > 1 else 0.0) + sum(k.count for k in chunks) * 2 * (n - 1) * step_latency,
+        latency_s=(3 * link.store_rtt if n > 1 else 0.0) + sum(k.count for k in chunks) * 2 * ring * step_latency,
         leader_bytes=0 if sliced else FP32_BYTES * held,
     )

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lightning_islands.codecs import Codec, default_error_feedback, make_codec
-from lightning_islands.engine.settings import IslandSettings
+from lightning_islands.engine.butterfly import Butterfly
+from lightning_islands.engine.settings import TOPOLOGIES, IslandSettings
 
 _ENGINE = IslandSettings()  # the engine's defaults: a plan of a config assumes what training does
 
@@ -160,6 +161,9 @@ class PlanInputs:
         exchange_path: ``"leader"`` (today: every round passes through each island's rank 0) or
             ``"sliced"`` (a what-if: every rank exchanges its own slice over its own lanes, no gather
             or scatter, the codec work spread over the island's devices).
+        topology: ``"allreduce"`` (every island receives every other's payload, a ring all-gather)
+            or ``"butterfly"`` (each island swaps its payload with its stage's partners only: one for
+            a power of two, up to three otherwise).
     """
 
     islands: tuple[IslandSpec, ...]
@@ -178,6 +182,7 @@ class PlanInputs:
     rounds: int | None = None
     sync_warmup: tuple[int, ...] = ()
     exchange_path: str = "leader"
+    topology: str = _ENGINE.topology
     _codec: Codec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -208,6 +213,8 @@ class PlanInputs:
             raise ValueError(f"rounds must be >= 1 (or None for the steady state), got {self.rounds}")
         if self.exchange_path not in EXCHANGE_PATHS:
             raise ValueError(f"exchange_path must be one of {EXCHANGE_PATHS}, got {self.exchange_path!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"islands.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         warmup = tuple(self.sync_warmup or ())
         if any(w < 1 for w in warmup):
             raise ValueError(f"islands.sync_warmup must hold H values >= 1, got {list(warmup)}")
@@ -228,6 +235,16 @@ class PlanInputs:
     def num_islands(self) -> int:
         """How many islands take part."""
         return len(self.islands)
+
+    @property
+    def peers(self) -> int:
+        """Payloads an island receives per round: ``N - 1``, or its butterfly partners (the most of
+        any island: groups of a count that is not a power of two hold up to four islands)."""
+        n = self.num_islands
+        if self.topology != "butterfly" or n < 2:
+            return n - 1
+        bf = Butterfly(n)
+        return max(len(bf.peers(i, 0)) for i in range(n))
 
     @property
     def codec_obj(self) -> Codec:

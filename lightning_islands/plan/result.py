@@ -31,7 +31,8 @@ class IslandResult:
 class PlanResult:
     """The prediction of :func:`~lightning_islands.plan.simulate.simulate`.
 
-    ``bytes_per_round``: bytes each island sends in a round (its padded payloads to the N - 1 others);
+    ``bytes_per_round``: bytes each island sends in a round (its padded payloads to the N - 1 others,
+    or to its butterfly partners);
     ``mean_bps``: what an island sends over the measured wall time; ``peak_bps``: the bandwidth the
     schedule asks for at its busiest, a round's bits over the time it may take without stalling
     (``overlap_steps`` inner steps, or one inner step for a synchronous round), the largest over rounds
