@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="each island's steps in the synchronous run")
     parser.add_argument("--H", type=int, default=15, help="inner steps per round")
     parser.add_argument("--delay", type=float, default=1.0, help="seconds island 3 sleeps per batch when slow")
-    parser.add_argument("--staleness", type=int, default=2, help="max_staleness of the async configurations")
+    parser.add_argument("--staleness", type=int, default=4, help="max_staleness of the async configurations")
     parser.add_argument("--grace", type=float, default=3.0, help="islands.grace_s of every configuration")
     parser.add_argument("--link", default="1gbit,50ms,3=30mbit", help="islands.link ('' for none)")
     parser.add_argument("--no-link", dest="link", action="store_const", const="", help="no shaped link")

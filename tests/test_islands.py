@@ -393,6 +393,32 @@ def test_a_slow_island_with_max_staleness_is_not_waited_for_and_its_work_arrives
         assert all(torch.equal(t, rounds[0][r]["params"][n]) for n, t in saved["params"].items()), f"round {r}"
 
 
+def test_a_resume_with_an_island_behind_merges_its_pending_work_once(tmp_path):
+    """max_staleness=2: islands 0 and 1 resume from their step-10 checkpoints (round 2 done: a round
+    runs when the step after it starts), island 2 from its step-6 one (its work since round 1
+    pending). The others do not wait for it; it finds its round passed over, joins the next one and
+    its pending work (the 2 steps before the checkpoint and the 2 after) is merged there once, 2
+    rounds old, after which every island holds one state."""
+    first, again = tmp_path / "first", tmp_path / "again"
+    common = ["--H", 4, "--batch-sizes", "4,8,6", "--max-staleness", 2, "--grace-s", 1.0]
+    launch([1, 1, 1], ["islands_regression.py", "--out", first, "--steps", 12, "--ckpt-every", 2, *common],
+           tmp_path / "l1")
+    picked = tmp_path / "picked"
+    for island, step in ((0, 10), (1, 10), (2, 6)):
+        shutil.copytree(first / f"ckpt_island{island}" / f"step={step}.ckpt", picked / f"island{island}.ckpt")
+    # islands 0 and 1 hold after step 14 until island 2 asks to be taken back, however slow its start
+    _, text = launch([1, 1, 1], ["islands_regression.py", "--out", again, "--steps", 16, *common, "--hold-for-rejoin",
+                                 14, "--rejoiner", 2, "--resume", str(picked / "island{island}.ckpt")], tmp_path / "l2")
+    ours, late = load_rounds(again, 0), load_rounds(again, 2)
+    assert sorted(ours) == [3, 4] and sorted(late) == [4], text[-3000:]
+    assert "island 2 was late for round 1; it joins round 3" in text, text[-3000:]
+    assert late[4]["metrics"]["islands/staleness"] == 2.0 and ours[4]["metrics"]["islands/stale_merged"] == 1.0
+    assert ours[3]["metrics"]["islands/stale_merged"] == 0.0
+    # 4 steps of tokens, as in a round of the first run: none lost across the restart, none counted twice
+    assert late[4]["metrics"]["islands/round_tokens"] == load_rounds(first, 2)[1]["metrics"]["islands/round_tokens"]
+    assert all(torch.equal(t, ours[4]["params"][n]) for n, t in late[4]["params"].items())
+
+
 def test_an_island_whose_step_turns_nan_is_left_out_and_trains_on(shared_run):
     out = shared_run("nan")
     per_island = assert_islands_equal(out, 3)

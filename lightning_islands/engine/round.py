@@ -191,9 +191,10 @@ class IslandEngine(IslandEngineBase):
             if self.settings.max_staleness:
                 pending.metrics.update(plan.staleness_metrics(self.island))
             pending.merged_tokens = math.fsum(pending.headers[i].tokens for i in plan.members)
+            pending.budget_spent = self.schedule.spends_budget(pending.merged_tokens)
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
-        self.side.agree(lambda: self.meeting.settle(header.round, pending.run_ends))
+        self.side.agree(lambda: self.meeting.settle(header.round, pending.run_ends or pending.budget_spent))
         if pending.stop:
             self.schedule.stopping = True
         self.joining = False
@@ -310,8 +311,7 @@ class IslandEngine(IslandEngineBase):
         self.state.write_to(locals_, idx, self.settings.overlap_alpha if overlapped else 0.0)
         self.schedule.advance(pending.tokens, pending.headers,
                               self.schedule.inner_steps - pending.inner_steps if overlapped else 0)
-        if self.schedule.count_run_tokens(pending.merged_tokens):
-            pending.budget_spent = self.schedule.stopping = True
+        self.schedule.run_tokens += int(pending.merged_tokens)
         keep = self.settings.fragments - 1
         self.recent_rounds = [*self.recent_rounds, {"tokens": pending.tokens, "experts": pending.experts}][-keep:] \
             if keep else []

@@ -101,12 +101,11 @@ class Schedule:
         self.total_tokens += int(tokens)
         self.steps_per_round = next_steps
 
-    def count_run_tokens(self, merged: float) -> bool:
-        """Add a round's merged tokens (every island's, as every island counts them from the headers);
-        returns whether the run's ``max_tokens`` is reached (the islands stop after this round)."""
-        self.run_tokens += int(merged)
+    def spends_budget(self, merged: float) -> bool:
+        """Whether a round that merges ``merged`` tokens (every island's, as every island counts them
+        from the headers) reaches the run's ``max_tokens``: the islands stop after it."""
         budget = self.settings.max_tokens
-        return budget is not None and self.run_tokens >= budget
+        return budget is not None and self.run_tokens + int(merged) >= budget
 
     def skip(self, steps_since: int = 0) -> None:
         """The round went on without this island: move to the next one without an outer step."""

@@ -343,6 +343,8 @@ class Membership:
                 return Decision.from_json(found), False
             self._check_ended(round_)
             self._check_current(round_)
+            if self._get(self._k(f"round{round_ + 1}/a0/members")) is not None:  # resumed behind the others
+                raise LateForRound(f"round {round_} was passed over: the other islands decided round {round_ + 1}")
             arrived = {i for i in sorted(self.roster | expected) if self.store.check([self._k(f"{key}/h/{i}")])}
             # a joiner sends its header once the decision names it: it is waited for only if alive
             asking = self.joiners(round_)
