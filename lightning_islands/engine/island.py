@@ -7,6 +7,7 @@ error, so no rank is left waiting in a collective when the leader fails.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -18,6 +19,9 @@ T = TypeVar("T")
 # errors of the leader that every rank re-raises as they are, with no failure report to the other
 # islands: the round is run again, or rejoined; or the coordinator a report would go through is gone
 RERAISED = {cls.__name__: cls for cls in (RoundLost, LateForRound, RunEnded, CoordinatorLost)}
+
+
+log = logging.getLogger(__name__)
 
 
 class Island:
@@ -47,6 +51,7 @@ class Island:
                 box = (type(err).__name__, str(err))
             except Exception as err:  # noqa: BLE001 - forwarded to every rank below
                 message = f"island {self.index}: {type(err).__name__}: {err}"
+                log.error("lightning_islands: island %d's leader failed", self.index, exc_info=True)  # its traceback
                 if self.link is not None and not isinstance(err, IslandAborted):
                     with suppress(Exception):
                         self.link.abort(message)
