@@ -9,7 +9,7 @@ Every run is one ``python -m lightning_islands.app.train islands=four_uneven`` s
 one-process islands of the provided MoE on the default corpus, each batch 8. Island 3 sleeps
 ``--delay`` seconds after each of its batches for the first third of its planned steps, not at all
 for the second third, and again for the last (a shared cluster's changing speed: about 3x slower,
-then 1x, then 3x). Island 3 is also behind a slower link (``islands.link=RATE,RTT,3=SLOW``, network
+then 1x, then 3x). Island 2 is behind a slower link (``islands.link=RATE,RTT,2=SLOW``, network
 namespaces and ``tc``; without them, ``--no-link``). Every configuration trains the same total
 tokens (``islands.max_tokens``: the run stops after the round whose merged tokens reach it; a fast
 island trains more of them), with the learning-rate schedule of the synchronous run's steps:
@@ -22,8 +22,10 @@ island trains more of them), with the learning-rate schedule of the synchronous 
 - ``async+butterfly``: both.
 
 Per run (``DIR/asynchrony.json``, one row per configuration and seed): ``wall_s`` (the longest
-island's fit time), ``val_loss`` (the mean over islands of each island's final global model; the
-butterfly's islands hold different ones, a late island an older one), ``val_loss_island0``,
+island's fit time), ``tokens`` (merged: the run stops after the round that reaches the budget, so
+a configuration of long rounds overshoots it), ``wall_per_budget_s`` (``wall_s`` scaled to the
+budget), ``val_loss`` (the mean over islands of each island's final global model; the butterfly's
+islands hold different ones, a late island an older one), ``val_loss_island0``,
 ``bytes_received_per_round`` (mean over islands of bytes received over rounds taken part in),
 ``staleness`` (a histogram of the ages of the pseudo-gradients merged: ``{age: count}``),
 ``rounds`` and the rows' ratios to ``sync`` of the same seed. ``DIR/asynchrony.md`` is the table (and
@@ -88,7 +90,9 @@ def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str
     per_island = [sum(r.get("bytes_received", 0.0) for r in h if r.get("event") == "round")
                   / max(1, sum(1 for r in h if r.get("event") == "round")) for h in histories.values()]
     curve = [(r["t"], r["val_loss"]) for r in histories.get(0, []) if r.get("event") == "val"]
+    budget = ISLANDS * args.steps * BATCH * SEQ_LEN
     return {"config": config, "seed": seed, "wall_s": summary["wall_seconds"],
+            "wall_per_budget_s": summary["wall_seconds"] * budget / max(1, summary["tokens"]),
             "val_loss": statistics.fmean(summary["val_loss_per_island"]), "val_loss_island0": summary["val_loss"],
             "val_loss_per_island": summary["val_loss_per_island"], "tokens": summary["tokens"],
             "rounds": summary.get("rounds"), "bytes_received_per_round": statistics.fmean(per_island),
@@ -99,13 +103,14 @@ def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The markdown table: every row with its ratios to ``sync`` of its seed, then the means."""
     sync = {r["seed"]: r for r in rows if r["config"] == "sync"}
-    lines = ["| config | seed | wall (s) | vs sync | val loss (mean of islands) | vs sync | island 0 | "
-             "bytes in / round | rounds | stale merges (age: count) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | seed | wall (s) | vs sync | tokens | val loss (mean of islands) | vs sync | island 0 | "
+             "bytes in / round | rounds | stale merges (age: count) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = sync.get(r["seed"])
         wall = f"{r['wall_s'] / base['wall_s']:.3f}" if base else "-"
         loss = f"{r['val_loss'] / base['val_loss']:.4f}" if base else "-"
-        lines.append(f"| {r['config']} | {r['seed']} | {r['wall_s']:.1f} | {wall} | {r['val_loss']:.4f} | {loss} | "
+        lines.append(f"| {r['config']} | {r['seed']} | {r['wall_s']:.1f} | {wall} | {r['tokens']:,} | "
+                     f"{r['val_loss']:.4f} | {loss} | "
                      f"{r['val_loss_island0']:.4f} | {r['bytes_received_per_round'] / 1e6:.2f} MB | {r['rounds']} | "
                      f"{r['staleness'] or '-'} |")
     seeds = sorted({r["seed"] for r in rows})
@@ -155,7 +160,7 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=1.0, help="seconds island 3 sleeps per batch when slow")
     parser.add_argument("--staleness", type=int, default=4, help="max_staleness of the async configurations")
     parser.add_argument("--grace", type=float, default=3.0, help="islands.grace_s of every configuration")
-    parser.add_argument("--link", default="1gbit,50ms,3=30mbit", help="islands.link ('' for none)")
+    parser.add_argument("--link", default="1gbit,50ms,2=30mbit", help="islands.link ('' for none)")
     parser.add_argument("--no-link", dest="link", action="store_const", const="", help="no shaped link")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default="results/asynchrony")
