@@ -23,17 +23,18 @@ from lightning_islands.engine.fragments import split_fragments
 BUTTERFLY = {"topology": "butterfly"}
 
 
-def butterfly_reference(plan: Plan) -> tuple[list[list[torch.Tensor]], list[float]]:
+def butterfly_reference(plan: Plan) -> tuple[list[list[torch.Tensor]], list[float], list[float]]:
     """Each island's global state after each round, in float64: its own outer step (Nesterov, its own
     momentum) on its own pseudo-gradient, then the weighted mix of its group's proposals; and island
     0's spread each round (the largest distance from its proposal to a partner's, over its global
-    model's norm before the round)."""
+    model's norm before the round), and the largest distance between two islands' global models
+    before each round over the same norm."""
     s = {"sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9, **plan.settings}
     n, h, mu, lr = len(plan.sizes), s["sync_every"], s["outer_momentum"], s["outer_lr"]
     bf = Butterfly(n)
     glob = [initial_flat(0).double() for _ in range(n)]
     bufs: list[torch.Tensor | None] = [None] * n
-    out, spreads, step = [], [], 0
+    out, spreads, apart, step = [], [], [], 0
     for r in range(plan.rounds):
         props, weights = [], []
         for i in range(n):
@@ -45,13 +46,14 @@ def butterfly_reference(plan: Plan) -> tuple[list[list[torch.Tensor]], list[floa
             props.append(glob[i] - lr * (delta + mu * bufs[i]))
             weights.append(plan.sizes[i] * plan.tokens[i] * h)
         stage = bf.stage_of(r)
+        apart.append(max(float((a - b).norm()) for a in glob for b in glob) / float(glob[0].norm()))
         spreads.append(max(float((props[j] - props[0]).norm()) for j in bf.peers(0, stage)) / float(glob[0].norm()))
         for i in range(n):
             group = [j for unit in bf.group(i, stage) for j in unit]
             glob[i] = sum(weights[j] * props[j] for j in group) / sum(weights[j] for j in group)
         step += h
         out.append([g.float() for g in glob])
-    return out, spreads
+    return out, spreads, apart
 
 
 def pairs(bf: Butterfly, stage: int) -> list[list[int]]:
@@ -64,7 +66,7 @@ def test_each_stage_leaves_its_group_identical_and_matches_the_float64_mix(sizes
     plan = Plan(sizes=sizes, tokens=[8, 3, 5, 2][: len(sizes)], rounds=4, settings=BUTTERFLY)
     results = leaders(run(plan))
     bf = Butterfly(len(sizes))
-    want, spreads = butterfly_reference(plan)
+    want, spreads, apart = butterfly_reference(plan)
     for r in range(plan.rounds):
         for group in pairs(bf, bf.stage_of(r)):
             first = results[group[0]]["rounds"][r]
@@ -72,7 +74,10 @@ def test_each_stage_leaves_its_group_identical_and_matches_the_float64_mix(sizes
                 assert torch.equal(results[i]["rounds"][r], first), f"round {r}: islands {group} differ"
         for i in range(len(sizes)):
             torch.testing.assert_close(results[i]["rounds"][r], want[r][i], rtol=1e-5, atol=1e-5)
-        assert results[0]["metrics"][r]["islands/spread"] == pytest.approx(spreads[r], rel=1e-4)
+        m = results[0]["metrics"][r]
+        assert m["islands/partner_spread"] == pytest.approx(spreads[r], rel=1e-4)
+        # estimated from the headers' sketches: zero while the islands agree, then within the sketch's noise
+        assert m["islands/spread"] == pytest.approx(apart[r], rel=0.3, abs=1e-6)
     if len(sizes) == 4:  # islands 0 and 3 never share a group: their states differ, the mix still pulls them
         assert not torch.equal(results[0]["rounds"][-1], results[3]["rounds"][-1])
         m = results[0]["metrics"][-1]
@@ -204,3 +209,26 @@ def test_a_nan_island_is_left_out_of_its_pair_and_adopts_its_partners_proposal()
     assert torch.equal(islands[1]["globals"][1], islands[3]["globals"][1]), "the pair still ends the stage equal"
     assert all(torch.isfinite(g).all() for island in islands for g in island["globals"])
     assert all(torch.isfinite(t).all() for t in islands[1]["locals"])
+
+
+def test_the_sketch_ignores_the_sharding_and_estimates_distances():
+    from doubles import run_threads
+
+    def sketch(flat: torch.Tensor, size: int) -> list[list[float]]:
+        shared = ThreadIsland(size)
+
+        def rank(r: int) -> list[float]:
+            layout = CanonicalLayout(SPECS, ThreadGroup(shared, r))
+            return layout.island_sketch([layout.shard_of(flat, i).clone() for i in range(len(SPECS))])
+
+        return run_threads([lambda r=r: rank(r) for r in range(size)])
+
+    a = initial_flat(1)
+    one, three = sketch(a, 1), sketch(a, 3)
+    assert all(torch.allclose(torch.tensor(s), torch.tensor(one[0]), rtol=0, atol=1e-9) for s in one + three)
+    ratios = []
+    for seed in range(8):
+        b = a + torch.randn(a.numel(), generator=torch.Generator().manual_seed(seed)) * (0.1 + seed)
+        estimate = (torch.tensor(sketch(b, 2)[0]) - torch.tensor(one[0])).norm()
+        ratios.append(float(estimate / (b - a).double().norm()))
+    assert all(0.75 < r < 1.25 for r in ratios), ratios

@@ -58,7 +58,9 @@ class RoundHeader:
     state is whatever it restarted with (repaired, not merged, unless it is a recent global state:
     ``max_staleness``); ``absent``: it is not in the round; ``recent``: with ``max_staleness``, the
     checksums of the fragment's global state this island held at its last outer step counts
-    (steps -> checksum), by which the others tell a late island's state from a drifted one.
+    (steps -> checksum), by which the others tell a late island's state from a drifted one;
+    ``sketch``: with the butterfly, a count sketch of its global state of the fragment (how far apart
+    the islands' models are: :meth:`~lightning_islands.engine.layout.CanonicalLayout.sketch`).
     """
 
     round: int
@@ -74,6 +76,7 @@ class RoundHeader:
     joining: bool = False
     absent: bool = False
     recent: dict[int, int] | None = None
+    sketch: tuple[float, ...] | None = None
 
     @classmethod
     def absent_from(cls, round_: int, stop: bool = False) -> RoundHeader:
@@ -92,7 +95,7 @@ class RoundHeader:
                 "experts": self.experts, "stop": self.stop, "norm": self.norm,
                 "state": None if self.state is None else self.state.to_wire(), "joining": self.joining,
                 "absent": self.absent, **({"recent": {str(k): v for k, v in self.recent.items()}} if self.recent
-                                          else {})}
+                                          else {}), **({"sketch": list(self.sketch)} if self.sketch else {})}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any] | None, round_: int, island: int) -> RoundHeader:
@@ -111,7 +114,8 @@ class RoundHeader:
                        None if experts is None else {k: [float(c) for c in v] for k, v in experts.items()},
                        bool(d["stop"]), None if d["norm"] is None else float(d["norm"]),
                        None if d["state"] is None else StateSummary.from_wire(d["state"]), bool(d["joining"]),
-                       bool(d["absent"]), {int(k): int(v) for k, v in d["recent"].items()} if d.get("recent") else None)
+                       bool(d["absent"]), {int(k): int(v) for k, v in d["recent"].items()} if d.get("recent") else None,
+                       tuple(float(v) for v in d["sketch"]) if d.get("sketch") else None)
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise HeaderError(f"island {island}'s round {round_} header is malformed ({type(err).__name__}: {err}); "
                               "run the same lightning_islands version on every island") from err

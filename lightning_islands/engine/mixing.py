@@ -112,6 +112,16 @@ def _steps(header: RoundHeader) -> int:
     return steps if isinstance(steps, int) else steps[header.state.fragment]
 
 
+def spread(headers: Sequence[RoundHeader], anchor_sq: float) -> float:
+    """The largest distance between two present islands' global models (their headers' sketches),
+    relative to ``sqrt(anchor_sq)`` (this island's model's norm); 0 with fewer than two sketches."""
+    sketches = [torch.tensor(h.sketch, dtype=torch.float64) for h in headers if not h.absent and h.sketch]
+    if len(sketches) < 2 or anchor_sq <= 0:
+        return 0.0
+    far = max(float((a - b).norm()) for k, a in enumerate(sketches) for b in sketches[k + 1:])
+    return far / math.sqrt(anchor_sq)
+
+
 def proposal(optimizer: outer.OuterSGD, anchors: Sequence[Tensor],
              deltas: Sequence[Tensor]) -> tuple[outer.OuterSGD, list[Tensor]]:
     """This island's outer step on its own pseudo-gradients, taken on copies: the stepped optimizer
@@ -148,7 +158,7 @@ class MixExchange:
         self.keep_residual = keep_residual
         self.link_sums = dict.fromkeys(LINK_TOTALS, 0.0)
         self.spread_sq = dict.fromkeys(self.peers, 0.0)  # squared distance to each partner's proposal
-        self.stage, self.anchor_sq = 0, 0.0  # for the metrics
+        self.stage, self.anchor_sq, self.spread = 0, 0.0, 0.0  # for the metrics
         self.scratch = Buffers()
 
     def run(self, part: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
@@ -193,15 +203,18 @@ class MixExchange:
 
     def metrics(self, chunks: int, num_islands: int, error_feedback: bool) -> dict[str, float]:
         """The round's metrics, once every chunk moved (``chunks``): the all-reduce's, and the stage,
-        the group's size and ``islands/spread``: the largest distance between this island's proposal
-        and a partner's before the mix, relative to the norm of its global model (:attr:`anchor_sq`)."""
+        the group's size, ``islands/partner_spread``: the largest distance between this island's
+        proposal and a partner's before the mix, and ``islands/spread``: the largest distance between
+        two islands' global models before the round (estimated from their sketches), each relative
+        to the norm of this island's global model (:attr:`anchor_sq`)."""
         metrics = self.stats.metrics(error_feedback=error_feedback)
         anchor_sq, stage = self.anchor_sq, self.stage
         metrics.update({f"islands/{key}": value for key, value in self.link_sums.items()})
         spread = math.sqrt(max(self.spread_sq.values(), default=0.0))
         metrics.update({"islands/exchange_chunks": float(chunks), "islands/butterfly_stage": float(stage),
                         "islands/group_size": float(len(self.peers) + 1), "islands/mixed": float(len(self.members)),
-                        "islands/spread": spread / math.sqrt(anchor_sq) if anchor_sq > 0 else 0.0,
+                        "islands/partner_spread": spread / math.sqrt(anchor_sq) if anchor_sq > 0 else 0.0,
+                        "islands/spread": self.spread,
                         "islands/islands_present": float(len(self.link.present)),
                         "islands/islands_left_out": float(len(self.peers) + 1 - len(self.members)),
                         "islands/cosine": self.stats.cosine()})
@@ -228,6 +241,7 @@ class PendingMix:
     group: list[int] = field(default_factory=list)  # the group's islands present, in island order
     members: list[int] = field(default_factory=list)  # those mixed
     steps_after: int = 0  # the group's outer step count after the round (a late island's catches up)
+    spread: float = 0.0  # the islands' spread before the round, estimated from their sketches
 
     @classmethod
     def start(cls, butterfly: Butterfly, state: OuterState, fragment: int, round_: int, fragments: int,
@@ -247,6 +261,7 @@ class PendingMix:
         self.group = present_group(self.butterfly, headers, engine.island, self.stage)
         self.members = [i for i in self.group if i in plan.members and i not in repairs]
         self.steps_after = max(_steps(headers[i]) for i in self.group) + 1
+        self.spread = spread(headers, self.anchor_sq)
         if repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
             repair(engine, self, headers, repairs)
         return len(repairs)
@@ -256,7 +271,7 @@ class PendingMix:
         """The leader's exchange of the round."""
         assert link is not None, "the butterfly runs with other islands"
         exchange = MixExchange(codec, link, island, self.group, self.members, plan.weights, delta_sq, keep_residual)
-        exchange.stage, exchange.anchor_sq = self.stage, self.anchor_sq
+        exchange.stage, exchange.anchor_sq, exchange.spread = self.stage, self.anchor_sq, self.spread
         return exchange
 
     def land(self, state: OuterState, mixed: Sequence[Tensor], island: int) -> outer.OuterSGD:

@@ -161,7 +161,15 @@ class IslandEngine(IslandEngineBase):
         return RoundHeader(self.schedule.round, 0, pending.fragment, tokens, self.schedule.round_steps,
                            pending.step_seconds, experts, stop, norm, summary,
                            joining=self.joining,  # a joiner's state is whatever it restarted with: repaired
-                           recent=self._remember(summary))
+                           recent=self._remember(summary), sketch=self._sketch(pending))
+
+    def _sketch(self, pending: PendingRound) -> tuple[float, ...] | None:
+        """With the butterfly: the count sketch of this island's global state of the round's fragment
+        (a collective of the island), from which every island estimates the islands' spread."""
+        if pending.mix is None:
+            return None
+        idx = self.state.indices(pending.fragment)
+        return tuple(self.fragment_layouts[pending.fragment].island_sketch([self.state.anchors[i] for i in idx]))
 
     def _remember(self, summary: StateSummary | None) -> dict[int, int] | None:
         """With ``max_staleness``: record this island's global state checksum at the fragment's step
