@@ -74,6 +74,10 @@ def test_an_island_whose_global_state_drifted_is_repaired_from_the_others(sizes,
         assert other["digest"] == first["digest"]
         assert all(torch.equal(a, b) for a, b in zip(first["globals"][found:], other["globals"][found:]))
     assert f"island {bad}'s global state differs" in caplog.text
+    # the state went to the drifted island alone: an island in step moved no byte for the repair
+    src = min(i for i in range(len(sizes)) if i != bad)
+    for i, island in enumerate(islands):
+        assert (sum(island["swapped"]) > 0) == (i in (bad, src)), (i, island["swapped"])
 
 
 def test_the_state_checksum_ignores_the_sharding_and_sees_one_bit():

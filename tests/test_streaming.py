@@ -40,11 +40,17 @@ class GatedLink(MemoryLink):
 
 
 class RecordingLink(MemoryLink):
-    """A link that keeps the round headers this island sent."""
+    """A link that keeps the round headers this island sent, and the bytes each swap received."""
 
     def __init__(self, hub: Hub, island: int) -> None:
         super().__init__(hub, island)
         self.sent: list[dict] = []
+        self.swapped: list[int] = []
+
+    def swap_bytes(self, payload: torch.Tensor, peers: Any, limit: int | None = None) -> dict[int, torch.Tensor]:
+        got = super().swap_bytes(payload, peers, limit)
+        self.swapped.append(payload.numel() + sum(t.numel() for t in got.values()))
+        return got
 
     def gather_objects(self, key: str, obj: object) -> list:
         if key.startswith("round"):
@@ -109,7 +115,8 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
                 engine.start(locals_, counts(), background=True)
                 landed(*engine.land(locals_))
     return {"globals": globals_, "metrics": metrics, "digest": engine.global_state_digest(),
-            "headers": getattr(engine.link, "sent", []), "residual": engine.state.residual,
+            "headers": getattr(engine.link, "sent", []), "swapped": getattr(engine.link, "swapped", []),
+            "residual": engine.state.residual,
             "locals": [t.clone() for t in locals_], "leader": group.rank == 0}
 
 

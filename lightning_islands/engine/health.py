@@ -54,9 +54,10 @@ def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: t
            headers: Sequence[RoundHeader], locals_: Sequence[Tensor]) -> int:
     """Every rank, once the round's headers are known: if some island's global state differs from
     the majority's (the largest group of equal state summaries; a tie goes to the group with the
-    lowest island), the first island of the majority sends its anchors and momentum to all and the
-    others take them (into ``locals_`` too). Such an island is left out of this round's merge
-    (its pseudo-gradient was taken from the wrong anchors). Returns how many islands were repaired."""
+    lowest island), the first island of the majority sends its anchors and momentum to those islands
+    alone (a swap: no island in step pays for the transfer) and they take them (into ``locals_``
+    too). Such an island is left out of this round's merge (its pseudo-gradient was taken from the
+    wrong anchors). Returns how many islands were repaired."""
     good = majority(headers)
     bad = [i for i, h in enumerate(headers) if i not in good and not h.absent]
     if not bad or not good:
@@ -69,12 +70,15 @@ def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: t
         if has_momentum:
             flat_m = layout.gather_to_leader(state.momentum, device)  # type: ignore[arg-type]
             flat = None if flat is None else torch.cat([flat, flat_m])  # type: ignore[list-item]
-        island.on_leader(lambda link: link.broadcast_bytes(flat.cpu().view(torch.uint8), src=src))  # type: ignore
+        island.on_leader(lambda link: link.swap_bytes(flat.cpu().view(torch.uint8), bad, limit=0))  # type: ignore
         return len(bad)
-    limit = 4 * n * (2 if has_momentum else 1)
-    received = island.on_leader(lambda link: link.broadcast_bytes(None, src=src, limit=limit))
+    # only the islands repaired receive it; every island swaps (the others with nobody), so that each
+    # island's sequence of payloads stays in step with the others'
+    peers, limit = ([src] if island.index in bad else []), 4 * n * (2 if has_momentum else 1)
+    got = island.on_leader(lambda link: link.swap_bytes(torch.empty(0, dtype=torch.uint8), peers, limit=limit))
     if island.index not in bad:
         return len(bad)
+    received = None if got is None else got[src]
     if island.is_leader:
         log.warning("islands: island %d's global state differs from island(s) %s's before round %d (%s vs %s); "
                     "taking island %d's", island.index, good, headers[src].round, headers[island.index].state,
