@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_islands.link.coordinator import Coordinator, parse_address
 from lightning_islands.link.island_link import IslandLink
@@ -54,6 +56,32 @@ def _wait_for(a: IslandLink, other_island) -> float:
     waited = time.monotonic() - started
     t.join(timeout=30)
     return waited
+
+
+def test_reading_a_key_that_may_vanish_never_waits_for_it():
+    """get_if_set reads in one request: a key deleted right after a check saw it (the sweeper, a
+    join request withdrawn) made the check-then-get wait out the store's timeout, or read empty."""
+    from lightning_islands.link.coordinator import get_if_set
+
+    coord = Coordinator()
+    store = dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=2))
+
+    class Sweeping:  # deletes the key as soon as a check has seen it
+        def check(self, keys: list[str]) -> bool:
+            found = store.check(keys)
+            store.delete_key(keys[0])
+            return found
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+    store.set("k", "v")
+    started = time.monotonic()
+    assert get_if_set(Sweeping(), "k") == b"v"
+    assert get_if_set(store, "missing") is None and not store.check(["missing"]), "nothing is written"
+    store.set("empty", "")
+    assert get_if_set(store, "empty") == b""
+    assert time.monotonic() - started < 1.5
 
 
 def test_the_last_status_published_is_written_by_close():

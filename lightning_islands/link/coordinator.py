@@ -32,14 +32,20 @@ ENV_LINK_IFNAME = "LI_LINK_IFNAME"
 ENV_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 
 
+_ABSENT = "\x00lightning_islands: no value\x00"  # compared against: no key ever holds it
+
+
 def get_if_set(store: dist.Store, key: str) -> bytes | None:
-    """``key``'s value in ``store``, or ``None`` when it is not set (no waiting). A store with a
-    ``get_if_set`` of its own reads in one request (on etcd a leased key can vanish between a check
-    and a get, and the get would then wait for it)."""
+    """``key``'s value in ``store``, or ``None`` when it is not set: one request, no waiting. A
+    check and then a get would wait out the store's timeout for a key deleted in between (a round
+    the sweeper removes, a join request withdrawn), or read it as empty; a ``compare_set`` against a
+    value no key holds returns the value there, or that value itself, writing nothing, when there
+    is none. A store with a ``get_if_set`` of its own (etcd's) reads with it."""
     own = getattr(store, "get_if_set", None)
     if own is not None:
         return own(key)
-    return store.get(key) if store.check([key]) else None
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value
 
 
 def absent(store: dist.Store, keys: Mapping[int, str]) -> list[int]:
