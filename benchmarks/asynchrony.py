@@ -120,10 +120,11 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         mean = {c: (statistics.fmean(r["wall_s"] for r in rows if r["config"] == c),
                     statistics.fmean(r["val_loss"] for r in rows if r["config"] == c))
                 for c in dict.fromkeys(r["config"] for r in rows)}
+        nan = (float("nan"), float("nan"))
+        sync, balanced = mean.get("sync", nan), mean.get("balanced", nan)
         for c, (wall, loss) in mean.items():
-            lines.append(f"| {c} | {wall:.1f} | {wall / mean['sync'][0]:.3f} | "
-                         f"{wall / mean['balanced'][0] if 'balanced' in mean else float('nan'):.3f} | {loss:.4f} | "
-                         f"{loss / mean['sync'][1]:.4f} |")
+            lines.append(f"| {c} | {wall:.1f} | {wall / sync[0]:.3f} | {wall / balanced[0]:.3f} | {loss:.4f} | "
+                         f"{loss / sync[1]:.4f} |")
     return lines
 
 
@@ -164,7 +165,20 @@ def main() -> None:
     parser.add_argument("--no-link", dest="link", action="store_const", const="", help="no shaped link")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
     parser.add_argument("--out", default="results/asynchrony")
+    parser.add_argument("--table", metavar="JSON", nargs="*", help="only print the table of these asynchrony.json "
+                        "files together (runs made in several sittings), into --out")
     args = parser.parse_args()
+    if args.table:
+        rows = [r for path in args.table for r in json.loads(Path(path).read_text())]
+        order = list(CONFIGS)
+        rows.sort(key=lambda r: (r["seed"], order.index(r["config"])))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "asynchrony.json").write_text(json.dumps(rows, indent=2))
+        lines = table(rows)
+        print("\n".join(lines))
+        (Path(args.out) / "asynchrony.md").write_text("\n".join(lines) + "\n")
+        plot(rows, Path(args.out) / "loss_vs_wall.png")
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         seeds, args.steps, args.H = seeds[:1], 60, 10
