@@ -130,10 +130,12 @@ class MemoryLink:
 
     def swap_bytes(self, payload: torch.Tensor, peers: Sequence[int], limit: int | None = None
                    ) -> dict[int, torch.Tensor]:
-        group = sorted({self.island, *peers})
-        key = f"{self._next('swap')}/{'-'.join(map(str, group))}"
-        posts = self.hub.meet(key, self.island, payload.detach().cpu().clone(), needed=group)
-        got = {i: posts[i] for i in group if i != self.island}
+        call, got = self._next("swap"), {}
+        for p in sorted(set(peers) - {self.island}):  # one meeting per pair, in island order: no cycle waits
+            pair = sorted((self.island, p))
+            posts = self.hub.meet(f"{call}/{pair[0]}-{pair[1]}", self.island, payload.detach().cpu().clone(),
+                                  needed=pair)
+            got[p] = posts[p]
         self._check({i: t.numel() for i, t in got.items()}, limit)
         self.stats.bytes_sent += payload.numel() * len(got)
         self.stats.bytes_received += sum(t.numel() for t in got.values())

@@ -250,6 +250,21 @@ def test_the_engine_stops_both_islands_when_one_has_the_wrong_secret():
 
 
 # ------------------------------------------------------------------------------------------- the real link
+def test_a_star_of_swaps_checks_out_under_the_secret():
+    """A repair's source swaps with every island it repairs, each of them only with the source, an
+    island in step with nobody: every payload arrives and checks out."""
+    hub = Hub(4)
+    links = [AuthenticatedLink(MemoryLink(hub, i), SECRET, "star") for i in range(4)]
+    for link in links:
+        link.open_lanes()
+    peers = {0: [2, 3], 1: [], 2: [0], 3: [0]}
+    payload = {i: torch.full((5 + i,), i, dtype=torch.uint8) for i in range(4)}
+    got = outcomes([lambda i=i: links[i].swap_bytes(payload[i], peers[i]) for i in range(4)])
+    assert not any(isinstance(g, Exception) for g in got), got
+    for i in range(4):
+        assert sorted(got[i]) == peers[i] and all(torch.equal(got[i][p], payload[p]) for p in peers[i])
+
+
 def test_the_real_link_over_loopback_with_a_secret_gives_the_same_bits():
     """Two islands' engines over the coordinator and gloo lanes, each link authenticated: the same
     global states as the plain in-memory run (the initial state is broadcast: islands start apart)."""

@@ -17,6 +17,7 @@ from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
+from lightning_islands.link.auth import AuthenticatedLink
 from lightning_islands.link.protocol import LateForRound
 
 H, TOKENS = 3, [4, 6, 5, 3]
@@ -33,8 +34,12 @@ class LateLink(MemoryLink):
         self.round, self._calls = round_, 0
         missing = self.late.get(round_)
         if missing == self.island:
+            self.lanes_key = None  # as the real link's: an island taken back builds the lanes anew
             raise LateForRound(f"round {round_} was decided without island {self.island}")
-        self.present = tuple(i for i in range(self.num_islands) if i != missing)
+        present = tuple(i for i in range(self.num_islands) if i != missing)
+        if present != self.present or self.lanes_key is None:  # new lanes for a new member set, a key never reused
+            self.lanes_key = f"round{round_}"
+        self.present = present
         posts = self.hub.meet(f"round{round_}", self.island, header, needed=self.present)
         return [posts.get(i) if i in self.present else None for i in range(self.num_islands)]
 
@@ -54,17 +59,19 @@ class LateLink(MemoryLink):
         return self.hub.meet(self._next("broadcast"), self.island, value, needed=[src])[src]
 
 
-def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub
-            ) -> dict[str, Any]:
+def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub,
+            secret: bytes | None = None) -> dict[str, Any]:
     s = IslandSettings(**{"sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "fp32",
                           "max_staleness": 2, "staleness_decay": 0.5, **settings})
     layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(1), 0))
     engine = IslandEngine(s, layout, i, n, torch.device("cpu"), torch.device("cpu"))
     locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
-    engine.meet(lambda: LateLink(hub, i, late), s.fingerprint(layout, False, "cpu"))
+    link = LateLink(hub, i, late)
+    wrapped = AuthenticatedLink(link, secret, "late") if secret else link
+    engine.meet(lambda: wrapped, s.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     out: dict[str, Any] = {"rounds": {}, "metrics": {}}
-    while engine.schedule.round < rounds:
+    while engine.schedule.round < rounds and not engine.schedule.stopping:
         for _ in range(engine.schedule.steps_per_round - engine.schedule.round_steps):
             goal = target(i, engine.schedule.inner_steps)
             for k, loc in enumerate(locals_):
@@ -77,10 +84,10 @@ def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[st
     return out
 
 
-def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None, n: int = 3
-        ) -> list[dict[str, Any]]:
+def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None, n: int = 3,
+        secret: bytes | None = None) -> list[dict[str, Any]]:
     hub = Hub(n)
-    return run_threads([lambda i=i: _island(i, n, rounds, late, settings or {}, hub) for i in range(n)])
+    return run_threads([lambda i=i: _island(i, n, rounds, late, settings or {}, hub, secret) for i in range(n)])
 
 
 def reference(rounds: int, late: dict[int, int], max_staleness: int = 2, decay: float = 0.5) -> list[torch.Tensor]:
@@ -192,3 +199,46 @@ def test_max_tokens_stops_every_island_after_the_round_that_reaches_the_runs_bud
         assert island["schedule"]["stopping"] is True
     with pytest.raises(ValueError, match="max_tokens"):
         IslandSettings(max_tokens=100, fragments=2, sync_every=4)
+
+
+def test_with_a_secret_an_island_mixing_alone_keeps_its_payload_sequence_in_step():
+    """Island 1 misses rounds 1-3 (one member set, one sequence of payload numbers): island 3 mixes
+    alone at stage 1, island 0 at stage 0, and the next stage pairs islands 2 and 3 under MACs that
+    bind each payload's call number, which holds only if a lone island counts its swaps too."""
+    bfly = {"topology": "butterfly", "codec": "int4", "error_feedback": True}
+    islands = run(5, {1: 1, 2: 1, 3: 1}, bfly, n=4, secret=b"s" * 32)
+    assert [islands[3]["metrics"][r]["islands/group_size"] for r in (1, 2, 3)] == [1.0, 2.0, 1.0]
+    assert torch.equal(islands[2]["rounds"][2], islands[3]["rounds"][2])
+    assert torch.equal(islands[0]["rounds"][3], islands[2]["rounds"][3])
+
+
+def test_a_late_island_counts_the_runs_tokens_from_the_others_and_stops_with_them():
+    """Rounds merge 45 tokens (30 in round 1, which island 2 misses): 45, 75, 120, 165. A budget of
+    150 ends the run after round 3 on every island, the late one included, whose own count missed
+    round 1 (it takes the largest count in the round's headers)."""
+    islands = run(8, {1: 2}, {"max_tokens": 150})
+    for i, island in enumerate(islands):
+        assert max(island["rounds"]) == 3, (i, sorted(island["rounds"]))
+        assert island["metrics"][3]["islands/run_tokens"] == 165.0
+
+
+def test_the_start_agreement_lets_an_island_behind_hold_an_older_state_and_keeps_island_numbers():
+    from lightning_islands.engine.rendezvous import agree_on_start
+
+    class Side:
+        def __init__(self, found: list[dict[str, Any]]) -> None:
+            self.found = found
+
+        def with_link(self, work: Any) -> Any:
+            return work(self)
+
+        def gather_objects(self, key: str, obj: object) -> list:
+            return self.found
+
+    behind = {"digest": "old", "round": 3, "more": False, "steps": 2}
+    ahead = {"digest": "new", "round": 4, "more": True, "steps": 3}
+    assert agree_on_start(Side([behind, ahead, ahead]), "new", 4, True, 3, max_staleness=1) == [0]  # type: ignore
+    with pytest.raises(RuntimeError, match="different global states"):
+        agree_on_start(Side([behind, ahead, ahead]), "new", 4, True, 3, max_staleness=0)  # type: ignore
+    with pytest.raises(RuntimeError, match="different global states"):
+        agree_on_start(Side([{**behind, "steps": 1}, ahead]), "new", 4, True, 3, max_staleness=1)  # type: ignore

@@ -60,7 +60,9 @@ class RoundHeader:
     checksums of the fragment's global state this island held at its last outer step counts
     (steps -> checksum), by which the others tell a late island's state from a drifted one;
     ``sketch``: with the butterfly, a count sketch of its global state of the fragment (how far apart
-    the islands' models are: :meth:`~lightning_islands.engine.layout.CanonicalLayout.sketch`).
+    the islands' models are: :meth:`~lightning_islands.engine.layout.CanonicalLayout.sketch`);
+    ``run_tokens``: with ``max_tokens``, the run's merged tokens as this island counted them before
+    the round (the round counts on from the largest: a late or restarted island's count lags).
     """
 
     round: int
@@ -77,6 +79,7 @@ class RoundHeader:
     absent: bool = False
     recent: dict[int, int] | None = None
     sketch: tuple[float, ...] | None = None
+    run_tokens: int | None = None
 
     @classmethod
     def absent_from(cls, round_: int, stop: bool = False) -> RoundHeader:
@@ -95,7 +98,8 @@ class RoundHeader:
                 "experts": self.experts, "stop": self.stop, "norm": self.norm,
                 "state": None if self.state is None else self.state.to_wire(), "joining": self.joining,
                 "absent": self.absent, **({"recent": {str(k): v for k, v in self.recent.items()}} if self.recent
-                                          else {}), **({"sketch": list(self.sketch)} if self.sketch else {})}
+                                          else {}), **({"sketch": list(self.sketch)} if self.sketch else {}),
+                **({"run_tokens": self.run_tokens} if self.run_tokens is not None else {})}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any] | None, round_: int, island: int) -> RoundHeader:
@@ -115,7 +119,8 @@ class RoundHeader:
                        bool(d["stop"]), None if d["norm"] is None else float(d["norm"]),
                        None if d["state"] is None else StateSummary.from_wire(d["state"]), bool(d["joining"]),
                        bool(d["absent"]), {int(k): int(v) for k, v in d["recent"].items()} if d.get("recent") else None,
-                       tuple(float(v) for v in d["sketch"]) if d.get("sketch") else None)
+                       tuple(float(v) for v in d["sketch"]) if d.get("sketch") else None,
+                       None if d.get("run_tokens") is None else int(d["run_tokens"]))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise HeaderError(f"island {island}'s round {round_} header is malformed ({type(err).__name__}: {err}); "
                               "run the same lightning_islands version on every island") from err

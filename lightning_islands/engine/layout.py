@@ -505,7 +505,7 @@ class CanonicalLayout:
     def sketch(self, tensors: Sequence[Tensor]) -> Tensor:
         """A count sketch (:data:`SKETCH_WIDTH` float64 buckets) of the values of fp32 tensors shaped
         like this rank's shards that this rank owns: canonical value ``c`` adds ``±x_c`` to a bucket,
-        bucket and sign from two multiplicative hashes of its canonical index, so the island's sum
+        bucket and sign from a SplitMix64 hash of its canonical index, so the island's sum
         over its ranks (:meth:`island_sketch`) depends only on the canonical vector. The sketch is
         linear, and ``||sketch(a) - sketch(b)||^2`` estimates ``||a - b||^2`` without bias (relative
         spread about ``sqrt(2 / width)``, 9%): how far apart two islands' global models are, from a
@@ -515,11 +515,12 @@ class CanonicalLayout:
             part = self._parts[self.group.rank][i]
             if not part.owner or not _numel(part.shape):
                 continue
-            values = t.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+            values = t.detach().reshape(-1).to(torch.float64)  # where the shard lives (a GPU's, on a GPU)
             starts, lengths, _ = part.runs
-            h = _mix64(_expand(starts + e.offset, lengths))
+            h = _mix64(_expand(starts + e.offset, lengths, values.device))
             sign = h.bitwise_right_shift(40).bitwise_and_(1).mul_(2).sub_(1)
-            out.index_add_(0, h.bitwise_and_(SKETCH_WIDTH - 1), values.mul_(sign))
+            part_sketch = torch.zeros(SKETCH_WIDTH, dtype=torch.float64, device=values.device)
+            out += part_sketch.index_add_(0, h.bitwise_and_(SKETCH_WIDTH - 1), values.mul_(sign)).cpu()
         return out
 
     def island_sketch(self, tensors: Sequence[Tensor]) -> list[float]:

@@ -57,7 +57,8 @@ class IslandEngineBase:
         fragments = split_fragments([e.name for e in layout.entries], [e.numel for e in layout.entries],
                                     settings.fragments, settings.fragment_layout)
         self.fragment_layouts = [layout] if len(fragments) == 1 else [layout.subset(f) for f in fragments]
-        self.butterfly = Butterfly(num_islands) if settings.topology == "butterfly" else None
+        # a lone island has no stage to mix at: it runs the all-reduce's round (with itself)
+        self.butterfly = Butterfly(num_islands) if settings.topology == "butterfly" and num_islands > 1 else None
         self.state = OuterState([settings.outer_optimizer() for _ in fragments], settings.outer_device,
                                 fragments if len(fragments) > 1 else None,
                                 self.butterfly.stages if self.butterfly is not None else 0)
@@ -146,7 +147,7 @@ class IslandEngineBase:
         second fit with the same strategy); the anchors are taken anew from the parameters."""
         self.schedule = previous.schedule
         self.state.optimizers, self.state.residual = previous.state.optimizers, previous.state.residual
-        self.recent_rounds = previous.recent_rounds
+        self.recent_rounds, self.recent_states = previous.recent_rounds, previous.recent_states
         self.totals, self.last_round_metrics = previous.totals, previous.last_round_metrics
         self._state_exchanges = previous._state_exchanges
 

@@ -39,7 +39,8 @@ class RoundMeeting:
 
     def __init__(self, island: Island, settings: IslandSettings, codec: Codec, layout: CanonicalLayout) -> None:
         self.island, self.settings, self.codec, self.layout = island, settings, codec, layout
-        self.butterfly = Butterfly(island.num_islands) if settings.topology == "butterfly" else None
+        self.butterfly = (Butterfly(island.num_islands) if settings.topology == "butterfly" and island.num_islands > 1
+                          else None)
         self.totals: dict[str, float] = dict.fromkeys(LINK_TOTALS, 0.0)  # what every round moved, summed
 
     def meet(self, header: RoundHeader) -> MergePlan:

@@ -39,7 +39,8 @@ def _steps(summary: StateSummary) -> int:
 def stale_islands(headers: Sequence[RoundHeader], agreeing: Sequence[int], max_staleness: int) -> dict[int, int]:
     """The islands outside ``agreeing`` whose global state of the round's fragment is the one the
     first agreeing island held 1 to ``max_staleness`` outer steps ago (its header's ``recent``
-    checksums): late, not drifted. Each with its age in rounds of the fragment."""
+    checksums) and that took inner steps since (a restarted island brings none): late, not drifted.
+    Each with its age in rounds of the fragment."""
     if not max_staleness or not agreeing:
         return {}
     src = headers[agreeing[0]]
@@ -47,7 +48,7 @@ def stale_islands(headers: Sequence[RoundHeader], agreeing: Sequence[int], max_s
         return {}
     now, found = _steps(src.state), {}
     for i, h in enumerate(headers):
-        if i in agreeing or h.absent or h.state is None:
+        if i in agreeing or h.absent or h.state is None or h.steps <= 0:  # a restart took no steps since
             continue
         age = now - _steps(h.state)
         if 1 <= age <= max_staleness and src.recent.get(_steps(h.state)) == h.state.anchors:
@@ -92,8 +93,10 @@ class MergePlan:
         if ages is None:
             stale = stale_islands(headers, agreeing, max_staleness)
         else:
-            stale = {i: a for i, a in ages.items() if a <= max_staleness and i in agreeing}
-            agreeing = [i for i in agreeing if ages.get(i, 0) <= max_staleness]
+            # a late island's work, if it has any (a restarted one took no steps since: it adopts)
+            fresh = [i for i in agreeing if not ages.get(i) or (ages[i] <= max_staleness and headers[i].steps > 0)]
+            stale = {i: ages[i] for i in fresh if ages.get(i)}
+            agreeing = fresh
         headers, chosen = list(headers), members(headers, exclude_norm_ratio, [*agreeing, *stale])
         round_ = headers[0].round
         if not chosen and not agreeing:

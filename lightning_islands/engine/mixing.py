@@ -1,12 +1,12 @@
 """The butterfly round (``topology="butterfly"``): each island mixes its proposal with its partners'.
 
-Every island holds its own global model (the anchors) and its own outer momentum. A round of
+Every island holds its own global model (the anchors) and its own outer momentum (a repair, below,
+copies its group source's). A round of
 fragment ``f`` at round ``r`` is stage ``k = (r // F) mod stages`` of the butterfly
 (:class:`~lightning_islands.engine.butterfly.Butterfly`: islands ``i`` and ``i XOR 2**k``, extras
 joined to their unit). In it each island
 
-1. takes its own outer step on its own pseudo-gradient: its *proposal* ``P_i`` (its momentum is
-   its own and only its own pseudo-gradients ever enter it);
+1. takes its own outer step on its own pseudo-gradient: its *proposal* ``P_i``;
 2. sends ``Q(P_i - B_k + decay * residual)``: its proposal's distance from the stage's *base*
    ``B_k``, the state its group agreed on when it last mixed at stage ``k`` (all islands start with
    ``B_k`` = the common initial state), compressed by the codec with error feedback;
@@ -28,7 +28,8 @@ counts): the group's majority of voting islands (a tie: the lowest; no voting is
 present) is its source, and an island whose base differs (restarted from an older checkpoint, or
 late for an earlier stage) takes the source's anchors, base and momentum before the exchange and
 is left out of the mix, adopting the group's result. A group with one unit present (its partner
-lost) is the identity: the proposal is the new global state, the base stays.
+lost) mixes that unit alone: an island by itself takes ``B_k + D(Q(...))``, its proposal up to what
+the codec held back (kept in its residual), and the base stays.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ class MixExchange:
             payload, own = torch.empty(0, dtype=torch.uint8, device=dev), part
             if residual is not None:
                 residual.zero_()
-        got = self.link.swap_bytes(payload, self.peers, limit=codec.nbytes(m)) if self.peers else {}
+        # every island swaps every chunk, a lone one with nobody: the links' payload sequences stay in step
+        got = self.link.swap_bytes(payload, self.peers, limit=codec.nbytes(m))
         moved = self.link.take_stats()
         for key in LINK_TOTALS:
             self.link_sums[key] += getattr(moved, key)
@@ -253,7 +255,8 @@ class PendingMix:
         base = [state.bases[stage][i] for i in idx]
         return cls(butterfly, stage, fragment, stepped), [p.sub_(b.to(p.device)) for p, b in zip(params, base)]
 
-    def meet(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], plan: MergePlan) -> int:
+    def meet(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], plan: MergePlan,
+             locals_: Sequence[Tensor]) -> int:
         """Every rank, once the headers are known: the group and its members, and the repair of the
         islands whose base differs from their group's source (before the exchange: a repaired island
         is left out of the mix and adopts it). Returns how many islands were repaired."""
@@ -263,7 +266,7 @@ class PendingMix:
         self.steps_after = max(_steps(headers[i]) for i in self.group) + 1
         self.spread = spread(headers, self.anchor_sq)
         if repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
-            repair(engine, self, headers, repairs)
+            repair(engine, self, headers, repairs, locals_)
         return len(repairs)
 
     def exchange(self, codec: Codec, link: Link | None, island: int, plan: MergePlan, delta_sq: float,
@@ -292,9 +295,11 @@ class PendingMix:
         return state.optimizers[self.fragment]
 
 
-def repair(engine: IslandEngineBase, mix: PendingMix, headers: Sequence[RoundHeader], repairs: dict[int, int]) -> None:
+def repair(engine: IslandEngineBase, mix: PendingMix, headers: Sequence[RoundHeader], repairs: dict[int, int],
+           locals_: Sequence[Tensor]) -> None:
     """Each source sends the islands it repairs its anchors, base and (if any) momentum of the
-    fragment; they take them and the source's outer step count (every rank; a collective of the island)."""
+    fragment; they take them (into ``locals_`` too) and the source's outer step count (every rank;
+    a collective of the island)."""
     island, state, f = engine.island, engine.state, mix.fragment
     layout, idx, opt = engine.fragment_layouts[f], state.indices(f), state.optimizers[f]
     repaired = [bad for bad, src in repairs.items() if src == island]
@@ -327,6 +332,7 @@ def repair(engine: IslandEngineBase, mix: PendingMix, headers: Sequence[RoundHea
         for k, i in enumerate(idx):
             state.anchors[i].copy_(got[0][k])
             state.bases[mix.stage][i].copy_(got[1][k])
+    state.write_to(locals_, idx)  # a round that only agrees to stop lands no mix: the island ends on these
     opt.buffers = [t.to(state.anchors[i].device) for t, i in zip(got[2], idx)] if count == 3 * n else []
     summary = headers[repairs[island]].state
     steps = summary.outer_steps if summary is not None else opt.steps

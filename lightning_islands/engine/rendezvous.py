@@ -138,10 +138,10 @@ def agree_on_start(island: Island, digest: str | None, round_: int, more: bool, 
     def compare(link: Link) -> list[int]:
         found = link.gather_objects("start", {"digest": digest, "round": round_, "more": more, "steps": steps})
         furthest = max(int(d.get("steps", 0)) for d in found)
-        behind = [d for d in found if int(d.get("steps", 0)) < furthest]
-        if max_staleness and all(furthest - int(d["steps"]) <= max_staleness for d in behind):
-            found = [d for d in found if int(d.get("steps", 0)) == furthest]
-        if len({d["digest"] for d in found}) != 1:
+        compared = found
+        if max_staleness and all(furthest - int(d.get("steps", 0)) <= max_staleness for d in found):
+            compared = [d for d in found if int(d.get("steps", 0)) == furthest]
+        if len({d["digest"] for d in compared}) != 1:
             raise RuntimeError(
                 f"islands start from different global states (at rounds {[d['round'] for d in found]}); "
                 "resume every island from its checkpoint of the same step, or none")

@@ -161,7 +161,8 @@ class IslandEngine(IslandEngineBase):
         return RoundHeader(self.schedule.round, 0, pending.fragment, tokens, self.schedule.round_steps,
                            pending.step_seconds, experts, stop, norm, summary,
                            joining=self.joining,  # a joiner's state is whatever it restarted with: repaired
-                           recent=self._remember(summary), sketch=self._sketch(pending))
+                           recent=self._remember(summary), sketch=self._sketch(pending),
+                           run_tokens=self.schedule.run_tokens if self.settings.max_tokens else None)
 
     def _sketch(self, pending: PendingRound) -> tuple[float, ...] | None:
         """With the butterfly: the count sketch of this island's global state of the round's fragment
@@ -192,13 +193,16 @@ class IslandEngine(IslandEngineBase):
         pending.headers = self.side.agree(lambda: box.setdefault("plan", self.meeting.meet(header)).headers)
         plan = box.get("plan") or self.meeting.plan(pending.headers)
         if pending.mix is not None:  # the butterfly: the group checks its base first, then mixes
-            pending.repaired = pending.mix.meet(self, pending.headers, plan)
+            pending.repaired = pending.mix.meet(self, pending.headers, plan, locals_)
         if plan.stepped:
             pending.grads, pending.metrics = self._exchange(sent, delta_sq, plan, pending.fragment, pending.mix)
             pending.metrics.update(plan.expert_gap_metrics())
             if self.settings.max_staleness:
                 pending.metrics.update(plan.staleness_metrics(self.island))
             pending.merged_tokens = math.fsum(pending.headers[i].tokens for i in plan.members)
+            # the run's count so far: the largest any island present reports (a late island's lags)
+            self.schedule.run_tokens = max([self.schedule.run_tokens] + [
+                h.run_tokens for h in pending.headers if not h.absent and h.run_tokens is not None])
             pending.budget_spent = self.schedule.spends_budget(pending.merged_tokens)
         # else every island ended exactly at a round boundary: this exchange only agreed to stop, and an
         # outer step on zero pseudo-gradients would still move the anchor by the momentum
@@ -397,7 +401,9 @@ class IslandEngine(IslandEngineBase):
         they take it into as a joiner: it receives their global parameters, outer state and round
         number, takes that round's outer step with them and ends it bit-identical to them. Returns
         the round's metrics and whether the islands agreed to stop after it."""
+        bases = self.state.bases  # the butterfly's, as its checkpoint left them: a partner may still agree
         self.state.set_anchors(locals_)
+        self.state.bases = bases or self.state.bases
         assert self.link is not None or not self.is_leader
         try:
             round_ = self.side.with_link(lambda link: link.rejoin(self.settings.deadline_s))

@@ -145,7 +145,7 @@ class Schedule:
                 "stopping": self.stopping, "run_tokens": self.run_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (older checkpoints may lack the last two keys)."""
+        """Restore what :meth:`state_dict` returned (older checkpoints may lack the last three keys)."""
         self.round, self.inner_steps, self.round_steps = state["round"], state["inner_steps"], state["round_steps"]
         self.total_tokens = state["total_tokens"]
         self.run_tokens = int(state.get("run_tokens", 0))

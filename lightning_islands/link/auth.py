@@ -391,14 +391,16 @@ class AuthenticatedLink:
 
     def swap_bytes(self, payload: Tensor, peers: Sequence[int], limit: int | None = None) -> dict[int, Tensor]:
         """Swap ``payload`` with ``peers`` (:meth:`Link.swap_bytes`), each received payload checked
-        against its tag, which binds the sender and the group (``limit``: as :meth:`all_gather_bytes`)."""
+        against its tag, which binds its sender and the call (``limit``: as :meth:`all_gather_bytes`)."""
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise TypeError("payload must be a 1-D uint8 tensor")
         epoch, seq = self._next_seq()
-        group = sum(1 << i for i in {self.island, *peers})  # the islands of the swap, as a bit mask
 
+        # bound to its sender and the call: a receiver accepts only its own peers' payloads of this call
+        # (the islands of a swap may name different peer sets: a repair's source names every island it
+        # repairs, each of them only the source)
         def header(i: int, length: int) -> bytes:
-            return payload_header("swap", epoch, seq, i, group, self.num_islands, length)
+            return payload_header("swap", epoch, seq, i, i, self.num_islands, length)
 
         t0 = time.perf_counter()
         signed = self._signed(payload, header(self.island, payload.numel()))
