@@ -491,22 +491,8 @@ class IslandLink:
         out[self.island] = payload
         if len(present) < 2:
             return out
-        t0 = time.perf_counter()
-        try:
-            sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
-            self._check_sizes("an all-gather", dict(zip(present, sizes)), limit)
-            t1 = time.perf_counter()
-            incoming = sum(s for i, s in zip(present, sizes) if i != self.island)
-            got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes), incoming)
-        except (RoundLost, IslandAborted, PayloadRefused):
-            raise
-        except RuntimeError as err:
-            raise self._lost("an all-gather", err) from err
-        t2 = time.perf_counter()
-        self.stats.seconds_waiting += t1 - t0
-        self.stats.seconds_exchanging += t2 - t1
-        self.stats.bytes_sent += payload.numel() * (len(present) - 1)
-        self.stats.bytes_received += incoming
+        got = self._sized_transfer("an all-gather", present, lambda: self.lanes.sizes(payload.numel()),
+                                   lambda sizes: self.lanes.all_gather(payload, sizes), payload.numel(), limit)
         for i, t in zip(present, got):
             out[i] = t
         return out
@@ -524,22 +510,34 @@ class IslandLink:
         if not islands:
             return {}
         ranks = [present.index(i) for i in islands]
+        got = self._sized_transfer("a swap", islands, lambda: self.lanes.swap_sizes(payload.numel(), ranks),
+                                   lambda sizes: self.lanes.swap(payload, ranks, sizes), payload.numel(), limit)
+        return dict(zip(islands, got))
+
+    def _sized_transfer(self, what: str, islands: Sequence[int], sizes_of: Callable[[], list[int]],
+                        move: Callable[[list[int]], list[torch.Tensor]], sent: int,
+                        limit: int | None) -> list[torch.Tensor]:
+        """A transfer among ``islands`` (this one's ``sent`` bytes go to each other one): their sizes
+        (``sizes_of()``, in ``islands``' order), refused above ``limit`` before anything is allocated,
+        then ``move(sizes)``, both watched (:meth:`_watched`); a failed lane is :class:`RoundLost`.
+        Until the sizes are known counts as waiting (for the slowest island), the rest as exchanging."""
         t0 = time.perf_counter()
         try:
-            sizes = self._watched("a swap's sizes", lambda: self.lanes.swap_sizes(payload.numel(), ranks))
-            self._check_sizes("a swap", dict(zip(islands, sizes)), limit)
+            sizes = self._watched(f"{what}'s sizes", sizes_of)
+            self._check_sizes(what, dict(zip(islands, sizes)), limit)
             t1 = time.perf_counter()
-            got = self._watched("a swap", lambda: self.lanes.swap(payload, ranks, sizes), sum(sizes))
+            incoming = sum(n for i, n in zip(islands, sizes) if i != self.island)
+            got = self._watched(what, lambda: move(sizes), incoming)
         except (RoundLost, IslandAborted, PayloadRefused):
             raise
         except RuntimeError as err:
-            raise self._lost("a swap", err) from err
+            raise self._lost(what, err) from err
         t2 = time.perf_counter()
         self.stats.seconds_waiting += t1 - t0
         self.stats.seconds_exchanging += t2 - t1
-        self.stats.bytes_sent += payload.numel() * len(islands)
-        self.stats.bytes_received += sum(sizes)
-        return dict(zip(islands, got))
+        self.stats.bytes_sent += sent * sum(1 for i in islands if i != self.island)
+        self.stats.bytes_received += incoming
+        return got
 
     def broadcast_bytes(self, payload: torch.Tensor | None, src: int = 0, limit: int | None = None) -> torch.Tensor:
         """Broadcast a uint8 tensor from island ``src`` to every island present (initial state, repairs)."""
