@@ -154,34 +154,19 @@ def test_four_islands_over_the_real_authenticated_link_give_the_in_memory_bits()
     """The butterfly's pairwise swaps over the coordinator and gloo lanes (threads of this process),
     every payload under a MAC that binds its sender and group: the same states as in memory."""
     from doubles import run_threads
-    from test_engine import inner_steps
+    from test_engine import loopback_island
 
-    from lightning_islands.engine import IslandEngine
     from lightning_islands.link.auth import AuthenticatedLink
     from lightning_islands.link.coordinator import Coordinator
     from lightning_islands.link.island_link import IslandLink
 
-    plan = Plan(sizes=[1, 1, 1, 1], tokens=[4, 6, 3, 5], rounds=3,
+    plan = Plan(sizes=[1, 1, 1, 1], tokens=[4, 6, 3, 5], rounds=3, same_seed=True,
                 settings={**BUTTERFLY, "codec": "int4", "error_feedback": True})
     coordinator = Coordinator()
     links = [AuthenticatedLink(IslandLink(coordinator.address, i, 4, run_id="bfly", lanes=2), b"k" * 32, "bfly")
              for i in range(4)]
 
-    def island(i: int) -> list[torch.Tensor]:
-        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
-        layout = CanonicalLayout(SPECS)
-        engine = IslandEngine(settings, layout, i, 4, torch.device("cpu"), torch.device("cpu"))
-        locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
-        engine.meet(lambda: links[i], settings.fingerprint(layout, False, "cpu"))
-        engine.adopt_initial_state(locals_, {})
-        out = []
-        for _ in range(plan.rounds):
-            inner_steps(engine, locals_, i, plan.tokens[i])
-            engine.run_round(locals_)
-            out.append(engine.global_flat().clone())
-        return out
-
-    over_tcp = run_threads([lambda i=i: island(i) for i in range(4)])
+    over_tcp = run_threads([lambda i=i: loopback_island(i, lambda k: links[k], plan) for i in range(4)])
     for link in links:
         link.close()
     in_memory = [res["rounds"] for res in leaders(run(plan))]

@@ -306,14 +306,14 @@ def test_islands_built_alike_send_no_initial_state():
 LOOPBACK_PLAN = Plan(sizes=[1, 1], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
 
 
-def loopback_island(i: int, make_link: Any) -> list[torch.Tensor]:
-    """Island ``i`` of :data:`LOOPBACK_PLAN` over the link ``make_link(i)`` returns (a real one);
+def loopback_island(i: int, make_link: Any, plan: Plan = LOOPBACK_PLAN) -> list[torch.Tensor]:
+    """Island ``i`` (of one process) of ``plan`` over the link ``make_link(i)`` returns (a real one);
     its global state after each round."""
-    plan = LOOPBACK_PLAN
     settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, **plan.settings)
     layout = CanonicalLayout(SPECS)
-    engine = IslandEngine(settings, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
-    locals_ = [layout.shard_of(initial_flat(i), k).clone() for k in range(len(SPECS))]
+    engine = IslandEngine(settings, layout, i, len(plan.sizes), torch.device("cpu"), torch.device("cpu"))
+    start = initial_flat(0 if plan.same_seed else i)
+    locals_ = [layout.shard_of(start, k).clone() for k in range(len(SPECS))]
     engine.meet(lambda: make_link(i), settings.fingerprint(layout, False, "cpu"))
     engine.adopt_initial_state(locals_, {})
     out = []
