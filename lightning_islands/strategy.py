@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from typing_extensions import override
 
+from lightning_islands.batches import batch_weight
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, RoundDriver, TorchGroup
 from lightning_islands.engine.checkpoint import OUTER_DIR, load_global_parameters
 from lightning_islands.engine.island import Island
@@ -55,25 +56,6 @@ from lightning_islands.link.island_link import DEFAULT_GRACE_S, IslandLink
 from lightning_islands.link.protocol import CoordinatorLost, IslandAborted
 
 T = TypeVar("T")
-
-
-def batch_weight(module: pl.LightningModule, batch: Any) -> int:
-    """Tokens in ``batch``: the module's ``tokens_per_batch(batch)`` if it has one, else the number
-    of elements of the first tensor found (for ``(B, T)`` token ids: tokens; for other inputs: the
-    leading dimension)."""
-    fn = getattr(module, "tokens_per_batch", None)
-    if callable(fn):
-        return int(fn(batch))
-    stack = [batch]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, Tensor):
-            return int(item.numel()) if item.dim() <= 2 else int(item.shape[0])
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return 1
 
 
 class IslandStrategy(FSDP2Strategy):
