@@ -31,6 +31,12 @@ class StateSummary:
     momentum: int | None
     outer_steps: int | tuple[int, ...]
 
+    @property
+    def fragment_steps(self) -> int:
+        """The outer step count of the summary's fragment."""
+        steps = self.outer_steps
+        return steps if isinstance(steps, int) else steps[self.fragment]
+
     def to_wire(self) -> dict[str, Any]:
         steps = self.outer_steps
         return {"fragment": self.fragment, "anchors": self.anchors, "momentum": self.momentum,

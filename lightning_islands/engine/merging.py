@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from lightning_islands.engine import health, outer
-from lightning_islands.engine.header import RoundHeader, StateSummary
+from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.layout import CanonicalLayout
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,6 @@ def members(headers: Sequence[RoundHeader], exclude_norm_ratio: float | None,
     return outer.merge_members([h.norm if i in agree else None for i, h in enumerate(headers)], exclude_norm_ratio)
 
 
-def _steps(summary: StateSummary) -> int:
-    """The outer step count of the summary's fragment."""
-    steps = summary.outer_steps
-    return steps if isinstance(steps, int) else steps[summary.fragment]
-
-
 def stale_islands(headers: Sequence[RoundHeader], agreeing: Sequence[int], max_staleness: int) -> dict[int, int]:
     """The islands outside ``agreeing`` whose global state of the round's fragment is the one the
     first agreeing island held 1 to ``max_staleness`` outer steps ago (its header's ``recent``
@@ -46,12 +40,12 @@ def stale_islands(headers: Sequence[RoundHeader], agreeing: Sequence[int], max_s
     src = headers[agreeing[0]]
     if src.state is None or not src.recent:
         return {}
-    now, found = _steps(src.state), {}
+    now, found = src.state.fragment_steps, {}
     for i, h in enumerate(headers):
         if i in agreeing or h.absent or h.state is None or h.steps <= 0:  # a restart took no steps since
             continue
-        age = now - _steps(h.state)
-        if 1 <= age <= max_staleness and src.recent.get(_steps(h.state)) == h.state.anchors:
+        age = now - h.state.fragment_steps
+        if 1 <= age <= max_staleness and src.recent.get(h.state.fragment_steps) == h.state.anchors:
             found[i] = age
     return found
 

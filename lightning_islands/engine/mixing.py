@@ -107,10 +107,7 @@ def _base(header: RoundHeader) -> int | None:
 
 def _steps(header: RoundHeader) -> int:
     """The island's outer step count of the round's fragment."""
-    if header.state is None:
-        return 0
-    steps = header.state.outer_steps
-    return steps if isinstance(steps, int) else steps[header.state.fragment]
+    return 0 if header.state is None else header.state.fragment_steps
 
 
 def spread(headers: Sequence[RoundHeader], anchor_sq: float) -> float:

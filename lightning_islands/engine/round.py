@@ -178,7 +178,7 @@ class IslandEngine(IslandEngineBase):
         keep = self.settings.max_staleness
         if not keep or summary is None:
             return None
-        steps = summary.outer_steps if isinstance(summary.outer_steps, int) else summary.outer_steps[summary.fragment]
+        steps = summary.fragment_steps
         recent = self.recent_states.setdefault(summary.fragment, {})
         if not self.joining:
             recent[steps] = summary.anchors
