@@ -262,6 +262,40 @@ def test_the_butterfly_receives_from_its_partners_only(n, partners):
     assert simulate(pairs).bytes_per_round * (n - 1) == pytest.approx(simulate(ring).bytes_per_round * partners)
 
 
+def test_with_max_staleness_the_fast_islands_go_on_after_the_grace_window():
+    """Islands of 1, 1 and 3 s per step, H=10, grace 2 s, free work and link. Round 0: the fast two
+    arrive at 10 s and go on at 12; the slow one arrives at 30, late, and is late for round 1 too (the
+    fast two went on at 24); it joins round 2 without inner steps, which ends when the fast two arrive
+    at 34. Every three rounds take 34 s: 30 s of compute for each island."""
+    islands = [free_island(step=1.0), free_island(step=1.0), free_island(step=3.0)]
+    barrier = simulate(plan(islands, sync_every=10, rounds=9))
+    stale = simulate(plan(islands, sync_every=10, rounds=9, max_staleness=1, grace_s=2.0))
+    assert barrier.utilization == pytest.approx([1 / 3, 1 / 3, 1.0])
+    assert stale.utilization == pytest.approx([90 / 102] * 3)
+    assert [i.late_fraction for i in stale.islands] == pytest.approx([0, 0, 6 / 9])
+    assert [i.late_fraction for i in barrier.islands] == [0, 0, 0]
+    assert stale.islands[2].steps_per_round == pytest.approx(30 / 9)  # 10 steps in one round of three
+    # no majority to go on with (two islands), or fewer than min_islands: the barrier again
+    two = simulate(plan(islands[1:], sync_every=10, rounds=9, max_staleness=1, grace_s=2.0))
+    assert two.utilization == pytest.approx([1 / 3, 1.0])
+    held = simulate(plan(islands, sync_every=10, rounds=9, max_staleness=1, grace_s=2.0, min_islands=3))
+    assert held.utilization == pytest.approx(barrier.utilization)
+
+
+def test_a_late_island_receives_the_global_state_in_the_round_it_joins():
+    """The state (anchors and momentum, 8 bytes a value) crosses the link once per catch-up: 3 of the
+    9 rounds above take it, each 8 x numel bytes over the link's rate longer for everyone."""
+    islands = [free_island(step=1.0), free_island(step=1.0), free_island(step=3.0)]
+    numel, bps = 1_000_000, 1e9
+    free = simulate(plan(islands, numel=numel, sync_every=10, rounds=9, max_staleness=1, grace_s=2.0))
+    inputs = plan(islands, numel=numel, bps=bps, sync_every=10, rounds=9, max_staleness=1, grace_s=2.0,
+                  codec="topk:0.000001")
+    paid = simulate(inputs)
+    payloads = 9 * fragment_cost(inputs, numel).link_s  # the rounds' own transfers (one value each)
+    longer = 9 * (paid.islands[0].round_s - free.islands[0].round_s)
+    assert longer == pytest.approx(3 * 8 * numel * 8 / bps + payloads, rel=1e-9)
+
+
 def test_step_time_from_flops_and_the_default_tcp_window(tmp_path):
     assert step_seconds(50e9, 1e6, 1e18) == pytest.approx(0.3)
     (tmp_path / "tcp_rmem").write_text("4096 131072 33554432\n")
@@ -276,6 +310,8 @@ def test_step_time_from_flops_and_the_default_tcp_window(tmp_path):
     (dict(codec="int3"), "islands.codec"),
     (dict(balance="fast"), "balance"),
     (dict(numel=0), "--params"),
+    (dict(max_staleness=1, overlap_steps=1), "max_staleness"),
+    (dict(grace_s=0.0), "grace_s"),
 ])
 def test_bad_inputs_name_the_setting_and_the_fix(change, message):
     base = dict(islands=(free_island(),), numel=1000, link=LinkSpec(bps=1e9))

@@ -220,6 +220,8 @@ def summary(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> dict[str,
             "overlap_steps": inputs.overlap_steps, "codec": inputs.codec, "lanes": inputs.lanes,
             "balance": inputs.balance, "exchange_chunk_mib": inputs.exchange_chunk_mib,
             "error_feedback": inputs.use_error_feedback, "exchange_path": inputs.exchange_path,
+            "topology": inputs.topology, "max_staleness": inputs.max_staleness, "grace_s": inputs.grace_s,
+            "min_islands": inputs.min_islands,
             "step_seconds": [s.step_seconds for s in inputs.islands],
             "intra_bytes_per_s": [s.intra_bytes_per_s for s in inputs.islands],
             "leader_bytes_per_s": [s.leader_bytes_per_s for s in inputs.islands],
@@ -236,16 +238,21 @@ def format_plan(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> str:
     lines = [
         f"plan: {inputs.num_islands} islands, {inputs.numel:,} parameters, H={inputs.sync_every}, "
         f"fragments {inputs.fragments}, overlap {inputs.overlap_steps} steps, codec {inputs.codec}, "
-        f"lanes {inputs.lanes}, balance {inputs.balance}, path {inputs.exchange_path}",
+        f"lanes {inputs.lanes}, balance {inputs.balance}, path {inputs.exchange_path}, topology {inputs.topology}"
+        + (f", max_staleness {inputs.max_staleness} (grace "
+           f"{'a round, >= 10 s' if inputs.grace_s is None else f'{inputs.grace_s:g} s'})" if inputs.max_staleness
+           else ""),
         f"link {_bits(link.bps)}, RTT {link.rtt_s * 1e3:g} ms, TCP window {link.window / 2**20:.3g} MiB per stream "
         f"-> {_bits(result.link_rate_bps)} while sending",
         "",
-        "island  devices  step s  steps/round  utilization  round s  compute s  own work s  waiting s  leader s",
+        "island  devices  step s  steps/round  utilization  round s  compute s  own work s  waiting s  leader s"
+        + ("  late" if inputs.max_staleness else ""),
     ]
     for i, (spec, row) in enumerate(zip(inputs.islands, result.islands)):
         lines.append(f"{i:>6}  {spec.devices:>7}  {spec.step_seconds:>6.3g}  {row.steps_per_round:>11.1f}  "
                      f"{row.utilization:>11.4f}  {row.round_s:>7.4g}  {row.compute_s:>9.4g}  {row.local_s:>10.4g}  "
-                     f"{row.waiting_s:>9.4g}  {row.leader_s:>8.4g}")
+                     f"{row.waiting_s:>9.4g}  {row.leader_s:>8.4g}"
+                     + (f"  {row.late_fraction:>4.0%}" if inputs.max_staleness else ""))
     lines += [
         "",
         f"utilization: min {result.min_utilization:.4f}, all devices {result.utilization_overall:.4f} "

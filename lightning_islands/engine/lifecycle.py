@@ -27,12 +27,9 @@ from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
 from lightning_islands.engine.schedule import Schedule
-from lightning_islands.engine.settings import IslandSettings
+from lightning_islands.engine.settings import GRACE_FLOOR_S, IslandSettings
 from lightning_islands.engine.state import OuterState, base_key
 from lightning_islands.link.protocol import Link
-
-# the shortest default grace window (a short round must not drop an island that pauses briefly)
-GRACE_FLOOR_S = 10.0
 
 
 class IslandEngineBase:

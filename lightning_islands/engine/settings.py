@@ -19,6 +19,8 @@ from lightning_islands.engine.fragments import LAYOUTS
 from lightning_islands.engine.layout import CanonicalLayout
 
 TOPOLOGIES = ("allreduce", "butterfly")
+# the shortest default grace window (a short round must not drop an island that pauses briefly)
+GRACE_FLOOR_S = 10.0
 
 
 def sync_warmup_list(value: Any) -> list[int]:

@@ -88,6 +88,9 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
         sync_warmup=tuple(settings.sync_warmup or ()),
         exchange_path=exchange_path,
         topology=settings.topology,
+        max_staleness=settings.max_staleness,
+        grace_s=settings.grace_s,
+        min_islands=settings.min_islands,
     )
 
 

@@ -164,6 +164,11 @@ class PlanInputs:
         topology: ``"allreduce"`` (every island receives every other's payload, a ring all-gather)
             or ``"butterfly"`` (each island swaps its payload with its stage's partners only: one for
             a power of two, up to three otherwise).
+        max_staleness: S; above 0 a round goes on without the islands not yet arrived once a majority
+            (and ``min_islands``) has and the first of them has waited ``grace_s``; a late island joins
+            the next round at once, without inner steps, and receives the global state there.
+        grace_s: that wait (``None``: the engine's default, the island's last round, at least 10 s).
+        min_islands: the fewest islands a round goes on with.
     """
 
     islands: tuple[IslandSpec, ...]
@@ -183,6 +188,9 @@ class PlanInputs:
     sync_warmup: tuple[int, ...] = ()
     exchange_path: str = "leader"
     topology: str = _ENGINE.topology
+    max_staleness: int = _ENGINE.max_staleness
+    grace_s: float | None = _ENGINE.grace_s
+    min_islands: int = _ENGINE.min_islands
     _codec: Codec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -215,6 +223,13 @@ class PlanInputs:
             raise ValueError(f"exchange_path must be one of {EXCHANGE_PATHS}, got {self.exchange_path!r}")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"islands.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if self.max_staleness < 0 or (self.max_staleness and tau):
+            raise ValueError(f"islands.max_staleness must be >= 0 and does not combine with overlap_steps, got "
+                             f"S={self.max_staleness}, tau={tau}")
+        if self.grace_s is not None and not (self.grace_s > 0 and math.isfinite(self.grace_s)):
+            raise ValueError(f"islands.grace_s must be > 0 or null, got {self.grace_s!r}")
+        if self.min_islands < 1:
+            raise ValueError(f"islands.min_islands must be >= 1, got {self.min_islands}")
         warmup = tuple(self.sync_warmup or ())
         if any(w < 1 for w in warmup):
             raise ValueError(f"islands.sync_warmup must hold H values >= 1, got {list(warmup)}")

@@ -15,7 +15,8 @@ class IslandResult:
     island's own blocking work in it (pseudo-gradient, gather, codec when synchronous, scatter, outer
     step), ``waiting_s`` the rest (the slowest island, the link, a background exchange that outlasted
     the overlap); ``exchange_s`` from the round's header to the last chunk merged; ``leader_s`` the
-    leader's path (gather, codec, merge, scatter), wherever it ran."""
+    leader's path (gather, codec, merge, scatter), wherever it ran; ``late_fraction`` the share of the
+    rounds the others went on without it (``max_staleness``)."""
 
     utilization: float
     steps_per_round: float
@@ -25,6 +26,7 @@ class IslandResult:
     waiting_s: float
     exchange_s: float
     leader_s: float
+    late_fraction: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -19,17 +19,26 @@ starts when the slowest island has finished its work between the two payloads.
 The header's completion for island ``i`` that published at ``t_i``: ``max(t_i + 3 rtt, t_last + rtt +
 (rtt + poll_s) / 2)`` (its own set, heartbeat read and check; or the last island's header reaching the
 store, half a poll period on average, and the reply).
+
+With ``max_staleness > 0`` the header meeting does not wait for every island: once more than half of
+them (and ``min_islands``) have arrived and the first has waited its grace window (``grace_s``, else
+its round's inner steps, at least 10 s), the round goes on with those there. An island arriving after
+that is late: it skips the round, joins the next one at once without inner steps (its work merged
+there), and that round carries the global state to it (anchors and outer momentum, ``8 x numel``
+bytes from one island) before anyone's outer step. The lanes rebuilt for a changed member set are
+not modelled.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import simpy
 
-from lightning_islands.plan.costs import FragmentCost, fragment_cost
+from lightning_islands.engine.settings import GRACE_FLOOR_S
+from lightning_islands.plan.costs import FP32_BYTES, FragmentCost, fragment_cost
 from lightning_islands.plan.inputs import PlanInputs
 from lightning_islands.plan.result import IslandResult, PlanResult
 from lightning_islands.plan.schedule import round_steps
@@ -38,19 +47,38 @@ STEADY_MIN_ROUNDS = 8  # rounds measured in the steady state, at least (a whole 
 
 
 class _Meeting:
-    """A collective of all islands: each joins at its own time; the last one's arrival releases all of
-    them with every island's arrival time."""
+    """A collective of ``n`` islands: each joins at its own time; the last one's arrival releases all of
+    them at that time. With ``grace`` (island -> seconds) the meeting also goes on without the rest
+    once more than half of the ``n`` (and ``min_islands``) are in and the first has waited its grace;
+    :meth:`join` then answers ``None`` to a late island."""
 
-    def __init__(self, env: simpy.Environment, n: int) -> None:
-        self.arrivals: list[float] = []
+    def __init__(self, env: simpy.Environment, n: int, grace: Callable[[int], float] | None = None,
+                 min_islands: int = 1) -> None:
+        self.env = env
+        self.arrivals: dict[int, float] = {}
         self.n = n
+        self.grace = grace
+        self.min_islands = min_islands
         self.all_in = env.event()
+        self._armed = False
 
-    def join(self, now: float) -> simpy.Event:
-        self.arrivals.append(now)
-        if len(self.arrivals) == self.n:
-            self.all_in.succeed(max(self.arrivals))
+    def join(self, now: float, island: int = -1) -> simpy.Event | None:
+        if self.all_in.triggered:
+            return None
+        self.arrivals[island if island >= 0 else len(self.arrivals)] = now
+        count = len(self.arrivals)
+        if count == self.n:
+            self.all_in.succeed(now)
+        elif self.grace is not None and not self._armed and 2 * count > self.n and count >= self.min_islands:
+            self._armed = True
+            first = min(self.arrivals, key=self.arrivals.__getitem__)
+            self.env.process(self._go_on(max(now, self.arrivals[first] + self.grace(first))))
         return self.all_in
+
+    def _go_on(self, at: float) -> Generator[Any, Any, None]:
+        yield self.env.timeout(at - self.env.now)
+        if not self.all_in.triggered:
+            self.all_in.succeed(self.env.now)
 
 
 class _Model:
@@ -73,11 +101,26 @@ class _Model:
         self.segments: list[list[tuple[float, float]]] = [[] for _ in range(self.n)]
         self.finished: list[list[float]] = [[] for _ in range(self.n)]
         self.exchange_s: list[list[float]] = [[0.0] * rounds for _ in range(self.n)]
+        self.late: list[list[int]] = [[] for _ in range(self.n)]  # the rounds each island was late for
+        self.catch_up_s = (2 * FP32_BYTES * inputs.numel * 8 / inputs.link.rate_bps(inputs.streams)
+                           if inputs.max_staleness else 0.0)
+
+    def grace(self, r: int, island: int) -> float:
+        """How long island ``island`` waits in round ``r`` for the islands not yet arrived."""
+        if self.inputs.grace_s is not None:
+            return self.inputs.grace_s
+        return max(GRACE_FLOOR_S, self.steps[r][island] * self.inputs.islands[island].step_seconds)
 
     def meeting(self, kind: str, r: int) -> _Meeting:
         key = (kind, r)
         if key not in self.meetings:
-            self.meetings[key] = _Meeting(self.env, self.n)
+            if kind == "header":
+                stale = self.inputs.max_staleness > 0
+                self.meetings[key] = _Meeting(self.env, self.n, (lambda i: self.grace(r, i)) if stale else None,
+                                              self.inputs.min_islands)
+            else:  # the islands the round's header let in (a lone island meets no header)
+                header = self.meetings.get(("header", r))
+                self.meetings[key] = _Meeting(self.env, self.n if header is None else len(header.arrivals))
         return self.meetings[key]
 
     def until(self, t: float) -> simpy.Timeout:
@@ -95,7 +138,7 @@ class _Model:
         env, tau = self.env, self.inputs.overlap_steps
         pending: tuple[simpy.Process, FragmentCost] | None = None
         for r in range(self.rounds):
-            steps = self.steps[r][i]
+            steps = 0 if r and r - 1 in self.late[i] else self.steps[r][i]  # late: it joins at once
             if pending is None:
                 yield from self.compute(i, steps)
             else:
@@ -112,7 +155,8 @@ class _Model:
             process = env.process(self.exchange(i, r, cost))
             if tau == 0:
                 yield process
-                yield env.timeout(cost.finish[i])
+                if r not in self.late[i]:
+                    yield env.timeout(cost.finish[i])
                 self.finished[i].append(env.now)
             else:
                 pending = (process, cost)
@@ -127,8 +171,17 @@ class _Model:
         start = env.now
         if self.n > 1:  # the round header through the store (a lone island has no link)
             rs = link.store_rtt
-            last = yield self.meeting("header", r).join(env.now)
+            header = self.meeting("header", r)
+            went_on = header.join(env.now, i)
+            if went_on is None:  # late: the round went on without it; it asks to join the next
+                self.late[i].append(r)
+                yield env.timeout(3 * rs)
+                self.exchange_s[i][r] = env.now - start
+                return
+            last = yield went_on
             yield self.until(max(start + 3 * rs, last + rs + (rs + link.poll_s) / 2))
+            if any(r - 1 in late for late in self.late):  # a late island joins: the state goes to it
+                yield env.timeout(self.catch_up_s)
         first, final = cost.chunks[0], cost.chunks[-1]
         yield env.timeout(first.pre[i])
         last = yield self.meeting("sizes", r).join(env.now)
@@ -182,6 +235,7 @@ def simulate(inputs: PlanInputs) -> PlanResult:
             waiting_s=max(0.0, round_s - compute / count - local),
             exchange_s=sum(model.exchange_s[i][r] for r in rounds) / count,
             leader_s=sum(c.leader_s[i] for c in costs) / count,
+            late_fraction=sum(1 for r in model.late[i] if r in rounds) / count,
         ))
     window_steps = max(1, inputs.overlap_steps)
     peak = max((bits / (window_steps * spec.step_seconds) for bits in wire_bits for spec in inputs.islands),
