@@ -17,8 +17,8 @@ island trains more of them), with the learning-rate schedule of the synchronous 
 - ``sync``: ``topology=allreduce``, ``balance=none``: every round waits for every island;
 - ``balanced``: ``balance=time``: each island runs the steps that fit the slowest island's H steps;
 - ``butterfly``: ``topology=butterfly``: pairs mix, one payload per round, still a barrier;
-- ``async``: ``max_staleness=S``: a majority does not wait past ``grace_s`` for a slow island,
-  whose work lands up to S rounds late (weight decayed by age);
+- ``async``: ``max_staleness=S``: a majority does not wait past ``staleness_wait_s`` (``--wait``)
+  for a slow island, whose work lands up to S rounds late (weight decayed by age);
 - ``async+butterfly``: both.
 
 Per run (``DIR/asynchrony.json``, one row per configuration and seed): ``wall_s`` (the longest
@@ -49,8 +49,8 @@ CONFIGS: dict[str, list[str]] = {
     "sync": [],
     "balanced": ["islands.balance=time"],
     "butterfly": ["islands.topology=butterfly"],
-    "async": ["islands.max_staleness={S}"],
-    "async+butterfly": ["islands.topology=butterfly", "islands.max_staleness={S}"],
+    "async": ["islands.max_staleness={S}", "islands.staleness_wait_s={W}"],
+    "async+butterfly": ["islands.topology=butterfly", "islands.max_staleness={S}", "islands.staleness_wait_s={W}"],
 }
 SEQ_LEN, BATCH, ISLANDS = 128, 8, 4
 
@@ -67,7 +67,7 @@ def overrides(config: str, seed: int, args: argparse.Namespace) -> list[str]:
            f"experiment.name=asynchrony_{config}"]
     if args.link:
         out.append(f"islands.link='{args.link}'")
-    return out + [o.format(S=args.staleness) for o in CONFIGS[config]]
+    return out + [o.format(S=args.staleness, W=args.wait) for o in CONFIGS[config]]
 
 
 def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str
             "val_loss_per_island": summary["val_loss_per_island"], "tokens": summary["tokens"],
             "rounds": summary.get("rounds"), "bytes_received_per_round": statistics.fmean(per_island),
             "staleness": dict(sorted(ages.items())), "curve": curve, "run_dir": str(run_dir),
-            "launch_s": time.monotonic() - started}
+            "launch_s": time.monotonic() - started, "overrides": overrides(config, seed, args)}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -161,6 +161,9 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=1.0, help="seconds island 3 sleeps per batch when slow")
     parser.add_argument("--staleness", type=int, default=4, help="max_staleness of the async configurations")
     parser.add_argument("--grace", type=float, default=3.0, help="islands.grace_s of every configuration")
+    parser.add_argument("--wait", type=float, default=0.5,
+                        help="islands.staleness_wait_s of the async configurations: how long a majority waits for "
+                             "a slow island")
     parser.add_argument("--link", default="1gbit,50ms,2=30mbit", help="islands.link ('' for none)")
     parser.add_argument("--no-link", dest="link", action="store_const", const="", help="no shaped link")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))

@@ -218,7 +218,9 @@ class IslandStrategy(FSDP2Strategy):
 
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
-                          grace_s=grace_s, secret=self._secret, join=self.join, wait_for_slow=not s.max_staleness)
+                          grace_s=grace_s, secret=self._secret, join=self.join,
+                          slow_wait_s=None if not s.max_staleness else
+                          grace_s if s.staleness_wait_s is None else s.staleness_wait_s)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     def _adopt_run_settings(self) -> IslandSettings:

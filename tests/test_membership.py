@@ -127,7 +127,7 @@ def test_without_waiting_for_slow_islands_a_majority_goes_on_after_the_grace_win
     store = coordinator.store
     ms = [Membership(store, "slow", i, 3, 1, GRACE, None, lambda i: None) for i in range(3)]
     for m in ms:
-        m.wait_for_slow = False
+        m.slow_wait_s = GRACE
     beating = threading.Event()
 
     def beat() -> None:  # islands 1 and 2 make progress

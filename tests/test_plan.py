@@ -280,6 +280,9 @@ def test_with_max_staleness_the_fast_islands_go_on_after_the_grace_window():
     assert two.utilization == pytest.approx([1 / 3, 1.0])
     held = simulate(plan(islands, sync_every=10, rounds=9, max_staleness=1, grace_s=2.0, min_islands=3))
     assert held.utilization == pytest.approx(barrier.utilization)
+    # staleness_wait_s replaces the grace window here: 0.5 s, every three rounds 31 s
+    short = simulate(plan(islands, sync_every=10, rounds=9, max_staleness=1, grace_s=100.0, staleness_wait_s=0.5))
+    assert short.utilization[0] == pytest.approx(90 / 93)
 
 
 def test_a_late_island_receives_the_global_state_in_the_round_it_joins():

@@ -163,6 +163,7 @@ def test_a_contribution_older_than_max_staleness_is_dropped_and_its_island_adopt
 
 @pytest.mark.parametrize("bad, needle", [({"max_staleness": -1}, "max_staleness"),
                                          ({"staleness_decay": 0.0}, "staleness_decay"),
+                                         ({"staleness_wait_s": -1.0}, "staleness_wait_s"),
                                          ({"max_staleness": 1, "overlap_steps": 1}, "overlap_steps")])
 def test_bad_staleness_settings_are_refused_naming_them(bad, needle):
     with pytest.raises(ValueError, match=needle):

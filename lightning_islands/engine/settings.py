@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -171,6 +172,10 @@ class IslandSettings:
     staleness_decay: float = setting(
         0.5, "With `max_staleness`: the factor a late pseudo-gradient's merge weight takes per round of age "
              "(1: tokens alone).")
+    staleness_wait_s: float | None = setting(
+        None, "With `max_staleness`: how long an island that reached the round waits for islands alive but not "
+              "arrived once a majority of the islands alive is there (0: not at all); null: `grace_s`. Unlike "
+              "`grace_s`, which tells a dead island from a slow one, it may be shorter than a step.")
     min_islands: int = setting(
         1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
            "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "
@@ -317,6 +322,10 @@ class IslandSettings:
             raise ValueError(f"max_staleness must be an int >= 0 (islands.max_staleness), got {self.max_staleness}")
         if not 0.0 < self.staleness_decay <= 1.0:
             raise ValueError(f"staleness_decay must be in (0, 1] (islands.staleness_decay), got {self.staleness_decay}")
+        if self.staleness_wait_s is not None and not (self.staleness_wait_s >= 0
+                                                      and math.isfinite(self.staleness_wait_s)):
+            raise ValueError(f"staleness_wait_s must be a number >= 0 or null (islands.staleness_wait_s), got "
+                             f"{self.staleness_wait_s!r}")
         if self.max_staleness and self.overlap_steps:
             raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
                              f"{self.overlap_steps} yet; set one of them to 0")

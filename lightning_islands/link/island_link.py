@@ -101,8 +101,9 @@ class IslandLink:
             ``None``: plain values.
         join: this island joins a run already under way (it enrolls and is taken in by a round,
             :meth:`rejoin`), instead of starting with the others.
-        wait_for_slow: ``False`` (the engine's ``max_staleness``): a round waits for an island alive
-            but slow at most ``grace_s`` once a majority of the islands alive has arrived.
+        slow_wait_s: with the engine's ``max_staleness``, how long a round waits for an island alive
+            but slow once a majority of the islands alive has arrived (seconds, or a callable asked
+            each time); ``None``: as long as it is alive (a barrier).
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class IslandLink:
         incarnation: int | None = None,
         secret: bytes | None = None,
         join: bool = False,
-        wait_for_slow: bool = True,
+        slow_wait_s: float | Callable[[], float] | None = None,
     ) -> None:
         if not 0 <= island < num_islands and not (join and island >= 0):
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -167,7 +168,7 @@ class IslandLink:
         self.membership = Membership(self.store, run_id, island, num_islands if not join else island + 1, min_islands,
                                      DEFAULT_GRACE_S if grace_s is None else grace_s, deadline.total_seconds(),
                                      self._aborted, self.incarnation, joining=join)
-        self.membership.wait_for_slow = wait_for_slow
+        self.membership.slow_wait_s = slow_wait_s
         self.stats = LinkStats()
         self._rates: deque[float] = deque(maxlen=RATES)  # bytes per second of recent transfers
         # on etcd the beat is a lease of grace_s renewed only when the beat advances (progress):

@@ -179,9 +179,10 @@ class Membership:
         self.leaving: int | None = None  # the round after which this island retires (None: it stays)
         self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
         self._requests: dict[int, bytes] = {}  # the last join request seen of each island
-        # max_staleness: an island alive but slow is waited for at most grace_s once a majority of the
-        # islands alive has arrived (False: as long as it is alive, a barrier)
-        self.wait_for_slow = True
+        # max_staleness: an island alive but slow is waited for at most this long (seconds, or a callable
+        # asked each time) once a majority of the islands alive has arrived; None: as long as it is
+        # alive, a barrier
+        self.slow_wait_s: float | Callable[[], float] | None = None
 
     @property
     def size(self) -> int:
@@ -372,16 +373,17 @@ class Membership:
 
     def _gives_up_on_slow(self, round_: int, slow: Sequence[int], arrived: set[int], alive: set[int],
                           since: float) -> bool:
-        """With ``wait_for_slow`` off (max_staleness): whether the round goes on without the islands
+        """With ``slow_wait_s`` set (max_staleness): whether the round goes on without the islands
         ``slow`` (alive, not arrived): a majority of the islands alive has arrived, at least
-        ``min_islands`` of them, and this island has waited ``grace_s`` since it arrived."""
-        if self.wait_for_slow or len(arrived) < self.min_islands or 2 * len(arrived) <= len(alive):
+        ``min_islands`` of them, and this island has waited ``slow_wait_s`` since it arrived."""
+        wait = self.slow_wait_s() if callable(self.slow_wait_s) else self.slow_wait_s
+        if wait is None or len(arrived) < self.min_islands or 2 * len(arrived) <= len(alive):
             return False
-        if time.monotonic() - since < self.grace_s:
+        if time.monotonic() - since < wait:
             return False
         log.warning("lightning_islands: island %d: round %d goes on without islands %s (alive but slower than the "
-                    "grace window, %g s); their work is merged into a later round (max_staleness)", self.island,
-                    round_, list(slow), self.grace_s)
+                    "wait for slow islands, %g s); their work is merged into a later round (max_staleness)",
+                    self.island, round_, list(slow), wait)
         return True
 
     def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],

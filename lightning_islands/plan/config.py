@@ -90,6 +90,7 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
         topology=settings.topology,
         max_staleness=settings.max_staleness,
         grace_s=settings.grace_s,
+        staleness_wait_s=settings.staleness_wait_s,
         min_islands=settings.min_islands,
     )
 

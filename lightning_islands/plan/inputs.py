@@ -168,6 +168,7 @@ class PlanInputs:
             (and ``min_islands``) has and the first of them has waited ``grace_s``; a late island joins
             the next round at once, without inner steps, and receives the global state there.
         grace_s: that wait (``None``: the engine's default, the island's last round, at least 10 s).
+        staleness_wait_s: that wait instead of ``grace_s`` when given.
         min_islands: the fewest islands a round goes on with.
     """
 
@@ -190,6 +191,7 @@ class PlanInputs:
     topology: str = _ENGINE.topology
     max_staleness: int = _ENGINE.max_staleness
     grace_s: float | None = _ENGINE.grace_s
+    staleness_wait_s: float | None = _ENGINE.staleness_wait_s
     min_islands: int = _ENGINE.min_islands
     _codec: Codec = field(init=False, repr=False, compare=False)
 

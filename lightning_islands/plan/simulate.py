@@ -21,12 +21,12 @@ The header's completion for island ``i`` that published at ``t_i``: ``max(t_i + 
 store, half a poll period on average, and the reply).
 
 With ``max_staleness > 0`` the header meeting does not wait for every island: once more than half of
-them (and ``min_islands``) have arrived and the first has waited its grace window (``grace_s``, else
-its round's inner steps, at least 10 s), the round goes on with those there. An island arriving after
-that is late: it skips the round, joins the next one at once without inner steps (its work merged
-there), and that round carries the global state to it (anchors and outer momentum, ``8 x numel``
-bytes from one island) before anyone's outer step. The lanes rebuilt for a changed member set are
-not modelled.
+them (and ``min_islands``) have arrived and the first has waited ``staleness_wait_s``, else its
+grace window (``grace_s``, else its round's inner steps, at least 10 s), the round goes on with
+those there. An island arriving after that is late: it skips the round, joins the next one at once
+without inner steps (its work merged there), and that round carries the global state to it
+(anchors and outer momentum, ``8 x numel`` bytes from one island) before anyone's outer step. The
+lanes rebuilt for a changed member set are not modelled.
 """
 
 from __future__ import annotations
@@ -107,6 +107,8 @@ class _Model:
 
     def grace(self, r: int, island: int) -> float:
         """How long island ``island`` waits in round ``r`` for the islands not yet arrived."""
+        if self.inputs.staleness_wait_s is not None:
+            return self.inputs.staleness_wait_s
         if self.inputs.grace_s is not None:
             return self.inputs.grace_s
         return max(GRACE_FLOOR_S, self.steps[r][island] * self.inputs.islands[island].step_seconds)

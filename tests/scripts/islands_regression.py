@@ -260,6 +260,7 @@ def main() -> None:
                    "from its latest round checkpoint")
     p.add_argument("--min-islands", type=int, default=1, help="the strategy's min_islands")
     p.add_argument("--grace-s", type=float, default=0.0, help="the strategy's grace_s (0: default)")
+    p.add_argument("--staleness-wait-s", type=float, default=None, help="the strategy's staleness_wait_s")
     p.add_argument("--on-end", default="stop", help="the strategy's on_end per island (comma list: stop, leave)")
     args = p.parse_args()
     island = int(os.environ.get("LI_ISLAND", "0"))
@@ -299,7 +300,8 @@ def main() -> None:
                               exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
                               overlap_steps=args.overlap, overlap_alpha=args.alpha, min_islands=args.min_islands,
                               grace_s=args.grace_s or None, on_end=per_island(args.on_end, str),
-                              topology=args.topology, max_staleness=args.max_staleness)
+                              topology=args.topology, max_staleness=args.max_staleness,
+                              staleness_wait_s=args.staleness_wait_s)
 
     def save_round(s: IslandStrategy) -> None:
         params = s.global_parameters()
