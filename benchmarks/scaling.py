@@ -20,11 +20,13 @@ size and seed:
   1 x 16 islands sharing the GPU with ``--gpu``), the same codec, H and outer settings at every size
   (``--codecs``, ``--H``, ``--islands``).
 
-**The tokens-per-parameter rule**: every size trains the same number of tokens per *active* parameter,
-that of the 1800-step setting of the 3.4M-parameter MoE (``m``: 1800 steps x 32 x 128 tokens over
-1,086,592 active parameters = 6.79); a size's steps are ``round(ref_steps x active / active of the
-reference size)``. Its learning rate schedule (warm-up 30 steps, cosine to 0.1x over its steps) and
-the islands' H stay as they are, so a smaller model also has fewer rounds. Training compute is counted
+**The tokens-per-parameter rule**: every size of a ladder trains the same number of tokens per
+*active* parameter, that of its reference size at ``--ref-steps`` (default 1800): on CPU the
+1800-step setting of the 3.4M-parameter MoE (``m``: 1800 steps x 32 x 128 tokens over 1,086,592
+active parameters = 6.79), on a GPU ``g2`` (1800 x 32 x 256 over 10,738,560 = 1.37); a size's steps
+are ``round(ref_steps x active / active of the reference size)``. The recipe's learning-rate
+schedule (warm-up 30 steps on CPU, 100 on a GPU, then cosine to 0.1x over the run's steps) and the
+islands' H stay as they are, so a smaller model also has fewer rounds. Training compute is counted
 as ``6 x active parameters x tokens``.
 
 Writes into the results folder: ``scaling.md`` (one row per run, one per size and codec over seeds,
@@ -205,8 +207,12 @@ def over_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "ratio_mean": sum(ratios) / len(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                     "centralized_mean": sum(r["centralized_loss"] for r in same) / len(same),
                     "islands_mean": sum(r["islands_loss"] for r in same) / len(same),
-                    "bytes_ratio": sum(r["bytes_ratio"] or 0 for r in same) / len(same)})
+                    "bytes_ratio": _mean([r["bytes_ratio"] for r in same if r["bytes_ratio"]])})
     return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def verdict(summary: list[dict[str, Any]], codec: str) -> str:
@@ -241,7 +247,7 @@ def tables(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> str:
          "ratio mean (lowest – highest)", "x fewer than sync DP"],
         [[s["size"], f"{s['active_parameters']:,}", s["codec"], str(len(s["seeds"])), f"{s['centralized_mean']:.4f}",
           f"{s['islands_mean']:.4f}", f"{s['ratio_mean']:.4f} ({s['ratio_min']:.4f} – {s['ratio_max']:.4f})",
-          f"{s['bytes_ratio']:.0f}"] for s in summary])
+          _f(s["bytes_ratio"], ".0f")] for s in summary])
     return f"## Every run\n\n{per_run}\n\n## Per size and codec, over seeds\n\n{per_size}\n"
 
 
@@ -278,7 +284,7 @@ def plot_ratio_vs_bytes(summary: list[dict[str, Any]], path: Path) -> bool:
     plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for size in dict.fromkeys(s["size"] for s in summary):
-        pts = sorted((s for s in summary if s["size"] == size), key=lambda s: s["bytes_ratio"])
+        pts = sorted((s for s in summary if s["size"] == size and s["bytes_ratio"]), key=lambda s: s["bytes_ratio"])
         xs = [s["bytes_ratio"] for s in pts]
         ys = [s["ratio_mean"] for s in pts]
         err = [[s["ratio_mean"] - s["ratio_min"] for s in pts], [s["ratio_max"] - s["ratio_mean"] for s in pts]]
@@ -296,6 +302,21 @@ def plot_ratio_vs_bytes(summary: list[dict[str, Any]], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _differs(job: Job, run_dir: Path) -> str:
+    """The first of ``job``'s overrides a finished run's ``job.yaml`` does not hold ("" if it holds all)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "job.yaml")
+    for item in job.overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("hydra.") or key in ("experiment", "strategy") or "." not in key:
+            continue
+        held = OmegaConf.select(cfg, key, default=None)
+        if str(held).lower() != value.lower():
+            return f"{key}={held}"
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         summary_path = workdir / "runs" / job.name / "summary.json"
         if summary_path.exists():
             job.record = load_run(summary_path, root=workdir / "runs", label=job.name)
+            stale = _differs(job, workdir / "runs" / job.name)
+            if stale:
+                raise SystemExit(f"{summary_path.parent} was run with {stale}, not with this command's settings: "
+                                 "resume with the command that made it, or give a new --out")
     rows = score(jobs)
     summary = over_seeds(rows)
     verdicts = [verdict(summary, c) for c in codecs]

@@ -216,11 +216,16 @@ class IslandStrategy(FSDP2Strategy):
         def grace_s() -> float:
             return self.engine.grace_s() if self.engine is not None else DEFAULT_GRACE_S
 
+        def slow_wait_s() -> float | None:  # read when asked: a joiner adopts the run's settings later
+            now = self.settings
+            if not now.max_staleness:
+                return None
+            return grace_s() if now.staleness_wait_s is None else now.staleness_wait_s
+
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
                           grace_s=grace_s, secret=self._secret, join=self.join,
-                          slow_wait_s=None if not s.max_staleness else
-                          grace_s if s.staleness_wait_s is None else s.staleness_wait_s)
+                          slow_wait_s=slow_wait_s)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     def _adopt_run_settings(self) -> IslandSettings:

@@ -115,3 +115,17 @@ def test_a_ratio_that_rises_beyond_the_seeds_spread_is_called_growing():
     summary = bench.over_seeds(bench.score(jobs))
     assert "grows with size" in bench.verdict(summary, "int4")
     assert "fewer than two sizes" in bench.verdict(summary[:1], "int4")
+
+
+def test_a_resume_refuses_a_finished_run_of_other_settings(tmp_path):
+    from omegaconf import OmegaConf
+
+    bench = _bench()
+    ladder = bench.LADDERS["cpu"]
+    job = bench.plan(ladder, bench.sizes_of(ladder, ["xs"], 1800), [3], ["int4"], bench.DEFAULT_ISLANDS, [])[1]
+    cfg = _compose(job.overrides)
+    OmegaConf.save(cfg, tmp_path / "job.yaml")
+    assert bench._differs(job, tmp_path) == ""
+    cfg.islands.sync_every = 48
+    OmegaConf.save(cfg, tmp_path / "job.yaml")
+    assert bench._differs(job, tmp_path) == "islands.sync_every=48"

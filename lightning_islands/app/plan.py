@@ -221,7 +221,7 @@ def summary(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> dict[str,
             "balance": inputs.balance, "exchange_chunk_mib": inputs.exchange_chunk_mib,
             "error_feedback": inputs.use_error_feedback, "exchange_path": inputs.exchange_path,
             "topology": inputs.topology, "max_staleness": inputs.max_staleness, "grace_s": inputs.grace_s,
-            "min_islands": inputs.min_islands,
+            "staleness_wait_s": inputs.staleness_wait_s, "min_islands": inputs.min_islands,
             "step_seconds": [s.step_seconds for s in inputs.islands],
             "intra_bytes_per_s": [s.intra_bytes_per_s for s in inputs.islands],
             "leader_bytes_per_s": [s.leader_bytes_per_s for s in inputs.islands],
@@ -232,6 +232,13 @@ def summary(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> dict[str,
     return out
 
 
+def _slow_wait(inputs: PlanInputs) -> str:
+    """The wait for a slow island the plan assumed, in words."""
+    if inputs.staleness_wait_s is not None:
+        return f"{inputs.staleness_wait_s:g} s"
+    return "a round, >= 10 s" if inputs.grace_s is None else f"{inputs.grace_s:g} s"
+
+
 def format_plan(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> str:
     """The table ``lightning-islands plan`` prints."""
     link = inputs.link
@@ -239,9 +246,8 @@ def format_plan(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> str:
         f"plan: {inputs.num_islands} islands, {inputs.numel:,} parameters, H={inputs.sync_every}, "
         f"fragments {inputs.fragments}, overlap {inputs.overlap_steps} steps, codec {inputs.codec}, "
         f"lanes {inputs.lanes}, balance {inputs.balance}, path {inputs.exchange_path}, topology {inputs.topology}"
-        + (f", max_staleness {inputs.max_staleness} (grace "
-           f"{'a round, >= 10 s' if inputs.grace_s is None else f'{inputs.grace_s:g} s'})" if inputs.max_staleness
-           else ""),
+        + (f", max_staleness {inputs.max_staleness} (waiting {_slow_wait(inputs)} for a slow island)"
+           if inputs.max_staleness else ""),
         f"link {_bits(link.bps)}, RTT {link.rtt_s * 1e3:g} ms, TCP window {link.window / 2**20:.3g} MiB per stream "
         f"-> {_bits(result.link_rate_bps)} while sending",
         "",
@@ -253,6 +259,11 @@ def format_plan(inputs: PlanInputs, result: PlanResult, need: LinkNeed) -> str:
                      f"{row.utilization:>11.4f}  {row.round_s:>7.4g}  {row.compute_s:>9.4g}  {row.local_s:>10.4g}  "
                      f"{row.waiting_s:>9.4g}  {row.leader_s:>8.4g}"
                      + (f"  {row.late_fraction:>4.0%}" if inputs.max_staleness else ""))
+    dropped = [i for i, row in enumerate(result.islands) if row.longest_absence > inputs.max_staleness]
+    if inputs.max_staleness and dropped:
+        lines.append(f"islands {dropped} miss more than max_staleness={inputs.max_staleness} rounds in a row "
+                     f"(up to {max(result.islands[i].longest_absence for i in dropped)}): their work is dropped then; "
+                     "raise islands.max_staleness or islands.staleness_wait_s, or use islands.balance=time")
     lines += [
         "",
         f"utilization: min {result.min_utilization:.4f}, all devices {result.utilization_overall:.4f} "

@@ -165,17 +165,19 @@ class IslandSettings:
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
                      "butterfly). Butterfly does not combine with `overlap_steps` or `expert_weighting` yet.")
     max_staleness: int = setting(
-        0, "S: an island alive but slow is not waited for past the grace window (`grace_s`) once a majority of the "
-           "islands alive has arrived; the round goes on without it, and its pseudo-gradient is merged into a later "
-           "round, at most S rounds old, its weight its tokens times `staleness_decay` per round of age; it then "
-           "adopts the newer global state. 0: every round waits for every island alive (a barrier).")
+        0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
+           "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "
+           "merged into a later round, at most S rounds old, its weight its tokens times `staleness_decay` per "
+           "round of age; it then adopts the newer global state. 0: every round waits for every island alive "
+           "(a barrier).")
     staleness_decay: float = setting(
         0.5, "With `max_staleness`: the factor a late pseudo-gradient's merge weight takes per round of age "
              "(1: tokens alone).")
     staleness_wait_s: float | None = setting(
         None, "With `max_staleness`: how long an island that reached the round waits for islands alive but not "
-              "arrived once a majority of the islands alive is there (0: not at all); null: `grace_s`. Unlike "
-              "`grace_s`, which tells a dead island from a slow one, it may be shorter than a step.")
+              "arrived once a majority of the islands alive is there (0: not at all; checked every 0.25 s); null: "
+              "`grace_s`. Unlike `grace_s`, which tells a dead island from a slow one, it may be shorter than a "
+              "step.")
     min_islands: int = setting(
         1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
            "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "

@@ -103,7 +103,7 @@ class IslandLink:
             :meth:`rejoin`), instead of starting with the others.
         slow_wait_s: with the engine's ``max_staleness``, how long a round waits for an island alive
             but slow once a majority of the islands alive has arrived (seconds, or a callable asked
-            each time); ``None``: as long as it is alive (a barrier).
+            each time); ``None`` (or a callable answering it): as long as it is alive (a barrier).
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class IslandLink:
         incarnation: int | None = None,
         secret: bytes | None = None,
         join: bool = False,
-        slow_wait_s: float | Callable[[], float] | None = None,
+        slow_wait_s: float | Callable[[], float | None] | None = None,
     ) -> None:
         if not 0 <= island < num_islands and not (join and island >= 0):
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")

@@ -182,7 +182,7 @@ class Membership:
         # max_staleness: an island alive but slow is waited for at most this long (seconds, or a callable
         # asked each time) once a majority of the islands alive has arrived; None: as long as it is
         # alive, a barrier
-        self.slow_wait_s: float | Callable[[], float] | None = None
+        self.slow_wait_s: float | Callable[[], float | None] | None = None
 
     @property
     def size(self) -> int:

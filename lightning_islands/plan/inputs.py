@@ -165,8 +165,9 @@ class PlanInputs:
             or ``"butterfly"`` (each island swaps its payload with its stage's partners only: one for
             a power of two, up to three otherwise).
         max_staleness: S; above 0 a round goes on without the islands not yet arrived once a majority
-            (and ``min_islands``) has and the first of them has waited ``grace_s``; a late island joins
-            the next round at once, without inner steps, and receives the global state there.
+            (and ``min_islands``) has and the first of them has waited ``staleness_wait_s`` (else
+            ``grace_s``); a late island joins the next round at once, without inner steps, and
+            receives the global state there.
         grace_s: that wait (``None``: the engine's default, the island's last round, at least 10 s).
         staleness_wait_s: that wait instead of ``grace_s`` when given.
         min_islands: the fewest islands a round goes on with.

@@ -16,7 +16,8 @@ class IslandResult:
     step), ``waiting_s`` the rest (the slowest island, the link, a background exchange that outlasted
     the overlap); ``exchange_s`` from the round's header to the last chunk merged; ``leader_s`` the
     leader's path (gather, codec, merge, scatter), wherever it ran; ``late_fraction`` the share of the
-    rounds the others went on without it (``max_staleness``)."""
+    rounds the others went on without it (``max_staleness``) and ``longest_absence`` the most of them
+    in a row (its work is dropped when that exceeds ``max_staleness``)."""
 
     utilization: float
     steps_per_round: float
@@ -27,6 +28,7 @@ class IslandResult:
     exchange_s: float
     leader_s: float
     late_fraction: float = 0.0
+    longest_absence: int = 0
 
 
 @dataclass(frozen=True)

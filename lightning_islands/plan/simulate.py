@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
+from dataclasses import replace
 from typing import Any
 
 import simpy
@@ -44,41 +45,68 @@ from lightning_islands.plan.result import IslandResult, PlanResult
 from lightning_islands.plan.schedule import round_steps
 
 STEADY_MIN_ROUNDS = 8  # rounds measured in the steady state, at least (a whole number of fragment cycles)
+STEADY_STALE_ROUNDS = 60  # with max_staleness: enough rounds for the cycles of a late island to average out
 
 
 class _Meeting:
     """A collective of ``n`` islands: each joins at its own time; the last one's arrival releases all of
-    them at that time. With ``grace`` (island -> seconds) the meeting also goes on without the rest
-    once more than half of the ``n`` (and ``min_islands``) are in and the first has waited its grace;
-    :meth:`join` then answers ``None`` to a late island."""
+    them at that time."""
 
-    def __init__(self, env: simpy.Environment, n: int, grace: Callable[[int], float] | None = None,
-                 min_islands: int = 1) -> None:
-        self.env = env
-        self.arrivals: dict[int, float] = {}
+    def __init__(self, env: simpy.Environment, n: int) -> None:
+        self.count = 0
         self.n = n
-        self.grace = grace
-        self.min_islands = min_islands
         self.all_in = env.event()
-        self._armed = False
 
-    def join(self, now: float, island: int = -1) -> simpy.Event | None:
-        if self.all_in.triggered:
-            return None
-        self.arrivals[island if island >= 0 else len(self.arrivals)] = now
-        count = len(self.arrivals)
-        if count == self.n:
+    def join(self, now: float) -> simpy.Event:
+        self.count += 1
+        if self.count == self.n:
             self.all_in.succeed(now)
-        elif self.grace is not None and not self._armed and 2 * count > self.n and count >= self.min_islands:
-            self._armed = True
-            first = min(self.arrivals, key=self.arrivals.__getitem__)
-            self.env.process(self._go_on(max(now, self.arrivals[first] + self.grace(first))))
         return self.all_in
 
-    def _go_on(self, at: float) -> Generator[Any, Any, None]:
-        yield self.env.timeout(at - self.env.now)
-        if not self.all_in.triggered:
-            self.all_in.succeed(self.env.now)
+
+class _Header:
+    """Round ``r``'s header meeting. It waits for the islands of the previous round (``expected``);
+    with ``wait`` (max_staleness) it also goes on once more than half of the islands alive (expected
+    or asking to join) and ``min_islands`` have arrived and the first of them has waited its
+    ``wait``. Islands asking to join are taken in when it goes on; an expected island arriving after
+    that is late (:meth:`arrive` answers ``None``)."""
+
+    def __init__(self, model: _Model, r: int, expected: set[int], wait: Callable[[int], float] | None) -> None:
+        self.model = model
+        self.round = r
+        self.expected = expected
+        self.wait = wait
+        self.arrivals: dict[int, float] = {}
+        self.present: tuple[int, ...] | None = None
+        self.done = model.env.event()
+        self._armed = False
+
+    def arrive(self, island: int, now: float) -> simpy.Event | None:
+        if self.present is not None:
+            return None
+        self.arrivals[island] = now
+        count, alive = len(self.arrivals), len(self.expected | set(self.model.asking))
+        if self.expected <= set(self.arrivals):
+            self._go_on()
+        elif (self.wait is not None and not self._armed and 2 * count > alive
+              and count >= self.model.inputs.min_islands):
+            self._armed = True
+            first = min(self.arrivals, key=self.arrivals.__getitem__)
+            self.model.env.process(self._go_on_at(max(now, self.arrivals[first] + self.wait(first))))
+        return self.done
+
+    def _go_on_at(self, at: float) -> Generator[Any, Any, None]:
+        yield self.model.env.timeout(at - self.model.env.now)
+        if self.present is None:
+            self._go_on()
+
+    def _go_on(self) -> None:
+        joiners = self.model.asking
+        self.model.asking = {}
+        self.present = tuple(sorted(set(self.arrivals) | set(joiners)))
+        self.done.succeed((self.model.env.now, self))
+        for event in joiners.values():
+            event.succeed(self)
 
 
 class _Model:
@@ -90,40 +118,41 @@ class _Model:
         self.n = inputs.num_islands
         self.rounds = rounds
         self.steps = round_steps(inputs, rounds)
-        by_size: dict[int, FragmentCost] = {}
-        self.costs = []
-        for r in range(rounds):
-            m = inputs.fragment_numel(r)
-            if m not in by_size:
-                by_size[m] = fragment_cost(inputs, m)
-            self.costs.append(by_size[m])
-        self.meetings: dict[tuple[str, int], _Meeting] = {}
+        self._costs: dict[tuple[int, tuple[int, ...]], FragmentCost] = {}
+        self.everyone = tuple(range(self.n))
+        self.costs = [self.cost(r, self.everyone) for r in range(rounds)]
+        self.headers: dict[int, _Header] = {}
+        self.sizes: dict[int, _Meeting] = {}
+        self.asking: dict[int, simpy.Event] = {}  # late islands asking to join the next round, and their answer
         self.segments: list[list[tuple[float, float]]] = [[] for _ in range(self.n)]
-        self.finished: list[list[float]] = [[] for _ in range(self.n)]
+        self.finished: list[dict[int, float]] = [{} for _ in range(self.n)]  # island -> round -> its end
         self.exchange_s: list[list[float]] = [[0.0] * rounds for _ in range(self.n)]
-        self.late: list[list[int]] = [[] for _ in range(self.n)]  # the rounds each island was late for
         self.catch_up_s = (2 * FP32_BYTES * inputs.numel * 8 / inputs.link.rate_bps(inputs.streams)
                            if inputs.max_staleness else 0.0)
 
-    def grace(self, r: int, island: int) -> float:
-        """How long island ``island`` waits in round ``r`` for the islands not yet arrived."""
+    def cost(self, r: int, present: tuple[int, ...]) -> FragmentCost:
+        """Round ``r``'s costs among the islands ``present`` (indexed as in ``present``)."""
+        key = (self.inputs.fragment_numel(r), present)
+        if key not in self._costs:
+            inputs = self.inputs if present == self.everyone else replace(
+                self.inputs, islands=tuple(self.inputs.islands[i] for i in present))
+            self._costs[key] = fragment_cost(inputs, key[0])
+        return self._costs[key]
+
+    def wait(self, r: int, island: int) -> float:
+        """How long island ``island``, arrived at round ``r``'s header, waits for the islands not arrived."""
         if self.inputs.staleness_wait_s is not None:
             return self.inputs.staleness_wait_s
         if self.inputs.grace_s is not None:
             return self.inputs.grace_s
         return max(GRACE_FLOOR_S, self.steps[r][island] * self.inputs.islands[island].step_seconds)
 
-    def meeting(self, kind: str, r: int) -> _Meeting:
-        key = (kind, r)
-        if key not in self.meetings:
-            if kind == "header":
-                stale = self.inputs.max_staleness > 0
-                self.meetings[key] = _Meeting(self.env, self.n, (lambda i: self.grace(r, i)) if stale else None,
-                                              self.inputs.min_islands)
-            else:  # the islands the round's header let in (a lone island meets no header)
-                header = self.meetings.get(("header", r))
-                self.meetings[key] = _Meeting(self.env, self.n if header is None else len(header.arrivals))
-        return self.meetings[key]
+    def header(self, r: int) -> _Header:
+        if r not in self.headers:
+            expected = set(self.headers[r - 1].present or ()) if r else set(self.everyone)
+            stale = self.inputs.max_staleness > 0
+            self.headers[r] = _Header(self, r, expected, (lambda i: self.wait(r, i)) if stale else None)
+        return self.headers[r]
 
     def until(self, t: float) -> simpy.Timeout:
         return self.env.timeout(max(0.0, t - self.env.now))
@@ -139,8 +168,9 @@ class _Model:
     def island(self, i: int) -> Generator[Any, Any, None]:
         env, tau = self.env, self.inputs.overlap_steps
         pending: tuple[simpy.Process, FragmentCost] | None = None
-        for r in range(self.rounds):
-            steps = 0 if r and r - 1 in self.late[i] else self.steps[r][i]  # late: it joins at once
+        r = 0
+        while r < self.rounds:
+            steps = self.steps[r][i]
             if pending is None:
                 yield from self.compute(i, steps)
             else:
@@ -149,46 +179,55 @@ class _Model:
                 process, cost = pending
                 yield process
                 yield env.timeout(cost.finish[i])
-                self.finished[i].append(env.now)
+                self.finished[i][r - 1] = env.now
                 pending = None
                 yield from self.compute(i, steps - first)
             cost = self.costs[r]
             yield env.timeout(cost.prep[i])  # pseudo-gradient (and, overlapped, the gather)
-            process = env.process(self.exchange(i, r, cost))
+            process = env.process(self.exchange(i, r))
             if tau == 0:
-                yield process
-                if r not in self.late[i]:
-                    yield env.timeout(cost.finish[i])
-                self.finished[i].append(env.now)
+                r, finish = yield process  # a late island takes part in a later round
+                yield env.timeout(finish)
+                self.finished[i][r] = env.now
             else:
                 pending = (process, cost)
+            r += 1
         if pending is not None:
             process, cost = pending
             yield process
             yield env.timeout(cost.finish[i])
-            self.finished[i].append(env.now)
+            self.finished[i][r - 1] = env.now
 
-    def exchange(self, i: int, r: int, cost: FragmentCost) -> Generator[Any, Any, None]:
+    def exchange(self, i: int, r: int) -> Generator[Any, Any, tuple[int, float]]:
+        """Island ``i``'s exchange of round ``r`` (or, late, of the round that takes it in): that round
+        and the seconds of its own work after it."""
         env, link = self.env, self.inputs.link
         start = env.now
+        present = self.everyone
         if self.n > 1:  # the round header through the store (a lone island has no link)
             rs = link.store_rtt
-            header = self.meeting("header", r)
-            went_on = header.join(env.now, i)
-            if went_on is None:  # late: the round went on without it; it asks to join the next
-                self.late[i].append(r)
+            went_on = self.header(r).arrive(i, env.now)
+            if went_on is None:  # late: the round went on without it; it asks to join the next one
                 yield env.timeout(3 * rs)
-                self.exchange_s[i][r] = env.now - start
-                return
-            last = yield went_on
+                self.asking[i] = env.event()
+                header = yield self.asking[i]
+                r, present, last = header.round, header.present, env.now
+            else:
+                last, header = yield went_on
+                present = header.present
             yield self.until(max(start + 3 * rs, last + rs + (rs + link.poll_s) / 2))
-            if any(r - 1 in late for late in self.late):  # a late island joins: the state goes to it
-                yield env.timeout(self.catch_up_s)
+            if any(j not in self.headers[r].expected for j in present):
+                yield env.timeout(self.catch_up_s)  # a late island joins: the state goes to it
+        cost = self.cost(r, present)
+        k = present.index(i)
         first, final = cost.chunks[0], cost.chunks[-1]
-        yield env.timeout(first.pre[i])
-        last = yield self.meeting("sizes", r).join(env.now)
-        yield self.until(last + cost.sizes_s + cost.train_seconds() + final.post[i])
+        yield env.timeout(first.pre[k])
+        if r not in self.sizes:
+            self.sizes[r] = _Meeting(env, len(present))
+        last = yield self.sizes[r].join(env.now)
+        yield self.until(last + cost.sizes_s + cost.train_seconds() + final.post[k])
         self.exchange_s[i][r] = env.now - start
+        return r, cost.finish[k]
 
 
 def _overlap_seconds(segments: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -204,7 +243,8 @@ def measured_rounds(inputs: PlanInputs) -> tuple[int, int, int]:
         return inputs.rounds, 0, inputs.rounds
     f = inputs.fragments
     warm = f + 2
-    measured = f * math.ceil(STEADY_MIN_ROUNDS / f)
+    least = STEADY_STALE_ROUNDS if inputs.max_staleness else STEADY_MIN_ROUNDS
+    measured = f * math.ceil(least / f)
     return warm + measured + 1, warm, measured
 
 
@@ -217,17 +257,25 @@ def simulate(inputs: PlanInputs) -> PlanResult:
     model.env.run()
     steady = inputs.rounds is None
     rounds = range(first, first + count)
-    costs = [model.costs[r] for r in rounds]
+    present = {r: model.headers[r].present or () if r in model.headers else model.everyone for r in range(total)}
+    costs = [model.cost(r, present[r]) for r in rounds]
     wire_bits = [8.0 * c.wire_bytes for c in costs]
+
+    def finished(i: int, r: int) -> float:  # an island away from a round is done with it when its members are
+        own = model.finished[i].get(r)
+        return own if own is not None else max(model.finished[j][r] for j in present[r])
+
     islands, windows = [], []
     for i, spec in enumerate(inputs.islands):
-        lo = model.finished[i][first - 1] if steady else 0.0
-        hi = model.finished[i][first + count - 1]
+        lo = finished(i, first - 1) if steady else 0.0
+        hi = finished(i, first + count - 1)
         window = hi - lo
         windows.append(window)
         compute = _overlap_seconds(model.segments[i], lo, hi)
-        local = sum(c.blocking[i] for c in costs) / count
+        mine = [(c, present[r].index(i)) for r, c in zip(rounds, costs) if i in present[r]]
+        local = sum(c.blocking[k] for c, k in mine) / count
         round_s = window / count
+        away = [i not in present[r] for r in rounds]
         islands.append(IslandResult(
             utilization=compute / window if window > 0 else 1.0,
             steps_per_round=compute / spec.step_seconds / count,
@@ -236,8 +284,9 @@ def simulate(inputs: PlanInputs) -> PlanResult:
             local_s=local,
             waiting_s=max(0.0, round_s - compute / count - local),
             exchange_s=sum(model.exchange_s[i][r] for r in rounds) / count,
-            leader_s=sum(c.leader_s[i] for c in costs) / count,
-            late_fraction=sum(1 for r in model.late[i] if r in rounds) / count,
+            leader_s=sum(c.leader_s[k] for c, k in mine) / count,
+            late_fraction=sum(away) / count,
+            longest_absence=max((len(run) for run in "".join("x" if a else "." for a in away).split(".")), default=0),
         ))
     window_steps = max(1, inputs.overlap_steps)
     peak = max((bits / (window_steps * spec.step_seconds) for bits in wire_bits for spec in inputs.islands),
