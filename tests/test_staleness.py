@@ -243,3 +243,35 @@ def test_the_start_agreement_lets_an_island_behind_hold_an_older_state_and_keeps
         agree_on_start(Side([behind, ahead, ahead]), "new", 4, True, 3, max_staleness=0)  # type: ignore
     with pytest.raises(RuntimeError, match="different global states"):
         agree_on_start(Side([{**behind, "steps": 1}, ahead]), "new", 4, True, 3, max_staleness=1)  # type: ignore
+
+
+def test_with_fragments_a_late_island_merges_its_fragment_late_and_keeps_its_other_work():
+    """Two fragments (a round syncs one, every H/F = 2 steps); island 2 misses round 2 (fragment 0).
+    Round 3 (fragment 1) takes it in: its fragment 1 is the others', so it merges its work there as
+    usual; round 4 (fragment 0) merges its fragment-0 work from round 2 late (age 1) and it adopts the
+    others' fragment 0, keeping its progress in fragment 1. From then on every island holds the same
+    global state, which differs from a run where nobody is late (the late work was merged, not lost)."""
+    frag = {"fragments": 2, "sync_every": 4}
+    late, on_time = run(6, {2: 2}, frag), run(6, {}, frag)
+    assert 2 not in late[2]["rounds"]
+    for r in (0, 1):
+        assert torch.equal(late[0]["rounds"][r], on_time[0]["rounds"][r])
+    m3, m4 = late[2]["metrics"][3], late[2]["metrics"][4]
+    assert (m3["islands/staleness"], m3["islands/islands_repaired"]) == (0.0, 0.0), m3
+    assert (m4["islands/staleness"], m4["islands/islands_repaired"]) == (1.0, 1.0), m4
+    assert late[0]["metrics"][4]["islands/stale_merged"] == 1.0
+    for r in (4, 5):
+        for i in (1, 2):
+            assert torch.equal(late[i]["rounds"][r], late[0]["rounds"][r]), f"round {r}, island {i}"
+    assert not torch.equal(late[0]["rounds"][5], on_time[0]["rounds"][5])
+    assert torch.isfinite(late[0]["rounds"][5]).all()
+
+
+def test_a_repair_moves_the_other_fragments_local_parameters_with_their_anchors():
+    from lightning_islands.engine.health import rebase
+
+    old = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    new = [torch.tensor([5.0, 5.0]), torch.tensor([0.0])]
+    locals_ = [torch.tensor([1.5, 1.0]), torch.tensor([3.25])]
+    rebase(locals_, old, new, skip={1})
+    assert torch.equal(locals_[0], torch.tensor([5.5, 4.0])) and torch.equal(locals_[1], torch.tensor([3.25]))

@@ -37,6 +37,12 @@ class StateSummary:
         steps = self.outer_steps
         return steps if isinstance(steps, int) else steps[self.fragment]
 
+    @property
+    def agreement(self) -> tuple[int, int, int | None, int]:
+        """What islands that agree on the fragment hold alike: its anchors, momentum and outer step
+        count (another fragment's count may differ: an island late for that fragment's round)."""
+        return self.fragment, self.anchors, self.momentum, self.fragment_steps
+
     def to_wire(self) -> dict[str, Any]:
         steps = self.outer_steps
         return {"fragment": self.fragment, "anchors": self.anchors, "momentum": self.momentum,

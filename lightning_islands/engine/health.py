@@ -22,15 +22,23 @@ from lightning_islands.engine.state import OuterState
 log = logging.getLogger(__name__)
 
 
+def _agreement(state: StateSummary | None) -> tuple | None:
+    return None if state is None else state.agreement
+
+
 def majority(headers: Sequence[RoundHeader]) -> list[int]:
-    """The islands in the largest group of equal global state (the headers' ``state``; a tie: the
-    group of the lowest island). Only islands present in the round vote, and an island that is
-    (re)joining never does: its state is whatever it restarted with."""
-    groups: dict[StateSummary | None, list[int]] = {}
+    """The islands that hold the global state of the round's fragment that the largest group holds
+    (:attr:`StateSummary.agreement`; a tie: the group of the lowest island). Only islands present in
+    the round vote, and an island that is (re)joining never does (its state is whatever it restarted
+    with), but one whose state equals the winners' holds it too."""
+    groups: dict[tuple | None, list[int]] = {}
     for i, h in enumerate(headers):
         if h.votes:
-            groups.setdefault(h.state, []).append(i)
-    return max(groups.values(), key=lambda g: (len(g), -g[0])) if groups else []
+            groups.setdefault(_agreement(h.state), []).append(i)
+    if not groups:
+        return []
+    won = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))[0]
+    return [i for i, h in enumerate(headers) if not h.absent and _agreement(h.state) == won]
 
 
 def state_summary(state: OuterState, layout: CanonicalLayout, fragment: int, stage: int | None = None
@@ -86,7 +94,19 @@ def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: t
     flat = None if received is None else received.view(torch.float32)
     anchors = layout.scatter_from_leader(None if flat is None else flat[:n], device)
     momentum = layout.scatter_from_leader(None if flat is None else flat[n:], device) if has_momentum else None
+    rebase(locals_, state.anchors, anchors, skip=set(state.indices(summary.fragment)))
     state.load_state_dict({"anchor": anchors, "momentum": momentum, "residual": state.residual,
                            "outer_steps": summary.outer_steps})
-    state.write_to(locals_)
+    state.write_to(locals_, state.indices(summary.fragment))
     return len(bad)
+
+
+@torch.no_grad()
+def rebase(locals_: Sequence[Tensor], old: Sequence[Tensor], new: Sequence[Tensor], skip: set[int]) -> None:
+    """Move the local parameters (but those of ``skip``) from the anchors ``old`` to ``new``, keeping
+    the island's own progress since its anchors (``local - old``): a repaired island loses none of the
+    work it has not synced in the fragments other than the round's (where the round merged it or
+    dropped it)."""
+    for i, (loc, a, b) in enumerate(zip(locals_, old, new)):
+        if i not in skip:
+            loc.copy_((loc.to(a.device, torch.float32) - a + b.to(a.device)).to(loc.device, loc.dtype))
