@@ -241,6 +241,54 @@ def test_a_lost_island_is_left_out_and_a_restarted_one_rejoins_bit_identically(o
         assert torch.equal(results[0][r], results[1][r]), f"round {r}: global states differ"
 
 
+def test_a_restarted_butterfly_island_rejoins_its_groups_bit_identically():
+    """Four butterfly islands; island 3 dies after round 2 (its partners mix alone meanwhile),
+    restarts with a fresh state and asks to rejoin: from the round that takes it back on, it leaves
+    every stage bit-identical with its partner of that stage (island 2 at stage 0, island 1 at 1)."""
+    coordinator = Coordinator()
+    run_id, n = "bfly-rejoin", 4
+    kw = {"topology": "butterfly", "codec": "int4", "error_feedback": True}
+    results: dict[int, dict[int, torch.Tensor]] = {i: {} for i in range(n)}
+    died = threading.Event()
+
+    def steady(i: int) -> None:
+        link = _link(coordinator, i, n, run_id)
+        engine, locals_ = _engine(i, n, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(False))
+        engine.adopt_initial_state(locals_, {})
+        _train(engine, locals_, i, 2, results[i], end=False)
+        died.wait(30)
+        _train(engine, locals_, i, 12, results[i], pause=0.15)
+        link.close()
+
+    def restarted() -> None:
+        link = _link(coordinator, 3, n, run_id)
+        engine, locals_ = _engine(3, n, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(False))
+        engine.adopt_initial_state(locals_, {})
+        _train(engine, locals_, 3, 2, {}, end=False)
+        link.close()  # "dies": its liveness beat stops, it never sends its round-2 header
+        died.set()
+        time.sleep(2 * GRACE)
+        link = _link(coordinator, 3, n, run_id, incarnation=1)
+        engine, locals_ = _engine(3, n, link, **kw)
+        engine.meet(lambda: link, engine.fingerprint(True), rejoining=True)
+        engine.state.set_anchors(locals_)
+        _, stop = engine.rejoin(locals_)
+        results[3][engine.schedule.round] = engine.global_flat().clone()
+        if not stop:
+            _train(engine, locals_, 3, 12, results[3])
+        link.close()
+
+    run_threads([lambda i=i: steady(i) for i in range(3)] + [restarted])
+    back = sorted(results[3])
+    assert back and back[0] > 3 and back[-1] == 12, f"island 3 came back at rounds {back}"
+    assert all(sorted(results[i]) == list(range(1, 13)) for i in range(3)), "the others trained through"
+    for r in back:
+        partner = 3 ^ (1 << ((r - 1) % 2))  # round r (1-based) ran stage (r - 1) mod 2
+        assert torch.equal(results[3][r], results[partner][r]), f"round {r}: island 3 and island {partner} differ"
+
+
 def test_decision_json_round_trips():
     d = Decision(3, 1, (0, 2), "round3/a1", (2,))
     assert Decision.from_json(d.to_json()) == d
