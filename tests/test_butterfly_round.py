@@ -10,6 +10,7 @@ an island whose base differs from its partner's takes the partner's state and en
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -49,8 +50,15 @@ def butterfly_reference(plan: Plan) -> tuple[list[list[torch.Tensor]], list[floa
         apart.append(max(float((a - b).norm()) for a in glob for b in glob) / float(glob[0].norm()))
         spreads.append(max(float((props[j] - props[0]).norm()) for j in bf.peers(0, stage)) / float(glob[0].norm()))
         for i in range(n):
-            group = [j for unit in bf.group(i, stage) for j in unit]
+            group = sorted(j for unit in bf.group(i, stage) for j in unit)
             glob[i] = sum(weights[j] * props[j] for j in group) / sum(weights[j] for j in group)
+            if plan.experts is not None and s.get("expert_weighting"):  # each expert's rows by its tokens
+                counts = torch.tensor([plan.experts[j] for j in group], dtype=torch.float64)
+                total = counts.sum(0)
+                shares = torch.where(total > 0, counts / total.clamp_min(1e-300), 1.0 / len(group))
+                e = CanonicalLayout(SPECS).entries[[name for name, _, _ in SPECS].index("experts")]
+                rows = torch.stack([props[j][e.offset:e.offset + e.numel].view(e.shape) for j in group])
+                glob[i][e.offset:e.offset + e.numel] = (shares[:, :, None] * rows).sum(0).reshape(-1)
         step += h
         out.append([g.float() for g in glob])
     return out, spreads, apart
@@ -84,6 +92,25 @@ def test_each_stage_leaves_its_group_identical_and_matches_the_float64_mix(sizes
         assert m["islands/group_size"] == 2 and m["islands/butterfly_stage"] == 1
         # one payload in, one out: the partner's, not N - 1 of them
         assert m["islands/bytes_received"] == m["islands/payload_bytes"] == m["islands/bytes_sent"]
+
+
+def test_with_expert_weighting_each_experts_rows_mix_by_the_tokens_the_group_routed_to_it():
+    experts = [[10.0, 0.0, 5.0, 0.0], [30.0, 20.0, 5.0, 0.0], [0.0, 4.0, 1.0, 0.0], [2.0, 2.0, 2.0, 0.0]]
+    plan = Plan(sizes=[1, 2, 1, 3], tokens=[8, 3, 5, 2], rounds=4, experts=experts,
+                settings={**BUTTERFLY, "expert_weighting": True})
+    results = leaders(run(plan))
+    plain = leaders(run(dataclasses.replace(plan, settings=BUTTERFLY, experts=None)))
+    want, _, _ = butterfly_reference(plan)
+    bf = Butterfly(4)
+    e = CanonicalLayout(SPECS).entries[[name for name, _, _ in SPECS].index("experts")]
+    for r in range(plan.rounds):
+        for group in pairs(bf, bf.stage_of(r)):
+            assert all(torch.equal(results[i]["rounds"][r], results[group[0]]["rounds"][r]) for i in group)
+        for i in range(4):
+            torch.testing.assert_close(results[i]["rounds"][r], want[r][i], rtol=1e-5, atol=1e-5)
+    rows = slice(e.offset, e.offset + e.numel)
+    assert not torch.equal(results[0]["rounds"][0][rows], plain[0]["rounds"][0][rows])
+    assert torch.equal(results[0]["rounds"][0][: e.offset], plain[0]["rounds"][0][: e.offset])
 
 
 def test_quantized_butterfly_rounds_keep_groups_identical_across_shardings():
@@ -144,7 +171,7 @@ def test_an_island_whose_base_differs_takes_its_partners_state():
         assert all(torch.equal(got[i], layout.shard_of(before, i)) for i in range(len(SPECS)))
 
 
-@pytest.mark.parametrize("bad", [{"overlap_steps": 1}, {"expert_weighting": True}, {"topology": "ring"}])
+@pytest.mark.parametrize("bad", [{"overlap_steps": 1}, {"topology": "ring"}])
 def test_unsupported_butterfly_settings_are_refused_with_the_fix(bad):
     with pytest.raises(ValueError, match="topology"):
         IslandSettings(**{**BUTTERFLY, **bad})

@@ -82,7 +82,7 @@ class ChunkExchange:
                 self.link_sums[key] += getattr(moved, key)
         merged = outer.merge(decoded, [self.weights[i] for i in self.members],
                              out=scratch.take("merged", m, device=dev), scratch=scratch.take("term", m, device=dev))
-        self._merge_experts(merged, decoded, start)
+        merge_expert_values(merged, decoded, start, self.layout, self.coefs)
         self.stats.add(part, own, payload.numel(), decoded, merged)
         return merged, residual
 
@@ -105,18 +105,22 @@ class ChunkExchange:
         """Drop the scratch buffers (after the last chunk; tensors still referenced stay alive)."""
         self.scratch.clear()
 
-    def _merge_experts(self, merged: Tensor, decoded: Sequence[Tensor], start: int) -> None:
-        """Overwrite each expert parameter's values in this chunk of ``merged`` (the flat vector's
-        ``[start, start + numel)``) with their per-expert weighted merge."""
-        stop = start + merged.numel()
-        for e in self.layout.entries:
-            if e.name not in self.coefs:
-                continue
-            a, b = max(e.offset, start), min(e.offset + e.numel, stop)
-            if a < b:
-                parts = [d[a - start : b - start] for d in decoded]
-                merged[a - start : b - start] = outer.merge_expert_rows(parts, self.coefs[e.name],
-                                                                        e.numel // e.shape[0], a - e.offset)
+
+
+def merge_expert_values(merged: Tensor, decoded: Sequence[Tensor], start: int, layout: CanonicalLayout,
+                        coefs: dict[str, list[Tensor]]) -> None:
+    """Overwrite each expert parameter's values in this chunk of ``merged`` (the flat vector's
+    ``[start, start + numel)`` of ``layout``) with the per-expert weighted merge of ``decoded`` (one
+    per island merged, in island order; ``coefs``: per expert parameter, each island's shares)."""
+    stop = start + merged.numel()
+    for e in layout.entries:
+        if e.name not in coefs:
+            continue
+        a, b = max(e.offset, start), min(e.offset + e.numel, stop)
+        if a < b:
+            parts = [d[a - start : b - start] for d in decoded]
+            merged[a - start : b - start] = outer.merge_expert_rows(parts, coefs[e.name], e.numel // e.shape[0],
+                                                                    a - e.offset)
 
 
 

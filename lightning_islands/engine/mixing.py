@@ -48,8 +48,9 @@ from lightning_islands.codecs import Codec
 from lightning_islands.codecs.buffers import Buffers
 from lightning_islands.engine import outer
 from lightning_islands.engine.butterfly import Butterfly
-from lightning_islands.engine.exchange import LINK_TOTALS
+from lightning_islands.engine.exchange import LINK_TOTALS, merge_expert_values
 from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.state import OuterState
 from lightning_islands.engine.stats import RoundStats, _diff_sq
@@ -148,8 +149,10 @@ class MixExchange:
     """
 
     def __init__(self, codec: Codec, link: Link, island: int, group: Sequence[int], members: Sequence[int],
-                 weights: Sequence[float], delta_sq: float, keep_residual: bool) -> None:
+                 weights: Sequence[float], delta_sq: float, keep_residual: bool,
+                 experts: tuple[CanonicalLayout, dict[str, list[Tensor]]] | None = None) -> None:
         self.codec, self.link, self.island = codec, link, island
+        self.experts = experts
         self.peers = [i for i in group if i != island]
         self.members, self.weights = list(members), [float(weights[i]) for i in members]
         self.stats = RoundStats(len(self.members), delta_sq)
@@ -193,6 +196,8 @@ class MixExchange:
         else:
             merged = outer.merge(decoded, self.weights, out=scratch.take("merged", m, device=dev),
                                  scratch=scratch.take("term", m, device=dev))
+            if self.experts is not None:
+                merge_expert_values(merged, decoded, start, *self.experts)
         if mine:
             for i, d in zip(self.members, decoded):
                 if i != self.island:
@@ -267,10 +272,15 @@ class PendingMix:
         return len(repairs)
 
     def exchange(self, codec: Codec, link: Link | None, island: int, plan: MergePlan, delta_sq: float,
-                 keep_residual: bool) -> MixExchange:
-        """The leader's exchange of the round."""
+                 keep_residual: bool, layout: CanonicalLayout) -> MixExchange:
+        """The leader's exchange of the round (``layout``: the fragment's; with expert weighting each
+        expert's rows mix by the tokens the group's members routed to it)."""
         assert link is not None, "the butterfly runs with other islands"
-        exchange = MixExchange(codec, link, island, self.group, self.members, plan.weights, delta_sq, keep_residual)
+        names = (plan.headers[self.members[0]].experts or {}) if self.members else {}
+        coefs = {name: outer.expert_coefficients([plan.headers[i].experts[name] for i in self.members])  # type: ignore
+                 for name in names}
+        exchange = MixExchange(codec, link, island, self.group, self.members, plan.weights, delta_sq, keep_residual,
+                               (layout, coefs) if coefs else None)
         exchange.stage, exchange.anchor_sq, exchange.spread = self.stage, self.anchor_sq, self.spread
         return exchange
 

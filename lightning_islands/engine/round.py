@@ -228,7 +228,7 @@ class IslandEngine(IslandEngineBase):
         exchange = None
         if self.is_leader:
             exchange = (self.meeting.exchange(plan, layout, delta_sq, residual is not None) if mix is None else
-                        mix.exchange(self.codec, self.link, self.island, plan, delta_sq, residual is not None))
+                        mix.exchange(self.codec, self.link, self.island, plan, delta_sq, residual is not None, layout))
         # one chunk: the scatter's own buffer becomes the gradients; several: each fills its part
         into = None if len(bounds) == 1 else [torch.zeros_like(a) for a in anchors]
         got: list[Tensor] = []

@@ -163,7 +163,8 @@ class IslandSettings:
                      "the islands hold one global state) or `butterfly` (stage k of a fragment's rounds pairs island i "
                      "with island i XOR 2^k; each island steps its own global model with its own outer momentum and "
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
-                     "butterfly). Butterfly does not combine with `overlap_steps` or `expert_weighting` yet.")
+                     "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to it). "
+                     "Butterfly does not combine with `overlap_steps` yet.")
     max_staleness: int = setting(
         0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
            "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "
@@ -331,11 +332,9 @@ class IslandSettings:
         if self.max_staleness and self.overlap_steps:
             raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
                              f"{self.overlap_steps} yet; set one of them to 0")
-        if self.topology == "butterfly":
-            for name, value in (("overlap_steps", self.overlap_steps), ("expert_weighting", self.expert_weighting)):
-                if value:
-                    raise ValueError(f"topology=butterfly does not combine with {name}={value!r} yet; set "
-                                     f"islands.{name} to its default or use topology=allreduce")
+        if self.topology == "butterfly" and self.overlap_steps:
+            raise ValueError(f"topology=butterfly does not combine with overlap_steps={self.overlap_steps!r} yet; set "
+                             "islands.overlap_steps to 0 or use topology=allreduce")
 
     def make_codec(self) -> Codec:
         """The wire format of pseudo-gradients."""
