@@ -267,16 +267,22 @@ def plot_loss_vs_compute(jobs: list[Job], path: Path) -> bool:
         flops = [6 * job.metrics["active_parameters"] * t for t, _ in points]
         ax.plot(flops, [loss for _, loss in points], marker="o", markersize=3,
                 linestyle="--" if job.kind == "centralized" else "-", label=job.name)
-    ax.set_xscale("log")
-    ax.set_xlabel("training compute, 6 x active parameters x tokens (FLOPs, log scale)")
-    ax.set_ylabel("validation loss (global model)")
     ax.set_title("islands (solid) against centralized (dashed) across sizes")
+    _finish(plt, fig, ax, path, "training compute, 6 x active parameters x tokens (FLOPs, log scale)",
+            "validation loss (global model)", 6)
+    return True
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, xlabel: str, ylabel: str, legend: int) -> None:
+    """Log x axis, labels, grid and legend; written to ``path``."""
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=legend)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def plot_ratio_vs_bytes(summary: list[dict[str, Any]], path: Path) -> bool:
@@ -295,14 +301,8 @@ def plot_ratio_vs_bytes(summary: list[dict[str, Any]], path: Path) -> bool:
             ax.annotate(s["codec"], (s["bytes_ratio"], s["ratio_mean"]), fontsize=7, xytext=(4, 3),
                         textcoords="offset points")
     ax.axhline(1.0, linestyle="--", linewidth=1, color="grey")
-    ax.set_xscale("log")
-    ax.set_xlabel("x fewer bytes than synchronous data parallelism (log scale)")
-    ax.set_ylabel("validation loss, islands / centralized")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, "x fewer bytes than synchronous data parallelism (log scale)",
+            "validation loss, islands / centralized", 7)
     return True
 
 

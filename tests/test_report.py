@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import load_benchmark
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -18,7 +17,6 @@ from lightning_islands.app.cli import main as cli_main
 from lightning_islands.app.train import config_dir
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "quality.py"
 SWEEPS = ["sweep_h", "sweep_outer", "sweep_codec", "sweep_imbalance", "sweep_sync_schedule", "sweep_budget_1000x",
           "sweep_expert_weighting", "sweep_outer_warmup", "sweep_ef_decay", "sweep_outer_1000x"]
 
@@ -229,11 +227,7 @@ def test_report_of_a_folder_without_runs_names_it(tmp_path, capsys):
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("quality_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 def test_quality_benchmark_compares_at_equal_tokens_per_step():

@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import load_benchmark
 from hydra import compose, initialize_config_dir
 
 import lightning_islands.app.report as report
 from lightning_islands.app.train import config_dir
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("scaling_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scaling")
 
 
 def _compose(overrides):
