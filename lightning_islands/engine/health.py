@@ -70,7 +70,10 @@ def repair(island: Island, layout: CanonicalLayout, state: OuterState, device: t
     bad = [i for i, h in enumerate(headers) if i not in good and not h.absent]
     if not bad or not good:
         return 0
-    src, summary = good[0], headers[good[0]].state
+    # the source votes: an island that agrees on this fragment without voting (late, or rejoining) may
+    # hold other fragments behind, and the repair sends every fragment
+    src = next(i for i in good if headers[i].votes)
+    summary = headers[src].state
     assert summary is not None, "an island that votes has a state summary"
     has_momentum, n = summary.momentum is not None, layout.numel
     if island.index == src:
