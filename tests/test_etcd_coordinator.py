@@ -371,8 +371,10 @@ def test_tls_and_a_run_user_refuse_every_client_without_the_runs_credentials(tmp
         results: dict[int, dict[int, torch.Tensor]] = {0: {}, 1: {}}
 
         def island(i: int) -> None:
-            link = _link(cluster.address, i, 2, "tls-a")  # GRACE: TLS and auth make each request slower
-            engine, locals_ = _engine(i, 2, link)
+            # a generous grace: a TLS handshake on a loaded machine can take longer than GRACE, and
+            # no island is meant to be lost here
+            link = _link(cluster.address, i, 2, "tls-a", grace_s=60.0)
+            engine, locals_ = _engine(i, 2, link, grace_s=60.0)
             engine.meet(lambda: link, engine.fingerprint(False))
             engine.adopt_initial_state(locals_, {})
             _train(engine, locals_, i, 3, results[i])
