@@ -357,6 +357,13 @@ def _sealed_links(run_id: str, n: int = 2) -> tuple[Any, list]:
     return coordinator, links
 
 
+def _landed(store: Any, key: str) -> None:
+    """Wait until the coordinator applied this client's last write to ``key``: a TCPStore ``set``
+    gets no reply, so another client's read may reach the coordinator first; a read on the writer's
+    own connection is answered only after its earlier requests."""
+    store.get(key)
+
+
 def run_threads_ok(fns: list) -> list:
     got = outcomes(fns)
     assert not any(isinstance(g, Exception) for g in got), got
@@ -428,6 +435,8 @@ def test_values_of_an_islands_earlier_life_replayed_at_their_keys_are_not_acted_
     assert m0._silent([1], 0.0)[1] == 0.0
     one.abort("island 1: RuntimeError: out of memory")  # its first life fails, asks back, and restarts
     one.membership.request_join(0)
+    _landed(one.store, abort)
+    _landed(one.store, join)
     recorded = {key: store.get(key) for key in (alive, abort, join)}
     one.alive.stop()
     one.alive._thread.join(timeout=30)  # its last beat is written before the restarted life's
@@ -436,15 +445,18 @@ def test_values_of_an_islands_earlier_life_replayed_at_their_keys_are_not_acted_
     store.delete_key(abort)  # what a restarted island does first (IslandLink.rejoin)
     store.delete_key(join)
     one.store.set(alive, "1:1")
+    _landed(one.store, alive)
     assert m0._silent([1], 1.0)[1] == 0.0 and m0._beat_incarnation(1) == 1
     for key, raw in recorded.items():  # whoever reaches the coordinator replays them
         store.set(key, raw)
+        _landed(store, key)
     assert m0._silent([1], 5.0)[1] == 4.0, "the replayed beat is not progress"
     assert m0._beat_incarnation(1) == 1, "nor a restart"
     assert links[0]._aborted(1) is None and 1 not in m0.joiners(0)
     assert "ignores island 1's failure report of its incarnation 0" in caplog.text
     assert "ignores island 1's join request of its incarnation 0" in caplog.text
     one.abort("island 1: RuntimeError: out of memory again")  # its current life's report counts
+    _landed(one.store, abort)
     assert links[0]._aborted(1) == "island 1: RuntimeError: out of memory again"
     for link in links:
         link.close()
