@@ -9,7 +9,11 @@ FSDP2-style DTensors (``Shard(0)`` over the island). Each rank runs, each in a f
   rank adds its shards of the error-feedback residual to its pseudo-gradient, the leader encodes what
   it gathered, decodes it and merges, and the merged update and the new residual go back to the ranks
   as shards; once with the whole vector at once and once in chunks of ``--chunk-mib`` MiB
-  (``exchange_chunk_mib``), the leader's chunk-sized temporaries reused from chunk to chunk.
+  (``exchange_chunk_mib``), the leader's chunk-sized temporaries reused from chunk to chunk;
+- ``to owners`` and, with ``--codec``, ``round CODEC sliced``: the same for ``islands.exchange=sliced``
+  (``CanonicalLayout.to_owners`` / ``from_owners``, an all-to-all that gives each rank its slice; then
+  :func:`~lightning_islands.engine.sliced.exchange_sliced`, each rank encoding, decoding and merging
+  its own slice in chunks of ``--chunk-mib``).
 
 It reports how far each process's peak resident memory (``VmHWM``) rose above its level before the
 round, in MiB and in full fp32 copies of the model, and each rank's wall time for the round. Linux only.
@@ -31,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
+from lightning_islands.engine.sliced import slice_bounds
 
 
 def _peak_rss() -> int:
@@ -62,6 +67,25 @@ def _engine_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib:
     return pending.grads, base
 
 
+def _sliced_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib: float) -> tuple[list, int]:
+    """One round's sliced exchange of a lone island (no link): every rank its own slice."""
+    from lightning_islands.engine.header import RoundHeader
+    from lightning_islands.engine.island import Island
+    from lightning_islands.engine.merging import MergePlan
+    from lightning_islands.engine.sliced import exchange_sliced
+
+    cpu, world = torch.device("cpu"), layout.group.size
+    settings = IslandSettings(codec=codec, error_feedback=True, exchange_chunk_mib=chunk_mib, exchange="sliced")
+    plan = MergePlan.of([RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=world)], "tokens", None, layout)
+    residual = [torch.zeros_like(loc) for loc in locals_]
+    dist.barrier()
+    _reset_peak()
+    base = _peak_rss()
+    got = exchange_sliced(Island(0, 1, layout.group), layout, settings.make_codec(), None, plan, locals_, locals_,
+                          residual, 1.0, world, settings.exchange_chunk, cpu, cpu)
+    return got.grads, base
+
+
 def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, codec: str, chunk: float) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -79,9 +103,18 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, 
         _reset_peak()
         base = _peak_rss()
         t0 = time.perf_counter()
-        if mode.startswith("round"):
+        if mode.startswith("round") and mode.endswith("sliced"):
+            grads, base = _sliced_round(layout, locals_, codec, chunk)
+            grads[0].reshape(-1)[:1] = 0.5
+        elif mode.startswith("round"):
             grads, base = _engine_round(layout, locals_, codec, chunk if "chunk" in mode else 0)
             grads[0].reshape(-1)[:1] = 0.5  # (the merged value itself depends on the codec)
+        elif mode == "to owners":
+            bounds = slice_bounds(layout.numel, world, 1)
+            own = layout.to_owners(locals_, bounds, cpu)
+            merged = own * 0.5 if own is not None else None
+            own = None
+            grads = layout.from_owners(merged, bounds, cpu, [torch.empty_like(loc) for loc in locals_])
         else:
             full = layout.gather_to_leader(locals_, cpu)
             merged = full * 0.5 if full is not None else None
@@ -109,9 +142,10 @@ def main() -> None:
     parser.add_argument("--out", default="results/exchange_memory.json")
     args = parser.parse_args()
     chunk = args.chunk_mib
-    modes = ["to leader"]
+    modes = ["to leader", "to owners"]
     if args.codec:
-        modes += [f"round {args.codec}", f"round {args.codec}, chunks of {args.chunk_mib:g} MiB"]
+        modes += [f"round {args.codec}", f"round {args.codec}, chunks of {args.chunk_mib:g} MiB",
+                  f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced"]
     # Every rank of every row is a fresh process, forked from a server that imported torch and
     # lightning_islands once, rather than spawned to import them again: seconds of CPU per rank, most
     # of the run's time at small --params. (The server imports only what it is told to preload.)

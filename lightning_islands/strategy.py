@@ -54,6 +54,7 @@ from lightning_islands.link.auth import SCHEME, AuthenticatedLink, load_secret
 from lightning_islands.link.coordinator import island_identity, joining_from_env, restart_count
 from lightning_islands.link.island_link import DEFAULT_GRACE_S, IslandLink
 from lightning_islands.link.protocol import CoordinatorLost, IslandAborted
+from lightning_islands.link.rank_lanes import RankLanes
 
 T = TypeVar("T")
 
@@ -199,8 +200,12 @@ class IslandStrategy(FSDP2Strategy):
                            "auth": SCHEME if self._secret else False}
             # restarted after a crash, or new to a run under way: the live islands take it in
             self._rejoining = restart_count() > 0 or self.join
+            if self._secret and self.settings.exchange == "sliced":
+                raise ValueError("islands.exchange=sliced does not sign the payloads of ranks other than the "
+                                 "leader yet: run it without a secret (LI_SECRET / islands.secret_file) or with "
+                                 "islands.exchange=leader")
             self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining and not self.join,
-                             joining=self.join)
+                             joining=self.join, open_rank_link=self._open_rank_link)
         if self._rejoining:  # its own parameters stand in until the round that takes it back replaces them
             self.engine.state.set_anchors(self._locals())
         else:
@@ -227,6 +232,14 @@ class IslandStrategy(FSDP2Strategy):
                           grace_s=grace_s, secret=self._secret, join=self.join,
                           slow_wait_s=slow_wait_s)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
+
+    def _open_rank_link(self) -> RankLanes:
+        """This rank's own lanes to the same rank of the other islands (``exchange=sliced``)."""
+        assert self.coordinator is not None
+        s = self.settings
+        return RankLanes(self.coordinator, self.island_index, self.engine.group.rank, self.num_islands,
+                         run_id=self.run_id, lanes=s.lanes, deadline=timedelta(seconds=s.deadline_s),
+                         grace_s=self.engine.grace_s)
 
     def _adopt_run_settings(self) -> IslandSettings:
         """A joiner (every rank): the run's settings from its record at the coordinator, with this
@@ -574,6 +587,9 @@ class IslandStrategy(FSDP2Strategy):
             if self.engine.link is not None:
                 self.engine.link.close()
                 self.engine.link = None
+            if self.engine.rank_link is not None:
+                self.engine.rank_link.close()
+                self.engine.rank_link = None
         super().teardown()
 
     @classmethod

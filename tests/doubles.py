@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_islands.link.protocol import IslandAborted, LinkStats, PayloadRefused
+from lightning_islands.link.protocol import IslandAborted, LinkStats, PayloadRefused, RoundLost
 
 WAIT_S = 60.0
 
@@ -148,6 +148,9 @@ class MemoryLink:
     def add_wait(self, seconds: float) -> None:
         self.stats.seconds_waiting += seconds
 
+    def fail_round(self, why: str) -> RoundLost:
+        return RoundLost(why)  # islands in memory run no second attempt: the test sees the error
+
     def heartbeat(self, status: dict) -> None:
         pass  # islands in memory never go silent
 
@@ -161,6 +164,42 @@ class MemoryLink:
         with self.hub.cond:
             self.hub.aborted[self.island] = message
             self.hub.cond.notify_all()
+
+
+class MemoryRankLink:
+    """Rank ``rank`` of island ``island``'s own lanes in memory (a
+    :class:`~lightning_islands.link.protocol.RankLink`): its meetings are keyed by its rank, so each
+    rank meets only the same rank of the other islands. ``fail_at``: the call (1, 2, ...) of
+    :meth:`all_gather_bytes` that loses its peer (raises :class:`RoundLost`), for fault tests."""
+
+    def __init__(self, hub: Hub, island: int, rank: int, fail_at: int | None = None) -> None:
+        self.hub, self.island, self.rank, self.fail_at = hub, island, rank, fail_at
+        self.present: tuple[int, ...] = tuple(range(hub.num_islands))
+        self.stats = LinkStats()
+        self._calls = 0
+        self.used: list[tuple[tuple[int, ...], str | None]] = []
+
+    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+        self.present = tuple(present)
+        self.used.append((self.present, lanes_key))
+
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
+        self._calls += 1
+        if self._calls == self.fail_at:
+            raise RoundLost(f"rank {self.rank} of island {self.island} lost its peer (injected)")
+        posts = self.hub.meet(f"rank{self.rank}/gather/{self._calls}", self.island, payload.detach().cpu().clone(),
+                              needed=self.present)
+        out = [posts.get(i, torch.empty(0, dtype=torch.uint8)) for i in range(self.hub.num_islands)]
+        self.stats.bytes_sent += payload.numel() * (len(self.present) - 1)
+        self.stats.bytes_received += sum(t.numel() for i, t in enumerate(out) if i != self.island)
+        return out
+
+    def take_stats(self) -> LinkStats:
+        stats, self.stats = self.stats, LinkStats()
+        return stats
+
+    def close(self) -> None:
+        pass
 
 
 class ThreadIsland:
@@ -189,6 +228,12 @@ class ThreadGroup:
         got = self.shared.queues[src, self.rank].get(timeout=WAIT_S)
         assert got.shape == tensor.shape, f"rank {self.rank} expected {tuple(tensor.shape)} from {src}, got {got.shape}"
         tensor.copy_(got)
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        for dst, t in sends:  # a queue never blocks a sender
+            self.send(t, dst)
+        for src, t in recvs:
+            self.recv(t, src)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self.shared.slots[self.rank] = obj

@@ -45,9 +45,11 @@ def test_exchange_memory_benchmark_reports_every_rank_of_both_rounds(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
-    modes = ["to leader", "round int8", "round int8, chunks of 1 MiB"]
+    modes = ["to leader", "to owners", "round int8", "round int8, chunks of 1 MiB",
+             "round int8, chunks of 1 MiB, sliced"]
     assert [(r["mode"], r["rank"]) for r in rows] == [(m, rank) for m in modes for rank in (0, 1)]
     assert all(r["rise_mib"] >= 0 and r["model_mib"] > 7 and r["seconds"] > 0 for r in rows)
+
 
 
 def test_auth_benchmark_writes_both_tables(tmp_path):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import references
 import torch
-from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+from doubles import Hub, MemoryLink, MemoryRankLink, ThreadGroup, ThreadIsland, run_threads
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, outer
 
@@ -72,7 +72,8 @@ def _rank_main(plan: Plan, island: int, rank: int, group: ThreadGroup, hub: Hub,
     start = initial_flat(0 if plan.same_seed else island)
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     if len(plan.sizes) > 1:
-        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, False, "cpu"))
+        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, False, "cpu"),
+                    open_rank_link=lambda: MemoryRankLink(hub, island, rank))
     engine.adopt_initial_state(locals_, {})
     if resume is not None:
         saved = resume[island, rank]

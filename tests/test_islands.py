@@ -107,11 +107,12 @@ SHARED_RUNS = {
     "accumulate-clip": ([2, 1], ["--steps", 8, "--H", 2, "--accumulate", 2, "--clip", 0.5, "--inner", "adamw"]),
     "round-lengths": ([1, 1], ["--steps", 12, "--H", 4, "--steps-per-round", "4,2"]),
     "early-stop": ([1, 1], ["--steps", 20, "--H", 2, "--val-every", 3, "--early-stop-island", 0]),
+    "sliced": ([2, 2], ["--steps", 8, "--H", 4, "--batch-sizes", "4,8", "--exchange", "sliced"]),
 }
 # two at a time: four launches at once (a dozen processes on 2 cores) starved islands past the 10 s grace
 # window of their start on a CI machine
 SHARED_GROUPS = [("heterogeneous", "sync-warmup"), ("outer-warmup", "h1"), ("nan", "topk:0.25+int4"),
-                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop")]
+                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"), ("sliced",)]
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +171,20 @@ def test_heterogeneous_islands_bit_identical_and_match_reference(shared_run):
     # every process destroyed its process groups before the interpreter finalized (see fsdp.destroy_world_at_exit)
     exits = {p.name: p.read_text() for p in out.glob("exit_island*_rank*")}
     assert exits == {"exit_island0_rank0": "False", "exit_island0_rank1": "False", "exit_island1_rank0": "False"}
+
+
+def test_sliced_islands_move_each_ranks_slice_and_match_reference(shared_run):
+    """exchange=sliced between islands of two processes: rank 1 of each moves its slice over lanes of
+    its own; the islands stay bit-identical and match DiLoCo."""
+    out = shared_run("sliced")
+    per_island = assert_islands_equal(out, 2)
+    ref = reference_diloco([2, 2], [4, 8], steps=8, H=4, outer_lr=0.7, momentum=0.9, nesterov=True)
+    for r, params in ref.items():
+        for name, t in params.items():
+            torch.testing.assert_close(per_island[1][r]["params"][name], t, rtol=1e-5, atol=1e-6)
+    m = per_island[0][2]["metrics"]
+    assert m["islands/exchange_chunks"] == 2, "two slices, one per rank (rank 1's over lanes of its own)"
+    assert m["islands/bytes_sent"] == pytest.approx(m["islands/payload_bytes"])  # both ranks' bytes, one peer
 
 
 def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(shared_run):

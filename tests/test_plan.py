@@ -146,13 +146,16 @@ def test_the_tcp_window_caps_each_lane():
     assert slow.link_rate_bps < fast.link_rate_bps and slow.utilization[0] < fast.utilization[0]
 
 
-def test_the_sliced_path_removes_the_leaders_gather_and_spreads_its_codec_work():
+def test_the_sliced_path_spreads_the_leaders_gather_and_its_codec_work():
     big = IslandSpec(72, 5.0, intra_bytes_per_s=50e9, leader_bytes_per_s=300e9)
     small = IslandSpec(8, 5.5, intra_bytes_per_s=50e9, leader_bytes_per_s=300e9)
     inputs = plan([big, small], numel=10**12, bps=INF, sync_every=32, codec="int4", balance="time",
                   exchange_chunk_mib=1024)
     leader, sliced = simulate(inputs), simulate(replace(inputs, exchange_path="sliced"))
-    assert sliced.islands[0].leader_s < leader.islands[0].leader_s / 50
+    # the 72-device island's 8 owners each receive an eighth of the fragment (71/72 of it from the others)
+    # for the gather and send it back twice (the merged values, the residual), in parallel at 50 GB/s
+    all_to_all = 3 * 4 * 10**12 / 8 * 71 / 72 / 50e9
+    assert all_to_all < sliced.islands[0].leader_s < all_to_all + leader.islands[0].leader_s / 50
     assert sliced.min_utilization > leader.min_utilization
     assert sliced.leader_bytes == 0 and leader.leader_bytes == 4 * exchange_chunk_numel(1024, 128)
 

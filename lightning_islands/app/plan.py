@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: cpu for trainer.accelerator=cpu, else h100)")
     h.add_argument("--intra-gbps", help="GB/s the leader receives inside its island (default: the hardware's)")
     h.add_argument("--leader-gbps", help="GB/s of one codec pass on the leader (default: the hardware's)")
-    h.add_argument("--path", choices=["leader", "sliced"], default="leader",
-                   help="leader: every round through rank 0 (today); sliced: each rank exchanges its own slice")
+    h.add_argument("--path", choices=["leader", "sliced"], default=None,
+                   help="leader: every round through rank 0; sliced: each rank exchanges its own slice "
+                        "(default: the composed config's islands.exchange)")
     k = p.add_argument_group("link")
     k.add_argument("--link-bps", required=True, type=_rate_argument, help="bits per second per island egress, "
                    "as run --link reads it (25gbit, 25G, 25e9, 200mbit, inf; byte units such as 25gbps are refused)")
@@ -179,7 +180,8 @@ def build_inputs(args: argparse.Namespace, cfg: Any) -> PlanInputs:
         cfg.islands, numel=total, step_seconds=per_island(steps, n, "--step-seconds"), link=link,
         intra_bytes_per_s=[v * 1e9 for v in intra] if intra else [hw.intra_bytes_per_s for hw in hardware],
         leader_bytes_per_s=[v * 1e9 for v in leader] if leader else [hw.leader_bytes_per_s for hw in hardware],
-        rounds=args.rounds, block_sizes=blocks or None, exchange_path=args.path)
+        rounds=args.rounds, block_sizes=blocks or None,
+        exchange_path=args.path or str(cfg.islands.get("exchange", "leader")))
 
 
 def per_island_names(text: str, n: int) -> list[str]:

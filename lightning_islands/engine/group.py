@@ -40,6 +40,11 @@ class IslandGroup(Protocol):
         """Receive into ``tensor`` from rank ``src`` of the island."""
         ...
 
+    def exchange(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> None:
+        """Send each ``(rank, tensor)`` of ``sends`` and receive into each of ``recvs``, all at once
+        (an all-to-all of the ranks taking part; at most one message each way between two ranks)."""
+        ...
+
     def sum(self, values: Sequence[float]) -> list[float]:
         """Elementwise sum of ``values`` over the island's ranks (float64), on every rank."""
         ...
@@ -71,6 +76,10 @@ class SoloGroup:
 
     def recv(self, tensor: Tensor, src: int) -> None:
         raise RuntimeError("an island of one process has no other rank to receive from")
+
+    def exchange(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> None:
+        if sends or recvs:
+            raise RuntimeError("an island of one process has no other rank to exchange with")
 
     def sum(self, values: Sequence[float]) -> list[float]:
         return [float(v) for v in values]
@@ -105,6 +114,13 @@ class TorchGroup:
 
     def recv(self, tensor: Tensor, src: int) -> None:
         dist.recv(tensor, src=src)
+
+    def exchange(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> None:
+        ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, src) for src, t in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def sum(self, values: Sequence[float]) -> list[float]:
         if self.size == 1:

@@ -74,7 +74,9 @@ class RoundHeader:
     ``sketch``: with the butterfly, a count sketch of its global state of the fragment (how far apart
     the islands' models are: :meth:`~lightning_islands.engine.layout.CanonicalLayout.sketch`);
     ``run_tokens``: with ``max_tokens``, the run's merged tokens as this island counted them before
-    the round (the round counts on from the largest: a late or restarted island's count lags).
+    the round (the round counts on from the largest: a late or restarted island's count lags);
+    ``ranks``: the island's processes (the sliced exchange cuts the fragment into as many slices as
+    the smallest island present has).
     """
 
     round: int
@@ -92,6 +94,7 @@ class RoundHeader:
     recent: dict[int, int] | None = None
     sketch: tuple[float, ...] | None = None
     run_tokens: int | None = None
+    ranks: int = 1
 
     @classmethod
     def absent_from(cls, round_: int, stop: bool = False) -> RoundHeader:
@@ -111,7 +114,8 @@ class RoundHeader:
                 "state": None if self.state is None else self.state.to_wire(), "joining": self.joining,
                 "absent": self.absent, **({"recent": {str(k): v for k, v in self.recent.items()}} if self.recent
                                           else {}), **({"sketch": list(self.sketch)} if self.sketch else {}),
-                **({"run_tokens": self.run_tokens} if self.run_tokens is not None else {})}
+                **({"run_tokens": self.run_tokens} if self.run_tokens is not None else {}),
+                **({"ranks": self.ranks} if self.ranks != 1 else {})}
 
     @classmethod
     def from_wire(cls, d: dict[str, Any] | None, round_: int, island: int) -> RoundHeader:
@@ -132,7 +136,7 @@ class RoundHeader:
                        None if d["state"] is None else StateSummary.from_wire(d["state"]), bool(d["joining"]),
                        bool(d["absent"]), {int(k): int(v) for k, v in d["recent"].items()} if d.get("recent") else None,
                        tuple(float(v) for v in d["sketch"]) if d.get("sketch") else None,
-                       None if d.get("run_tokens") is None else int(d["run_tokens"]))
+                       None if d.get("run_tokens") is None else int(d["run_tokens"]), int(d.get("ranks", 1)))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise HeaderError(f"island {island}'s round {round_} header is malformed ({type(err).__name__}: {err}); "
                               "run the same lightning_islands version on every island") from err

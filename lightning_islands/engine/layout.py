@@ -484,6 +484,94 @@ class CanonicalLayout:
             at += k
         return list(into)
 
+    def to_owners(self, locals_: Sequence[Tensor], bounds: Sequence[tuple[int, int]], device: torch.device,
+                  out_device: torch.device | None = None) -> Tensor | None:
+        """An all-to-all of the island: rank ``r`` (for each ``r < len(bounds)``) receives the fp32
+        values ``bounds[r]`` of the flat vector from whichever ranks own them (``locals_[i]``: this
+        rank's part of parameter ``i``); returns this rank's range (on ``out_device``, default
+        ``device``), ``None`` for a rank that owns none. Every rank sends each owner its part at once,
+        so the ranges move in parallel and an owner holds its range and what it receives for it. A
+        collective inside the island: every rank must call it, with the same ``bounds``."""
+        world, rank = self.group.size, self.group.rank
+        out_device = out_device or device
+        wire = self.group.transfer_device(device) if world > 1 else device
+        if world > 1:
+            self._agree(next((f"holds {t.numel()} values of {e.name}, the layout expects {_numel(self.local_shape(i))}"
+                              for i, (t, e) in enumerate(zip(locals_, self.entries))
+                              if self.owns(i) and t.numel() != _numel(self.local_shape(i))), None))
+        own, sends, recvs = None, [], []
+        for r, (start, stop) in enumerate(bounds):
+            start, stop = self._range(start, stop)
+            if start == stop:
+                continue
+            if r != rank:
+                rows = self._rows(rank, start, stop, gathering=True)
+                if self._size(rows):
+                    buf = torch.empty(self._size(rows), dtype=torch.float32, device=wire)
+                    self._pack(rows, locals_, buf)
+                    sends.append((r, buf))
+                continue
+            own = torch.empty(stop - start, dtype=torch.float32, device=out_device)
+            for i, loc, pos, n in self._rows(rank, start, stop, gathering=True):
+                _move(locals_[i].reshape(-1), loc, own, pos, n)
+            for src in range(world):
+                rows = self._rows(src, start, stop, gathering=True) if src != rank else []
+                if rows and self._size(rows):
+                    recvs.append((src, torch.empty(self._size(rows), dtype=torch.float32, device=wire), rows))
+        self.group.exchange(sends, [(src, buf) for src, buf, _ in recvs])
+        del sends
+        for _, buf, rows in recvs:
+            at = 0
+            for _, _, pos, n in rows:
+                k = int(n.sum())
+                _write(own, pos, n, buf[at : at + k])  # type: ignore[arg-type]
+                at += k
+        return own
+
+    def from_owners(self, flat: Tensor | None, bounds: Sequence[tuple[int, int]], device: torch.device,
+                    into: Sequence[Tensor]) -> list[Tensor]:
+        """The reverse of :meth:`to_owners`: the owner of each range of ``bounds`` (``flat`` holds its
+        own range's values, ``None`` on a rank that owns none) sends every rank its part of it (each
+        copy of a replicated one), at once; ``into``: tensors shaped like this rank's shards (any
+        device and float dtype) that take the values, returned. A collective inside the island."""
+        world, rank = self.group.size, self.group.rank
+        wire = self.group.transfer_device(device) if world > 1 else device
+        sends, recvs = [], []
+        for r, (start, stop) in enumerate(bounds):
+            start, stop = self._range(start, stop)
+            if start == stop:
+                continue
+            if r == rank:
+                assert flat is not None and flat.numel() == stop - start, "the owner's range is its slice"
+                for dst in range(world):
+                    rows = self._rows(dst, start, stop, gathering=False)
+                    if not self._size(rows):
+                        continue
+                    where = wire if dst != rank else flat.device
+                    buf = torch.empty(self._size(rows), dtype=torch.float32, device=where)
+                    at = 0
+                    for _, _, pos, n in rows:
+                        k = int(n.sum())
+                        _read(flat, pos, n, buf[at : at + k])
+                        at += k
+                    if dst == rank:
+                        recvs.append((None, buf, rows))
+                    else:
+                        sends.append((dst, buf))
+            else:
+                rows = self._rows(rank, start, stop, gathering=False)
+                if self._size(rows):
+                    recvs.append((r, torch.empty(self._size(rows), dtype=torch.float32, device=wire), rows))
+        self.group.exchange(sends, [(src, buf) for src, buf, _ in recvs if src is not None])
+        del sends
+        for _, buf, rows in recvs:
+            at = 0
+            for i, loc, _, n in rows:
+                k = int(n.sum())
+                _write(into[i].view(-1), loc, n, buf[at : at + k])
+                at += k
+        return list(into)
+
     def checksum(self, tensors: Sequence[Tensor]) -> int:
         """A checksum of fp32 tensors shaped like this rank's shards (the anchors, the momentum) that
         depends only on the canonical vector's bits, not on how the island shards it: each value's

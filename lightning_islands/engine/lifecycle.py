@@ -29,7 +29,7 @@ from lightning_islands.engine.meeting import RoundMeeting
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import GRACE_FLOOR_S, IslandSettings
 from lightning_islands.engine.state import OuterState, base_key
-from lightning_islands.link.protocol import Link
+from lightning_islands.link.protocol import Link, RankLink
 
 
 class IslandEngineBase:
@@ -72,6 +72,7 @@ class IslandEngineBase:
         self._state_exchanges = 0
         # max_staleness: the checksum of each fragment's global state at its last outer step counts
         self.recent_states: dict[int, dict[int, int]] = {}
+        self.rank_link: RankLink | None = None  # exchange=sliced: this rank's own lanes (not the leader's)
 
     @property
     def link(self) -> Link | None:
@@ -105,14 +106,18 @@ class IslandEngineBase:
 
     # ------------------------------------------------------------------ before the rounds
     def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool = False,
-             joining: bool = False) -> None:
+             joining: bool = False, open_rank_link: Callable[[], RankLink] | None = None) -> None:
         """Meet the other islands and compare fingerprints (:func:`rendezvous.meet`); ``joining``: this
-        island is new to a run under way (it compares with the run's record)."""
+        island is new to a run under way (it compares with the run's record). ``open_rank_link``: with
+        ``exchange=sliced``, opens this rank's own lanes (ranks other than the leader; each rank's
+        own, since any of them may own a slice once the islands present are known)."""
         if joining and self.butterfly is not None:
             raise ValueError(f"island {self.island} cannot join a run under way with topology=butterfly yet (its "
                              "groups are fixed by the islands the run started with); start the run with every island, "
                              "or use topology=allreduce")
         rendezvous.meet(self.side, open_link, fingerprint, rejoining, joining, dataclasses.asdict(self.settings))
+        if self.settings.exchange == "sliced" and not self.is_leader and open_rank_link is not None:
+            self.rank_link = open_rank_link()
 
     def adopt_initial_state(self, locals_: Sequence[Tensor], buffers: dict[str, Tensor]) -> None:
         """Every island takes island 0's parameters and buffers (:func:`rendezvous.adopt_initial_state`);

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs import with_residual
-from lightning_islands.engine import flight, health, mixing, outer
+from lightning_islands.engine import flight, health, mixing, outer, sliced
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
 from lightning_islands.engine.flight import InFlight
@@ -162,7 +162,8 @@ class IslandEngine(IslandEngineBase):
                            pending.step_seconds, experts, stop, norm, summary,
                            joining=self.joining,  # a joiner's state is whatever it restarted with: repaired
                            recent=self._remember(summary), sketch=self._sketch(pending),
-                           run_tokens=self.schedule.run_tokens if self.settings.max_tokens else None)
+                           run_tokens=self.schedule.run_tokens if self.settings.max_tokens else None,
+                           ranks=self.group.size)
 
     def _sketch(self, pending: PendingRound) -> tuple[float, ...] | None:
         """With the butterfly: the count sketch of this island's global state of the round's fragment
@@ -224,6 +225,8 @@ class IslandEngine(IslandEngineBase):
         layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
         anchors = [state.anchors[i] for i in idx]
         residual = [state.residual[i] for i in idx] if state.residual is not None else None
+        if self.settings.exchange == "sliced" and mix is None and self.num_islands > 1:
+            return self._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual)
         bounds = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
         exchange = None
         if self.is_leader:
@@ -245,6 +248,25 @@ class IslandEngine(IslandEngineBase):
         exchange_chunks(exchange, bounds, part, self.side.agree, scatter)
         grads = [g.to(a.device) for g, a in zip(got, anchors)]
         return grads, {} if exchange is None else self.meeting.account(exchange, len(bounds))
+
+    def _exchange_sliced(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan, layout: CanonicalLayout,
+                         anchors: list[Tensor], residual: list[Tensor] | None) -> tuple[list[Tensor], dict[str, float]]:
+        """:meth:`_exchange` with every rank moving its own slice (:mod:`lightning_islands.engine.sliced`)."""
+        count = sliced.slice_count(plan.headers)
+        rank, link = self.group.rank, None
+        present, key = self.side.with_link(lambda link: (tuple(link.present), link.lanes_key))
+        if rank == 0:
+            link = self.link
+        elif rank < count:
+            if self.rank_link is None:
+                raise RuntimeError(f"rank {rank} of island {self.island} has no lanes of its own for exchange=sliced: "
+                                   "the engine met the other islands without open_rank_link")
+            link = self.rank_link
+            link.use(present, key)
+        got = sliced.exchange_sliced(self.side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
+                                     count, self.settings.exchange_chunk, self.device, self.exchange_device)
+        grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
+        return grads, {} if got.exchange is None else self.meeting.account(got.exchange, got.chunks)
 
     def _fly(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: RoundHeader) -> PendingRound:
         """Gather the fragment's vector to the leader (an island collective, now) and start its

@@ -20,6 +20,7 @@ from lightning_islands.engine.fragments import LAYOUTS
 from lightning_islands.engine.layout import CanonicalLayout
 
 TOPOLOGIES = ("allreduce", "butterfly")
+EXCHANGES = ("leader", "sliced")
 # the shortest default grace window (a short round must not drop an island that pauses briefly)
 GRACE_FLOOR_S = 10.0
 
@@ -165,6 +166,13 @@ class IslandSettings:
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
                      "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to it). "
                      "Butterfly does not combine with `overlap_steps` yet.")
+    exchange: str = setting(
+        "leader", "Which ranks move a round's bytes between islands: `leader` (each island's rank 0 gathers the "
+                  "fragment, encodes, exchanges and scatters it) or `sliced` (the fragment is cut into as many "
+                  "slices, on codec blocks, as the smallest island present has ranks; rank r of every island "
+                  "gathers, encodes and exchanges slice r over lanes of its own; docs/ARCHITECTURE.md, sliced). "
+                  "`sliced` does not combine with `overlap_steps`, `topology=butterfly`, `max_staleness` or a "
+                  "secret yet.")
     max_staleness: int = setting(
         0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
            "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "
@@ -332,6 +340,15 @@ class IslandSettings:
         if self.max_staleness and self.overlap_steps:
             raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
                              f"{self.overlap_steps} yet; set one of them to 0")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES} (islands.exchange), got {self.exchange!r}")
+        if self.exchange == "sliced":
+            other = {"overlap_steps": self.overlap_steps, "topology": self.topology if self.topology != "allreduce"
+                     else 0, "max_staleness": self.max_staleness}
+            found = [f"{k}={v!r}" for k, v in other.items() if v]
+            if found:
+                raise ValueError(f"exchange=sliced does not combine with {', '.join(found)} yet; set "
+                                 "islands.exchange=leader, or leave those at their defaults")
         if self.topology == "butterfly" and self.overlap_steps:
             raise ValueError(f"topology=butterfly does not combine with overlap_steps={self.overlap_steps!r} yet; set "
                              "islands.overlap_steps to 0 or use topology=allreduce")
@@ -371,6 +388,7 @@ class IslandSettings:
             "exclude_norm_ratio": self.exclude_norm_ratio,
             "overlap": [self.overlap_steps, self.overlap_alpha],
             "topology": self.topology,
+            "exchange": self.exchange,
             "staleness": [self.max_staleness, self.staleness_decay],
             "resuming": bool(resuming),
             # the link's: different lanes would wait for groups that never form; a member set or a

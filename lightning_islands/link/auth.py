@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats
+from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats, RoundLost
 
 ENV_SECRET = "LI_SECRET"
 ENV_SECRET_FILE = "LI_SECRET_FILE"
@@ -473,6 +473,10 @@ class AuthenticatedLink:
             seconds, self.seconds_authenticating = self.seconds_authenticating, 0.0
         stats.seconds_exchanging += seconds
         return stats
+
+    def fail_round(self, why: str) -> RoundLost:
+        """The wrapped link's :meth:`~lightning_islands.link.protocol.Link.fail_round`."""
+        return self.link.fail_round(why)
 
     def add_wait(self, seconds: float) -> None:
         """Count ``seconds`` as waiting, on the wrapped link."""

@@ -375,6 +375,13 @@ class IslandLink:
         self._measured(nbytes, time.monotonic() - started)
         return box["result"]  # type: ignore[return-value]
 
+    def fail_round(self, why: str) -> RoundLost:
+        """Another rank of this island lost its transfer in the round (the sliced exchange): the
+        attempt is marked failed, so that every island runs the round again."""
+        if self.decision is not None:
+            self.membership.retry(self.decision)
+        return RoundLost(f"island {self.island}: {why}; the round runs again")
+
     def _lost(self, what: str, err: Exception) -> RoundLost:
         """A lane failed mid-round: the attempt is marked failed, the round runs again."""
         if self.decision is not None:

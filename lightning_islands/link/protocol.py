@@ -141,6 +141,11 @@ class Link(Protocol):
         """Bytes and seconds moved since the last call."""
         ...
 
+    def fail_round(self, why: str) -> RoundLost:
+        """A transfer of another of this island's ranks failed in the current round (``why``): the
+        attempt is marked failed, so that every island runs the round again; returns the error to raise."""
+        ...
+
     def add_wait(self, seconds: float) -> None:
         """Count ``seconds`` as time spent waiting for other islands."""
         ...
@@ -161,4 +166,27 @@ class Link(Protocol):
 
     def close(self) -> None:
         """Stop beating and release the connections."""
+        ...
+
+
+class RankLink(Protocol):
+    """One rank's lanes to the rank of the same number in every other island: the sliced exchange's
+    (rank 0's are its island's :class:`Link`). The island's leader decides each round's members;
+    :meth:`use` hands them to the other ranks before their transfers."""
+
+    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+        """The round's islands present and the key their lanes are built under (as the leader's link
+        has them); lanes are rebuilt when the key changes."""
+        ...
+
+    def all_gather_bytes(self, payload: Tensor, limit: int | None = None) -> list[Tensor]:
+        """As :meth:`Link.all_gather_bytes`, among this rank's counterparts of the islands present."""
+        ...
+
+    def take_stats(self) -> LinkStats:
+        """Bytes and seconds moved since the last call."""
+        ...
+
+    def close(self) -> None:
+        """Release the lanes and the coordinator connections."""
         ...

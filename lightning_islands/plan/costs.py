@@ -120,7 +120,8 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
 
     With ``exchange_path="sliced"`` the fragment moves as ``P`` slices in parallel (``P``: the smallest
     island's devices), each over its own lanes and chunked on its own; an island's codec work spreads
-    over all its devices, and nothing is gathered or scattered.
+    over all its devices, and each slice's owner receives its slice from the island's other ranks (an
+    all-to-all: every owner at its own intra-island rate, in parallel) and sends the results back.
     """
     codec, link = inputs.codec_obj, inputs.link
     n, peers = inputs.num_islands, inputs.peers
@@ -140,11 +141,11 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
         share = values * parallel / spec.devices if sliced else values
         return _seconds(passes * FP32_BYTES * share, spec.leader_bytes_per_s)
 
-    def moved(i: int, values: int) -> float:  # gather (or one scatter) of ``values`` to / from the leader
-        spec = inputs.islands[i]
-        if sliced:
-            return 0.0
+    def moved(i: int, values: int) -> float:  # gather (or one scatter) of ``values`` to / from the leader,
+        spec = inputs.islands[i]                # or (sliced) of each slice's ``values`` to / from its owner
         return _seconds(FP32_BYTES * values * (spec.devices - 1) / spec.devices, spec.intra_bytes_per_s)
+
+    per_owner = -(-m // parallel)  # the values one rank gathers: the fragment, or (sliced) its slice
 
     merge_passes = peers * DECODE_PASSES + (peers + 1) * MERGE_PASSES
     chunks = []
@@ -162,10 +163,11 @@ def fragment_cost(inputs: PlanInputs, m: int) -> FragmentCost:
         spec = inputs.islands[i]
         return _seconds(passes * FP32_BYTES * m / spec.devices, spec.leader_bytes_per_s)
 
-    prep = tuple(rank_passes(i, PREP_PASSES) + (moved(i, m) if overlap else 0.0) for i in range(n))
-    finish = tuple(rank_passes(i, OUTER_PASSES) + (scatters * moved(i, m) if overlap else 0.0) for i in range(n))
+    prep = tuple(rank_passes(i, PREP_PASSES) + (moved(i, per_owner) if overlap else 0.0) for i in range(n))
+    finish = tuple(rank_passes(i, OUTER_PASSES) + (scatters * moved(i, per_owner) if overlap else 0.0)
+                   for i in range(n))
     codec_s = [sum(k.count * codec_work(i, k.numel, ENCODE_PASSES + merge_passes) for k in chunks) for i in range(n)]
-    leader = tuple(codec_s[i] + (1.0 + scatters) * moved(i, m) for i in range(n))
+    leader = tuple(codec_s[i] + (1.0 + scatters) * moved(i, per_owner) for i in range(n))
     in_chunks = [0.0 if overlap else sum(k.count * (k.pre[i] + k.post[i]) for k in chunks) for i in range(n)]
     blocking = tuple(prep[i] + finish[i] + in_chunks[i] for i in range(n))
     held = m if overlap or chunk is None else min(m, chunk)

@@ -158,9 +158,10 @@ class PlanInputs:
         rounds: simulate a whole run of this many rounds from its start (to compare with a measured
             run); ``None``: steady state (a few fragment cycles after a warm-up).
         sync_warmup: H of each of the first rounds (``islands.sync_warmup``), then ``sync_every``.
-        exchange_path: ``"leader"`` (today: every round passes through each island's rank 0) or
-            ``"sliced"`` (a what-if: every rank exchanges its own slice over its own lanes, no gather
-            or scatter, the codec work spread over the island's devices).
+        exchange_path: ``"leader"`` (every round passes through each island's rank 0) or
+            ``"sliced"`` (``islands.exchange=sliced``: every rank exchanges its own slice over its own
+            lanes, after an all-to-all inside the island, the codec work spread over its devices; the
+            engine does not overlap it yet, the planner models that too).
         topology: ``"allreduce"`` (every island receives every other's payload, a ring all-gather)
             or ``"butterfly"`` (each island swaps its payload with its stage's partners only: one for
             a power of two, up to three otherwise).

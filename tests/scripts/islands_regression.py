@@ -240,6 +240,7 @@ def main() -> None:
     p.add_argument("--fragments", type=int, default=1, help="the strategy's fragments")
     p.add_argument("--overlap", type=int, default=0, help="the strategy's overlap_steps")
     p.add_argument("--topology", default="allreduce", help="the strategy's topology")
+    p.add_argument("--exchange", default="leader", help="the strategy's exchange (leader, sliced)")
     p.add_argument("--max-staleness", type=int, default=0, help="the strategy's max_staleness")
     p.add_argument("--alpha", type=float, default=0.0, help="the strategy's overlap_alpha")
     p.add_argument("--exchange-chunk-mib", type=float, default=1024.0, help="the strategy's exchange_chunk_mib")
@@ -300,7 +301,7 @@ def main() -> None:
                               exchange_chunk_mib=args.exchange_chunk_mib, fragments=args.fragments,
                               overlap_steps=args.overlap, overlap_alpha=args.alpha, min_islands=args.min_islands,
                               grace_s=args.grace_s or None, on_end=per_island(args.on_end, str),
-                              topology=args.topology, max_staleness=args.max_staleness,
+                              topology=args.topology, exchange=args.exchange, max_staleness=args.max_staleness,
                               staleness_wait_s=args.staleness_wait_s)
 
     def save_round(s: IslandStrategy) -> None:

@@ -1,0 +1,184 @@
+"""The sliced exchange: every rank moves its own slice of the fragment (``islands.exchange=sliced``).
+
+Through the leader (``exchange=leader``) an island's rank 0 gathers the whole fragment, encodes,
+exchanges, decodes and merges it, and scatters the result: its host holds the fragment and carries
+all of its bytes. Sliced, the fragment's canonical vector is cut into ``S`` slices on codec blocks,
+``S`` the ranks of the smallest island present (every island reads it from the headers), and rank
+``r < S`` of every island owns slice ``r``:
+
+1. the island moves each slice to its owner over its own fabric, all at once
+   (:meth:`CanonicalLayout.to_owners`, an all-to-all of the ranks' pieces, which are neither
+   contiguous nor block-aligned in the canonical order);
+2. each owner runs the leader path's :class:`~lightning_islands.engine.exchange.ChunkExchange` on its
+   slice alone, chunk by chunk, over its own lanes to the owners of the same slice in the other
+   islands (rank 0's are the island's link; the others' a
+   :class:`~lightning_islands.link.protocol.RankLink`), so the slices move in parallel;
+3. the island learns whether every slice moved (one object all-gather: a lost transfer anywhere runs
+   the round again on every island, any other failure ends it as the leader's would);
+4. each owner sends its merged slice, and what the codec dropped from it (error feedback), back to
+   the shards (:meth:`CanonicalLayout.from_owners`, the reverse all-to-all).
+
+The merge is elementwise and in island order, and the slices fall on codec blocks, so a codec that
+quantizes block by block gives the leader path's bits. A codec that selects (top-k) selects within
+each slice's chunks, as the leader path does within each chunk: a slice is a chunk of its own, and
+the result equals the leader path's when its chunks are the slices. Every island cuts the same
+slices from the same headers, so the global state stays bit-identical across islands whatever their
+ranks. Ranks ``>= S`` of a larger island own no slice: they send their pieces and receive the
+results. A rank holds its slice (three copies: the gathered values, the merged ones, what the codec
+dropped) and one chunk's temporaries, not the fragment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_islands.codecs import Codec
+from lightning_islands.engine import outer
+from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
+from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.layout import CanonicalLayout
+from lightning_islands.engine.merging import MergePlan
+from lightning_islands.link.protocol import RoundLost
+
+
+def slice_bounds(numel: int, count: int, alignment: int) -> list[tuple[int, int]]:
+    """``count`` contiguous ranges covering ``[0, numel)`` in order, each starting on a multiple of
+    ``alignment`` (whole codec blocks), as even as whole blocks allow (some empty when there are
+    fewer blocks than slices)."""
+    if count < 1 or alignment < 1:
+        raise ValueError(f"count and alignment must be >= 1, got {count} and {alignment}")
+    blocks = -(-numel // alignment)
+    cuts = [min(numel, blocks * k // count * alignment) for k in range(count + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def slice_count(headers: Sequence[RoundHeader]) -> int:
+    """How many slices a round cuts: the ranks of the smallest island present."""
+    return min(h.ranks for h in headers if not h.absent)
+
+
+@dataclass
+class SliceResult:
+    """What one rank's slice exchange left: the merged values scattered into shard-shaped tensors
+    (every rank) and, on the leader, the island's summed exchange (its stats and link totals)."""
+
+    grads: list[Tensor]
+    exchange: ChunkExchange | None
+    chunks: int
+
+
+def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: Any, plan: MergePlan,
+                    sent: Sequence[Tensor], anchors: Sequence[Tensor], residual: Sequence[Tensor] | None,
+                    delta_sq: float, count: int, chunk: int | None, device: torch.device,
+                    exchange_device: torch.device) -> SliceResult:
+    """One round's sliced exchange on this rank (module docstring): a collective of the island.
+
+    ``link``: this rank's lanes (the island's link on rank 0, a RankLink on ranks ``1..count-1``,
+    ``None`` beyond); ``sent``: this rank's shards of what the island sends (pseudo-gradient plus
+    decayed residual); ``anchors``: shard-shaped tensors the results take the shape of;
+    ``residual``: this rank's error-feedback residual shards, overwritten with what the codec
+    dropped (``None`` without error feedback); ``count``: the round's slices; ``chunk``: values per
+    chunk within a slice (``None``: the slice at once)."""
+    group, rank = layout.group, layout.group.rank
+    bounds = slice_bounds(layout.numel, count, codec.alignment)
+    own = layout.to_owners(sent, bounds, device, exchange_device)
+    mine = None if own is None else _run_slice(codec, link, side.index, plan, layout, delta_sq, residual is not None,
+                                                own, bounds[rank][0], chunk)
+    del own
+    beat = side.link.beating({"sliced": "waiting for the island's slices"}) if side.is_leader and side.link else None
+    with beat if beat is not None else nullcontext():
+        statuses = group.all_gather_object(None if mine is None else mine.failed)
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if failed:
+        side.agree(lambda: _raise(side, failed))
+    grads = layout.from_owners(None if mine is None else mine.merged, bounds, device,
+                               [torch.zeros_like(a) for a in anchors])
+    if residual is not None:
+        layout.from_owners(None if mine is None else mine.dropped, bounds, device, residual)
+    exchange = None if mine is None else mine.exchange
+    chunks = _sum_stats(group, exchange, 0 if mine is None else mine.chunks, len(plan.members))
+    return SliceResult(grads, exchange if side.is_leader else None, chunks)
+
+
+@dataclass
+class _Slice:
+    merged: Tensor | None
+    dropped: Tensor | None
+    exchange: ChunkExchange | None
+    chunks: int
+    failed: tuple[str, str] | None  # (kind, message): "lost" runs the round again, "error" ends it
+
+
+def _run_slice(codec: Codec, link: Any, island: int, plan: MergePlan, layout: CanonicalLayout, delta_sq: float,
+               keep_residual: bool, own: Tensor, start: int, chunk: int | None) -> _Slice:
+    """The owner's exchange of its slice ``own`` (the fragment's values from ``start``), chunk by chunk."""
+    exchange = ChunkExchange(codec, link, island, plan, layout, delta_sq, keep_residual)
+    merged = torch.empty_like(own)
+    dropped = torch.empty_like(own) if keep_residual else None
+    bounds = outer.chunk_bounds(own.numel(), chunk)
+    try:
+        for a, b in bounds:
+            m, d = exchange.run(own[a:b], start + a)
+            merged[a:b].copy_(m)
+            if dropped is not None and d is not None:
+                dropped[a:b].copy_(d)
+    except RoundLost as err:
+        return _Slice(None, None, exchange, len(bounds), ("lost", str(err)))
+    except Exception as err:  # noqa: BLE001 - the island decides together (exchange_sliced)
+        return _Slice(None, None, exchange, len(bounds), ("error", f"{type(err).__name__}: {err}"))
+    finally:
+        exchange.release()
+    return _Slice(merged, dropped, exchange, len(bounds), None)
+
+
+def _raise(side: Island, failed: list[tuple[int, tuple[str, str]]]) -> None:
+    """The leader's verdict on slices that did not move: lost ones run the round again on every
+    island (the attempt is marked failed), any other failure ends the island as the leader's would."""
+    errors = [(r, m) for r, (kind, m) in failed if kind != "lost"]
+    if errors:
+        r, message = errors[0]
+        raise RuntimeError(f"rank {r}'s slice exchange failed: {message}")
+    why = "; ".join(f"rank {r}'s slice: {m}" for r, (_, m) in failed)
+    if side.link is None:
+        raise RoundLost(why)
+    raise side.link.fail_round(why)
+
+
+def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int, members: int) -> int:
+    """Sum every rank's exchange statistics and link totals into the leader's ``exchange`` (the
+    round's metrics then read as the leader path's); returns the island's chunk count."""
+    if exchange is None:
+        values = [0.0] * (3 + len(LINK_TOTALS) + _stats_len(members))
+    else:
+        stats = exchange.stats
+        values = [float(chunks), float(stats.numel), float(stats.payload_bytes),
+                  *[exchange.link_sums[k] for k in LINK_TOTALS], *_stats_values(exchange)]
+    total = group.sum(values)
+    if exchange is not None and group.rank == 0:
+        exchange.stats.numel, exchange.stats.payload_bytes = int(total[1]), int(total[2])
+        exchange.link_sums = dict(zip(LINK_TOTALS, total[3 : 3 + len(LINK_TOTALS)]))
+        _load_stats(exchange, total[3 + len(LINK_TOTALS):])
+    return int(total[0])
+
+
+def _stats_len(members: int) -> int:
+    return 3 + members + members * (members - 1) // 2
+
+
+def _stats_values(exchange: ChunkExchange) -> list[float]:
+    s = exchange.stats
+    return [s.sent_sq, s.error_sq, s.merged_sq, *s.decoded_sq, *s.dots.values()]
+
+
+def _load_stats(exchange: ChunkExchange, values: Sequence[float]) -> None:
+    s, n = exchange.stats, len(exchange.stats.decoded_sq)
+    s.sent_sq, s.error_sq, s.merged_sq = values[0], values[1], values[2]
+    s.decoded_sq = list(values[3 : 3 + n])
+    s.dots = dict(zip(s.dots, values[3 + n :]))

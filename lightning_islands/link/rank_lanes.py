@@ -1,0 +1,148 @@
+"""A rank's own lanes to its counterparts in the other islands: :class:`RankLanes`.
+
+The sliced exchange (``islands.exchange=sliced``) has rank ``r`` of every island move slice ``r``
+of the fragment; rank 0's lanes are its island's :class:`~lightning_islands.link.island_link.IslandLink`,
+the other ranks' are these. They hold no membership of their own: the island's leader decides each
+round's members and hands them over (:meth:`RankLanes.use`), and the lanes of a member set are built
+under the leader's lanes key with the rank's number appended, so rank ``r`` of every island present
+meets the same groups. A transfer is watched as the leader's are, by its size: past twice
+``grace_s`` plus :data:`~lightning_islands.link.island_link.MARGIN` times its bytes at the slowest
+rate measured, it is given up (its groups retired) and :class:`RoundLost` tells the island, whose
+leader then marks the attempt failed for every island. A peer that dies resets its connections and
+fails the transfer at once; one that goes silent costs that deadline, never gloo's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+
+from lightning_islands.link.coordinator import ENV_LINK_IFNAME, connector
+from lightning_islands.link.island_link import FIRST_RATE_BPS, MARGIN, RATE_MIN_BYTES, RATES, STORE_TIMEOUT
+from lightning_islands.link.lanes import Lanes
+from lightning_islands.link.protocol import LinkStats, PayloadRefused, RoundLost
+
+T = TypeVar("T")
+
+
+class RankLanes:
+    """Rank ``rank`` of island ``island``'s lanes to rank ``rank`` of the other islands (a
+    :class:`~lightning_islands.link.protocol.RankLink`).
+
+    Args:
+        address: the coordinator's address (its store holds the lanes' rendezvous).
+        island, rank: this end.
+        num_islands: the length of lists in island order.
+        run_id: the run's namespace at the coordinator.
+        lanes: parallel groups per member set (``islands.lanes``).
+        deadline: gloo's timeout of an operation (a transfer is given up well before, by its size).
+        grace_s: how long a silent peer is waited for (seconds, or a callable asked each time).
+        interface: the network interface the lanes bind to (default: ``LI_LINK_IFNAME``, else gloo's).
+    """
+
+    def __init__(self, address: str, island: int, rank: int, num_islands: int, run_id: str = "run", lanes: int = 2,
+                 deadline: timedelta = timedelta(hours=1), grace_s: float | Callable[[], float] = 60.0,
+                 interface: str | None = None) -> None:
+        self.island, self.rank, self.num_islands, self.run_id = island, rank, num_islands, run_id
+        self.lanes = Lanes(connector(address, min(deadline, STORE_TIMEOUT)), lanes, deadline,
+                           interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island} rank {rank}")
+        self._grace = grace_s
+        self.present: tuple[int, ...] = tuple(range(num_islands))
+        self._key: str | None = None
+        self._rates: deque[float] = deque(maxlen=RATES)
+        self.stats = LinkStats()
+
+    def __repr__(self) -> str:
+        return f"RankLanes(island={self.island}, rank={self.rank})"
+
+    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+        """The round's islands present and their lanes' key; the lanes are built when it changes."""
+        if lanes_key == self._key and tuple(present) == self.present:
+            return
+        self.present, self._key = tuple(present), None
+        if self.island not in present:
+            return
+        prefix = f"{self.run_id}/{lanes_key}/rank{self.rank}/"
+        self._watched("building its lanes", lambda: self.lanes.build(prefix, present.index(self.island),
+                                                                     len(present)))
+        self._key = lanes_key
+
+    def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
+        """Every island's payload of this rank's slice, in island order (empty for an island not
+        present); sizes outside ``0..limit`` are :class:`PayloadRefused` before allocation."""
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise TypeError("payload must be a 1-D uint8 tensor")
+        payload = payload.cpu().contiguous()
+        out = [torch.empty(0, dtype=torch.uint8) for _ in range(self.num_islands)]
+        out[self.island] = payload
+        present = self.present
+        if len(present) < 2:
+            return out
+        t0 = time.perf_counter()
+        sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
+        bad = {i: n for i, n in zip(present, sizes) if i != self.island and (n < 0 or limit is not None and n > limit)}
+        if bad:
+            raise PayloadRefused(f"rank {self.rank} of island {self.island}: island(s) {sorted(bad)} announced "
+                                 f"{sorted(bad.values())} bytes for a slice, outside 0..{limit}; refused before "
+                                 "allocating")
+        t1 = time.perf_counter()
+        incoming = sum(n for i, n in zip(present, sizes) if i != self.island)
+        got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes), incoming)
+        for i, t in zip(present, got):
+            out[i] = t
+        self.stats.seconds_waiting += t1 - t0
+        self.stats.seconds_exchanging += time.perf_counter() - t1
+        self.stats.bytes_sent += payload.numel() * (len(present) - 1)
+        self.stats.bytes_received += incoming
+        return out
+
+    def _watched(self, what: str, move: Callable[[], T], nbytes: int = 0) -> T:
+        """``move()`` in a thread of its own, given up past its deadline (module docstring)."""
+        grace = self._grace() if callable(self._grace) else self._grace
+        rate = min(self._rates) if self._rates else FIRST_RATE_BPS / 8
+        started = time.monotonic()
+        limit = 2 * grace + MARGIN * nbytes / rate
+        box: dict[str, object] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["result"] = move()
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+                box["error"] = err
+            done.set()
+
+        threading.Thread(target=run, name=f"island{self.island}-rank{self.rank}-{what.split()[-1]}",
+                         daemon=True).start()
+        if not done.wait(limit):
+            self._key = None  # the next round's lanes are built anew
+            self.lanes.retire(done)
+            self._rates = deque([rate / 2], maxlen=RATES)
+            raise RoundLost(f"rank {self.rank} of island {self.island} gave up {what}: it took longer than its "
+                            f"deadline of {limit:.1f} s ({nbytes} bytes at {rate * 8 / 1e6:.3g} Mbit/s with a "
+                            f"margin of {MARGIN:g}, plus twice grace_s)")
+        if "error" in box:
+            err = box["error"]
+            if isinstance(err, RuntimeError) and not isinstance(err, (RoundLost, PayloadRefused)):
+                self._key = None
+                raise RoundLost(f"rank {self.rank} of island {self.island} lost a peer during {what} ({err})") from err
+            raise err  # type: ignore[misc]
+        if nbytes >= RATE_MIN_BYTES:
+            self._rates.append(nbytes / max(time.monotonic() - started, 1e-9))
+        return box["result"]  # type: ignore[return-value]
+
+    def take_stats(self) -> LinkStats:
+        """Bytes and seconds moved since the last call."""
+        stats, self.stats = self.stats, LinkStats()
+        return stats
+
+    def close(self) -> None:
+        """Release the lanes."""
+        self.lanes.close()

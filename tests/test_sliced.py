@@ -1,0 +1,202 @@
+"""The sliced exchange (``islands.exchange=sliced``): every rank moves its own slice of the fragment.
+
+Islands and their ranks are threads (the engine harness of ``test_engine``); rank 0's lanes are the
+in-memory link, every other rank's an in-memory :class:`~lightning_islands.link.protocol.RankLink`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from doubles import Hub, MemoryLink, MemoryRankLink, ThreadGroup, ThreadIsland, run_threads
+from test_engine import NUMEL, SPECS, Plan, assert_identical, leaders, reference, run
+
+from lightning_islands.codecs import make_codec
+from lightning_islands.engine import CanonicalLayout, IslandSettings
+from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.island import Island
+from lightning_islands.engine.merging import MergePlan
+from lightning_islands.engine.sliced import exchange_sliced, slice_bounds, slice_count
+from lightning_islands.link.protocol import RoundLost
+
+
+@pytest.mark.parametrize("numel, count, alignment", [(7440, 3, 128), (100, 4, 64), (10, 3, 1), (1 << 20, 7, 256)])
+def test_slices_cover_the_vector_in_order_on_whole_blocks(numel, count, alignment):
+    bounds = slice_bounds(numel, count, alignment)
+    assert len(bounds) == count and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a == b_prev for (_, b_prev), (a, _) in zip(bounds, bounds[1:]))
+    assert all(a % alignment == 0 and a <= b for a, b in bounds)
+    blocks = [-(-(b - a) // alignment) for a, b in bounds]  # as even as whole blocks allow
+    assert max(blocks) - min(blocks) <= 1
+
+
+def test_the_smallest_island_present_sets_the_slices():
+    headers = [RoundHeader(0, ranks=4), RoundHeader.absent_from(0), RoundHeader(0, ranks=3)]
+    assert slice_count(headers) == 3
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3], [2, 3], [3, 2], [4, 4], [4, 2, 3]])
+@pytest.mark.parametrize("codec", ["fp32", "int4", "fp8", "sign"])
+def test_sliced_rounds_equal_the_leaders_bit_for_bit(sizes, codec):
+    """Codecs that quantize block by block give the leader path's bits, islands of any ranks."""
+    settings = {"codec": codec, "error_feedback": codec != "fp32"}
+    leader = assert_identical(run(Plan(sizes=sizes, tokens=[4, 5, 6][: len(sizes)], settings=settings)))
+    results = run(Plan(sizes=sizes, tokens=[4, 5, 6][: len(sizes)], settings={**settings, "exchange": "sliced"}))
+    got = assert_identical(results)
+    assert all(torch.equal(a, b) for a, b in zip(leader, got))
+    for (island, rank), res in results.items():  # every rank holds its shards of the global state
+        layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(sizes[island]), rank))
+        for i, anchor in enumerate(res["state"]["anchor"]):
+            assert torch.equal(anchor, layout.shard_of(got[-1], i)), (island, rank, SPECS[i][0])
+
+
+def test_sliced_rounds_match_reference_diloco_and_count_every_slices_bytes():
+    plan = Plan(sizes=[2, 3], tokens=[8, 3], settings={"exchange": "sliced"})
+    results = run(plan)
+    got = assert_identical(results)
+    for r, want in enumerate(reference(plan)):
+        torch.testing.assert_close(got[r], want, rtol=1e-5, atol=1e-5)
+    m = leaders(results)[0]["metrics"][-1]
+    assert m["islands/payload_bytes"] == pytest.approx(NUMEL * 4 + 2 * 32, rel=0.01)  # two slices, fp32
+    assert m["islands/bytes_sent"] == pytest.approx(m["islands/payload_bytes"])  # one peer, summed over the ranks
+    assert m["islands/exchange_chunks"] == 2
+    assert m["islands/cosine"] == pytest.approx(leaders(run(Plan(sizes=[2, 3], tokens=[8, 3])))[0]["metrics"][-1][
+        "islands/cosine"], rel=1e-9)
+
+
+@pytest.mark.parametrize("codec", ["topk:0.2+int2", "int2"])
+def test_sliced_rounds_with_fragments_and_selecting_codecs_stay_identical(codec):
+    settings = {"codec": codec, "error_feedback": True, "fragments": 2, "sync_every": 4, "exchange": "sliced"}
+    got = assert_identical(run(Plan(sizes=[3, 2], tokens=[4, 4], rounds=4, settings=settings)))
+    assert not torch.equal(got[0], got[1])
+
+
+def test_no_rank_holds_more_than_its_slice(monkeypatch):
+    """The leader path gathers the fragment to rank 0; sliced, each owner receives its slice and no
+    rank gathers more (a rank beyond the smaller island's count receives none)."""
+    from lightning_islands.engine import sliced
+
+    sizes, owned, inside = [3, 2], [], threading.local()
+    to_owners, gather, exchange = CanonicalLayout.to_owners, CanonicalLayout.gather_to_leader, sliced.exchange_sliced
+
+    def spy_owners(self, locals_, bounds, device, out_device=None):
+        got = to_owners(self, locals_, bounds, device, out_device)
+        owned.append((self.group.size, self.group.rank, None if got is None else got.numel()))
+        return got
+
+    def spy_gather(self, *args, **kwargs):
+        assert not getattr(inside, "round", False), "the sliced round gathered to one rank"
+        return gather(self, *args, **kwargs)
+
+    def flagged(*args, **kwargs):
+        inside.round = True
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            inside.round = False
+
+    monkeypatch.setattr(CanonicalLayout, "to_owners", spy_owners)
+    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
+    monkeypatch.setattr(sliced, "exchange_sliced", flagged)
+    assert_identical(run(Plan(sizes=sizes, tokens=[4, 4], rounds=1, settings={"exchange": "sliced", "codec": "int4"})))
+    alignment = make_codec("int4").alignment
+    blocks = -(-NUMEL // alignment)
+    largest = -(-blocks // 2) * alignment  # two slices: the smaller island has two ranks
+    assert sorted(owned) == [(2, 0, largest), (2, 1, NUMEL - largest), (3, 0, largest), (3, 1, NUMEL - largest),
+                             (3, 2, None)]
+    assert largest < NUMEL
+
+
+def _one_island(fail: dict[int, Exception]) -> list:
+    """Island 0 of two, its two ranks as threads, alone in a round (island 1 absent): rank r's lanes
+    raise ``fail[r]`` at their first transfer."""
+    hub, shared = Hub(2), ThreadIsland(2)
+    headers = [RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2), RoundHeader.absent_from(0)]
+
+    class Failing(MemoryRankLink):
+        def all_gather_bytes(self, payload, limit=None):
+            if self.rank in fail:
+                raise fail[self.rank]
+            return super().all_gather_bytes(payload, limit)
+
+    def rank_main(rank: int) -> object:
+        group = ThreadGroup(shared, rank)
+        layout = CanonicalLayout(SPECS, group)
+        side = Island(0, 2, group)
+        side.link = MemoryLink(hub, 0) if rank == 0 else None
+        link = Failing(hub, 0, rank)
+        link.use((0,), None)
+        plan = MergePlan.of(headers, "tokens", None, layout)
+        sent = [layout.shard_of(torch.ones(NUMEL), i) for i in range(len(SPECS))]
+        try:
+            exchange_sliced(side, layout, IslandSettings().make_codec(), link, plan, sent, sent, None, 1.0, 2, None,
+                            torch.device("cpu"), torch.device("cpu"))
+        except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+            return err
+        return None
+
+    return run_threads([lambda r=r: rank_main(r) for r in range(2)])
+
+
+def test_a_lost_slice_runs_the_round_again_on_every_rank():
+    got = _one_island({1: RoundLost("rank 1 of island 0 lost its peer (injected)")})
+    assert all(isinstance(e, RoundLost) for e in got), got
+    assert all("rank 1's slice" in str(e) and "injected" in str(e) for e in got)
+
+
+def test_a_slice_that_fails_otherwise_ends_the_island_naming_the_rank():
+    got = _one_island({1: ValueError("payload checksum mismatch (injected)")})
+    assert all(type(e) is RuntimeError for e in got), got
+    assert all("rank 1's slice exchange failed: ValueError: payload checksum mismatch" in str(e) for e in got)
+
+
+@pytest.mark.parametrize("other, value", [("overlap_steps", 2), ("topology", "butterfly"), ("max_staleness", 2)])
+def test_sliced_refuses_what_it_does_not_combine_with_yet(other, value):
+    with pytest.raises(ValueError, match=f"exchange=sliced does not combine with {other}=.*islands.exchange=leader"):
+        IslandSettings(exchange="sliced", sync_every=6, **{other: value})
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        IslandSettings(exchange="everyone")
+
+
+def test_the_real_lanes_of_every_rank_give_the_leaders_bits():
+    """Two islands of two ranks (threads) over the coordinator: rank 0 of each over its island's
+    link, rank 1 over lanes of its own (:class:`RankLanes`); the global state equals the leader
+    path's in memory, bit for bit, and each rank 1 built its own lanes."""
+    from test_engine import initial_flat, inner_steps
+
+    from lightning_islands.engine import IslandEngine
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
+    from lightning_islands.link.rank_lanes import RankLanes
+
+    plan = Plan(sizes=[2, 2], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
+    coordinator = Coordinator()
+    links = [IslandLink(coordinator.address, i, 2, run_id="sliced", lanes=2) for i in range(2)]
+    ranks = [RankLanes(coordinator.address, i, 1, 2, run_id="sliced", lanes=2, grace_s=30.0) for i in range(2)]
+    shared = [ThreadIsland(2) for _ in range(2)]
+
+    def rank_main(island: int, rank: int) -> list[torch.Tensor]:
+        settings = IslandSettings(sync_every=3, outer_lr=0.7, outer_momentum=0.9, exchange="sliced", **plan.settings)
+        layout = CanonicalLayout(SPECS, ThreadGroup(shared[island], rank))
+        engine = IslandEngine(settings, layout, island, 2, torch.device("cpu"), torch.device("cpu"))
+        locals_ = [layout.shard_of(initial_flat(island), k).clone() for k in range(len(SPECS))]
+        engine.meet(lambda: links[island], settings.fingerprint(layout, False, "cpu"),
+                    open_rank_link=lambda: ranks[island])
+        engine.adopt_initial_state(locals_, {})
+        out = []
+        for _ in range(plan.rounds):
+            inner_steps(engine, locals_, island, plan.tokens[island])
+            engine.run_round(locals_)
+            flat = engine.global_flat()
+            out.append(None if flat is None else flat.clone())
+        return out
+
+    got = run_threads([lambda i=i, r=r: rank_main(i, r) for i in range(2) for r in range(2)])
+    for link in [*links, *ranks]:
+        link.close()
+    leader = assert_identical(run(plan))
+    for flats in (got[0], got[2]):  # the leaders' view of the global state after each round
+        assert all(torch.equal(a, b) for a, b in zip(flats, leader))
+    assert all(r.lanes.size == 2 for r in ranks), "rank 1 of each island built lanes of its own"
