@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 import uuid
 import weakref
@@ -55,7 +54,7 @@ from lightning_islands.link.protocol import (
 )
 from lightning_islands.link.sealed import SealedStore
 from lightning_islands.link.sweeper import Sweeper
-from lightning_islands.link.waiting import SCAN_S, wait_until
+from lightning_islands.link.waiting import SCAN_S, in_thread, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -335,18 +334,8 @@ class IslandLink:
         started = time.monotonic()
         deadline = started + 2 * self.membership.grace_s + MARGIN * nbytes / rate
         last = self.membership.deadline(decision.round) if decision is not None else math.inf
-        box: dict[str, object] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["result"] = move()
-            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
-                box["error"] = err
-            done.set()
-
         self.alive.touch()
-        threading.Thread(target=run, name=f"island{self.island}-{what.split()[-1]}", daemon=True).start()
+        done, box = in_thread(move, f"island{self.island}-{what.split()[-1]}")
         while not done.wait(SCAN_S):
             now = time.monotonic()
             if decision is not None:

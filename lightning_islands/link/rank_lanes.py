@@ -15,7 +15,6 @@ fails the transfer at once; one that goes silent costs that deadline, never gloo
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from lightning_islands.link.coordinator import ENV_LINK_IFNAME, connector
 from lightning_islands.link.island_link import FIRST_RATE_BPS, MARGIN, RATE_MIN_BYTES, RATES, STORE_TIMEOUT
 from lightning_islands.link.lanes import Lanes
 from lightning_islands.link.protocol import LinkStats, PayloadRefused, RoundLost
+from lightning_islands.link.waiting import in_thread
 
 T = TypeVar("T")
 
@@ -109,18 +109,7 @@ class RankLanes:
         rate = min(self._rates) if self._rates else FIRST_RATE_BPS / 8
         started = time.monotonic()
         limit = 2 * grace + MARGIN * nbytes / rate
-        box: dict[str, object] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["result"] = move()
-            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
-                box["error"] = err
-            done.set()
-
-        threading.Thread(target=run, name=f"island{self.island}-rank{self.rank}-{what.split()[-1]}",
-                         daemon=True).start()
+        done, box = in_thread(move, f"island{self.island}-rank{self.rank}-{what.split()[-1]}")
         if not done.wait(limit):
             self._key = None  # the next round's lanes are built anew
             self.lanes.retire(done)

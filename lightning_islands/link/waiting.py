@@ -14,9 +14,10 @@ of the run changed, or at the next scan, instead of every ``POLL_S``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -57,3 +58,21 @@ def wait_until(ready: Callable[[], T | None], *, deadline: float, expired: Calla
             time.sleep(poll_s)
         else:
             pause(max(0.0, min(next_scan, deadline) - time.monotonic()))
+
+
+def in_thread(move: Callable[[], Any], name: str) -> tuple[threading.Event, dict[str, Any]]:
+    """Start ``move()`` in a daemon thread named ``name``; returns the event it sets when it ends
+    and the box that then holds its ``"result"`` or its ``"error"`` (to raise in the caller's
+    thread). A transfer on the lanes runs so, watched by the caller (it may give it up)."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["result"] = move()
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
+            box["error"] = err
+        done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done, box
