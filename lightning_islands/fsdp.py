@@ -11,6 +11,7 @@ per block instead, so an unchanged module trains with ``strategy="fsdp2"``. With
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -54,6 +55,24 @@ def destroy_world_at_exit() -> None:
     if not _exit_hook_registered:
         atexit.register(destroy_world)
         _exit_hook_registered = True
+
+
+def init_restarted_world(backend: str, timeout: timedelta) -> None:
+    """In a restarted life of a torchelastic worker group (``TORCHELASTIC_RESTART_COUNT`` > 0), start
+    the default process group on the agent's store under a prefix of this life's own.
+
+    torchrun's static rendezvous keeps one store for every restart and the default group's keys carry
+    no restart count, so a rank of the new life could read a dead rank's gloo address there and fail to
+    connect ("Connection refused", about half the restarts of a two-process island under load).
+    Lightning then finds the group started and keeps it. The first life, and a world not started by
+    torchelastic's agent, are left to Lightning."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_islands/life{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -125,6 +144,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                              "data-parallel processes (experts are spread over all of them)")
         if self._data_parallel_size == "auto":
             self._data_parallel_size = world // tp
+        init_restarted_world(self._get_process_group_backend(), self._timeout or default_pg_timeout)
         super().setup_environment()
         if dist.is_initialized() and dist.get_backend() != "nccl":
             destroy_world_at_exit()

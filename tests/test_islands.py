@@ -781,17 +781,21 @@ HOLD_STEP = 22  # island 0 pauses after this inner step (in round 6) until islan
 def _killed_run(tmp_path, phase: str) -> tuple[subprocess.CompletedProcess, dict, dict]:
     kill = ["--kill-island", "1", "--kill-phase", phase, "--kill-step", "10", "--kill-round", "3",
             "--hold-for-rejoin", str(HOLD_STEP)]
+    islands = "1,1"
+    if phase == "slice":  # islands of two processes: island 1's rank 1 dies in its own slice's transfer
+        kill, islands = [*kill, "--exchange", "sliced"], "2,2"
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1", "--live", "off",
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", islands, "--live", "off",
          "--max-restarts", "1", "--", sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(tmp_path),
          "--steps", "48", "--H", "4", "--grace-s", "3", "--delays", "0.05", "--deadline-s", "30", *kill],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, load_rounds(tmp_path, 0), load_rounds(tmp_path, 1)
 
 
-@pytest.mark.parametrize("phase", ["inner", "exchange"])
+@pytest.mark.parametrize("phase", ["inner", "exchange", "slice"])
 def test_a_killed_island_restarts_rejoins_and_ends_bit_identical(tmp_path, phase):
-    """SIGKILL island 1's training process during its inner steps, or in an exchange: island 0
+    """SIGKILL island 1's training process during its inner steps, or in an exchange (with
+    ``exchange=sliced``: its rank 1, in its own slice's transfer, islands of two processes): island 0
     trains on (stalling at most the grace window), torchrun restarts island 1 (--max-restarts), it
     rejoins from nothing, and from its first round back its global state equals island 0's. Island 0
     pauses in round 6 until island 1 is back or asked to rejoin (an event, not a guess at how long a

@@ -113,7 +113,8 @@ class Regression(pl.LightningModule):
 
 class Killer(pl.Callback):
     """SIGKILLs this process, as a lost machine ends: after inner step ``step`` (``phase="inner"``),
-    or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent).
+    or in the exchange of round ``round_`` (``"exchange"``: the headers agreed, its payload not sent;
+    ``"slice"``: the same on a rank other than the leader, in its own slice's transfer).
     With ``sig="STOP"`` it SIGSTOPs itself instead (alive, silent, no TCP reset), after writing its
     pid to ``pid_file``; with ``sig="LINKDOWN"`` it takes its own veth down (inside a shaped link's
     namespace: its packets stop, nothing is reset) and then waits, cut off, until it is killed."""
@@ -144,8 +145,9 @@ class Killer(pl.Callback):
         os.kill(os.getpid(), self.signal)
 
     def on_train_start(self, trainer, module) -> None:
-        link = trainer.strategy.engine.link
-        if self.phase != "exchange" or link is None:
+        engine = trainer.strategy.engine
+        link = engine.link if self.phase == "exchange" else engine.rank_link if self.phase == "slice" else None
+        if link is None:  # "slice": a rank other than the leader, in its own slice's transfer (exchange=sliced)
             return
         inner = getattr(link, "link", link)  # under an AuthenticatedLink
         send = inner.all_gather_bytes
@@ -247,7 +249,7 @@ def main() -> None:
     p.add_argument("--kill-island", type=int, default=-1, help="this island SIGKILLs itself (first start only)")
     p.add_argument("--kill-step", type=int, default=0, help="...after this inner step (--kill-phase inner)")
     p.add_argument("--kill-round", type=int, default=0, help="...in this round's exchange (--kill-phase exchange)")
-    p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange"])
+    p.add_argument("--kill-phase", default="inner", choices=["inner", "exchange", "slice"])
     p.add_argument("--kill-signal", default="KILL", choices=["KILL", "STOP", "LINKDOWN"],
                    help="STOP: the island stops itself (alive, silent) and writes its pid to pid_island{i}; "
                         "LINKDOWN: it takes its veth down (needs --link)")
@@ -329,7 +331,7 @@ def main() -> None:
 
         callbacks.append(Diverge())
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    at = args.kill_step if args.kill_phase == "inner" else args.kill_round
+    at = args.kill_step if args.kill_phase == "inner" else args.kill_round  # exchange, slice: a round
     faults = [f"{args.kill_island}:{args.kill_phase}:{at}:{args.kill_signal}", *args.fault]
     for fault in faults:
         who, phase, at, sig = fault.split(":")
