@@ -24,8 +24,8 @@ each slice's chunks, as the leader path does within each chunk: a slice is a chu
 the result equals the leader path's when its chunks are the slices. Every island cuts the same
 slices from the same headers, so the global state stays bit-identical across islands whatever their
 ranks. Ranks ``>= S`` of a larger island own no slice: they send their pieces and receive the
-results. A rank holds its slice (three copies: the gathered values, the merged ones, what the codec
-dropped) and one chunk's temporaries, not the fragment.
+results. A rank holds its slice (two copies: the values it sent, overwritten chunk by chunk with the
+merged ones, and what the codec dropped) and one chunk's temporaries, not the fragment.
 """
 
 from __future__ import annotations
@@ -98,10 +98,12 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
         side.agree(lambda: _raise(side, failed))
+    if residual is not None:  # first, so that what the codec dropped is freed before the results' room is taken
+        layout.from_owners(None if mine is None else mine.dropped, bounds, device, residual)
+        if mine is not None:
+            mine.dropped = None
     grads = layout.from_owners(None if mine is None else mine.merged, bounds, device,
                                [torch.zeros_like(a) for a in anchors])
-    if residual is not None:
-        layout.from_owners(None if mine is None else mine.dropped, bounds, device, residual)
     exchange = None if mine is None else mine.exchange
     chunks = _sum_stats(group, exchange, 0 if mine is None else mine.chunks, len(plan.members))
     return SliceResult(grads, exchange if side.is_leader else None, chunks)
@@ -120,7 +122,7 @@ def _run_slice(codec: Codec, link: Any, island: int, plan: MergePlan, layout: Ca
                keep_residual: bool, own: Tensor, start: int, chunk: int | None) -> _Slice:
     """The owner's exchange of its slice ``own`` (the fragment's values from ``start``), chunk by chunk."""
     exchange = ChunkExchange(codec, link, island, plan, layout, delta_sq, keep_residual)
-    merged = torch.empty_like(own)
+    merged = own  # each chunk's merged values take the place of what it sent
     dropped = torch.empty_like(own) if keep_residual else None
     bounds = outer.chunk_bounds(own.numel(), chunk)
     try:
