@@ -50,7 +50,7 @@ from lightning_islands.engine.saves import (
 )
 from lightning_islands.fsdp import FSDP2Strategy
 from lightning_islands.fsdp_policy import local_view, reshard_all
-from lightning_islands.link.auth import SCHEME, AuthenticatedLink, load_secret
+from lightning_islands.link.auth import SCHEME, AuthenticatedLink, AuthenticatedRankLink, load_secret
 from lightning_islands.link.coordinator import island_identity, joining_from_env, restart_count
 from lightning_islands.link.island_link import DEFAULT_GRACE_S, IslandLink
 from lightning_islands.link.protocol import CoordinatorLost, IslandAborted
@@ -200,10 +200,6 @@ class IslandStrategy(FSDP2Strategy):
                            "auth": SCHEME if self._secret else False}
             # restarted after a crash, or new to a run under way: the live islands take it in
             self._rejoining = restart_count() > 0 or self.join
-            if self._secret and self.settings.exchange == "sliced":
-                raise ValueError("islands.exchange=sliced does not sign the payloads of ranks other than the "
-                                 "leader yet: run it without a secret (LI_SECRET / islands.secret_file) or with "
-                                 "islands.exchange=leader")
             self.engine.meet(self._open_link, fingerprint, rejoining=self._rejoining and not self.join,
                              joining=self.join, open_rank_link=self._open_rank_link)
         if self._rejoining:  # its own parameters stand in until the round that takes it back replaces them
@@ -233,13 +229,14 @@ class IslandStrategy(FSDP2Strategy):
                           slow_wait_s=slow_wait_s)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
-    def _open_rank_link(self) -> RankLanes:
-        """This rank's own lanes to the same rank of the other islands (``exchange=sliced``)."""
-        assert self.coordinator is not None
-        s = self.settings
-        return RankLanes(self.coordinator, self.island_index, self.engine.group.rank, self.num_islands,
-                         run_id=self.run_id, lanes=s.lanes, deadline=timedelta(seconds=s.deadline_s),
-                         grace_s=self.engine.grace_s)
+    def _open_rank_link(self) -> RankLanes | AuthenticatedRankLink:
+        """This rank's own lanes to the same rank of the other islands (``exchange=sliced``); with a
+        secret, its payloads carry MACs as the leader's do."""
+        assert self.coordinator is not None and self.engine is not None
+        s, rank = self.settings, self.engine.group.rank
+        lanes = RankLanes(self.coordinator, self.island_index, rank, self.num_islands, run_id=self.run_id,
+                          lanes=s.lanes, deadline=timedelta(seconds=s.deadline_s), grace_s=self.engine.grace_s)
+        return AuthenticatedRankLink(lanes, self._secret, self.run_id, rank) if self._secret else lanes
 
     def _adopt_run_settings(self) -> IslandSettings:
         """A joiner (every rank): the run's settings from its record at the coordinator, with this

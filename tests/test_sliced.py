@@ -7,6 +7,7 @@ in-memory link, every other rank's an in-memory :class:`~lightning_islands.link.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -160,21 +161,38 @@ def test_sliced_refuses_what_it_does_not_combine_with_yet(other, value):
         IslandSettings(exchange="everyone")
 
 
-def test_the_real_lanes_of_every_rank_give_the_leaders_bits():
-    """Two islands of two ranks (threads) over the coordinator: rank 0 of each over its island's
-    link, rank 1 over lanes of its own (:class:`RankLanes`); the global state equals the leader
-    path's in memory, bit for bit, and each rank 1 built its own lanes."""
-    from test_engine import initial_flat, inner_steps
+SECRET = b"s" * 32
 
-    from lightning_islands.engine import IslandEngine
+
+def _real_islands(run_id: str, secrets: tuple[bytes | None, bytes | None] = (None, None),
+                  rank_secrets: tuple[bytes | None, bytes | None] | None = None) -> tuple[Any, list, list]:
+    """A coordinator of this process (keep it referenced: it serves while it lives), two islands'
+    links (rank 0's) and rank 1's own lanes; with ``secrets``, each island's are wrapped to sign and
+    check (``rank_secrets``: rank 1's, default the same)."""
+    from lightning_islands.link.auth import AuthenticatedLink, AuthenticatedRankLink
     from lightning_islands.link.coordinator import Coordinator
     from lightning_islands.link.island_link import IslandLink
     from lightning_islands.link.rank_lanes import RankLanes
 
-    plan = Plan(sizes=[2, 2], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
     coordinator = Coordinator()
-    links = [IslandLink(coordinator.address, i, 2, run_id="sliced", lanes=2) for i in range(2)]
-    ranks = [RankLanes(coordinator.address, i, 1, 2, run_id="sliced", lanes=2, grace_s=30.0) for i in range(2)]
+    rank_secrets = secrets if rank_secrets is None else rank_secrets
+    links, ranks = [], []
+    for i in range(2):
+        link = IslandLink(coordinator.address, i, 2, run_id=run_id, lanes=2, secret=secrets[i])
+        links.append(AuthenticatedLink(link, secrets[i], run_id) if secrets[i] else link)
+        lanes = RankLanes(coordinator.address, i, 1, 2, run_id=run_id, lanes=2, grace_s=30.0)
+        ranks.append(AuthenticatedRankLink(lanes, rank_secrets[i], run_id, 1) if rank_secrets[i] else lanes)
+    return coordinator, links, ranks
+
+
+def _over_real_lanes(plan: Plan, links: list, ranks: list) -> list:
+    """Every rank of ``plan``'s two islands of two ranks (threads): rank 0 over its island's link,
+    rank 1 over its own lanes; each rank's global state after each round (``None`` off the leader),
+    or the error it raised."""
+    from test_engine import initial_flat, inner_steps
+
+    from lightning_islands.engine import IslandEngine
+
     shared = [ThreadIsland(2) for _ in range(2)]
 
     def rank_main(island: int, rank: int) -> list[torch.Tensor]:
@@ -193,10 +211,41 @@ def test_the_real_lanes_of_every_rank_give_the_leaders_bits():
             out.append(None if flat is None else flat.clone())
         return out
 
-    got = run_threads([lambda i=i, r=r: rank_main(i, r) for i in range(2) for r in range(2)])
+    def guarded(island: int, rank: int) -> object:
+        try:
+            return rank_main(island, rank)
+        except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+            return err
+
+    got = run_threads([lambda i=i, r=r: guarded(i, r) for i in range(2) for r in range(2)])
     for link in [*links, *ranks]:
         link.close()
+    return got
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "signed"])
+def test_the_real_lanes_of_every_rank_give_the_leaders_bits(secret):
+    """Two islands of two ranks (threads) over the coordinator: rank 0 of each over its island's
+    link, rank 1 over lanes of its own (:class:`RankLanes`; with a secret, every rank's payloads
+    signed and checked); the global state equals the leader path's in memory, bit for bit."""
+    plan = Plan(sizes=[2, 2], tokens=[4, 6], rounds=2, settings={"codec": "int4", "error_feedback": True})
+    coordinator, links, ranks = _real_islands(f"sliced-{secret is not None}", (secret, secret))
+    got = _over_real_lanes(plan, links, ranks)
+    assert not any(isinstance(g, Exception) for g in got), got
     leader = assert_identical(run(plan))
     for flats in (got[0], got[2]):  # the leaders' view of the global state after each round
         assert all(torch.equal(a, b) for a, b in zip(flats, leader))
-    assert all(r.lanes.size == 2 for r in ranks), "rank 1 of each island built lanes of its own"
+    if secret:
+        assert all(r.rank == 1 and r._epoch.endswith("/rank1") and r._seq > 0 for r in ranks), "rank 1 signed"
+
+
+def test_a_rank_whose_secret_differs_ends_every_island_naming_its_slice(caplog):
+    """Rank 1 of island 1 signs with another secret: rank 1 of island 0 refuses its payload, and
+    every rank of both islands ends with an error that names the slice and the fix."""
+    plan = Plan(sizes=[2, 2], tokens=[4, 6], rounds=1, settings={"codec": "int4", "error_feedback": True})
+    coordinator, links, ranks = _real_islands("sliced-forged", (SECRET, SECRET), (SECRET, b"t" * 32))
+    got = _over_real_lanes(plan, links, ranks)
+    assert all(isinstance(g, Exception) for g in got), got
+    assert "rank 1's slice exchange failed: AuthenticationError" in str(got[0])  # island 0 refused it
+    assert "does not match its tag" in str(got[0]) and "same secret" in str(got[0])
+    assert "does not match its tag" in caplog.text

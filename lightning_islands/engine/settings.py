@@ -171,8 +171,7 @@ class IslandSettings:
                   "fragment, encodes, exchanges and scatters it) or `sliced` (the fragment is cut into as many "
                   "slices, on codec blocks, as the smallest island present has ranks; rank r of every island "
                   "gathers, encodes and exchanges slice r over lanes of its own; docs/ARCHITECTURE.md, sliced). "
-                  "`sliced` does not combine with `overlap_steps`, `topology=butterfly`, `max_staleness` or a "
-                  "secret yet.")
+                  "`sliced` does not combine with `overlap_steps`, `topology=butterfly` or `max_staleness` yet.")
     max_staleness: int = setting(
         0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
            "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats, RoundLost
+from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats, RankLink, RoundLost
 
 ENV_SECRET = "LI_SECRET"
 ENV_SECRET_FILE = "LI_SECRET_FILE"
@@ -492,3 +492,25 @@ class AuthenticatedLink:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.link.close()
+
+
+class AuthenticatedRankLink(AuthenticatedLink):
+    """A :class:`~lightning_islands.link.protocol.RankLink` whose payloads carry MACs (the sliced
+    exchange with a secret): :meth:`AuthenticatedLink.all_gather_bytes` on rank ``rank``'s own lanes.
+    Its sequence starts anew with every member set, under an epoch that names the lanes' key and the
+    rank, so a payload moved from one rank's lanes to another's, or from another member set, does not
+    verify. Every island's rank ``rank`` must wrap its lanes with the same ``secret`` and ``run_id``."""
+
+    def __init__(self, link: RankLink, secret: bytes, run_id: str, rank: int, threads: int | None = None) -> None:
+        super().__init__(link, secret, run_id, threads)  # type: ignore[arg-type]  # the calls it makes, a RankLink has
+        self.rank = rank
+
+    def __repr__(self) -> str:  # never the key
+        return f"AuthenticatedRankLink({self.link!r}, rank={self.rank}, run_id={self.run_id!r})"
+
+    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+        """The round's islands present and their lanes' key (:meth:`RankLink.use`)."""
+        self.link.use(present, lanes_key)  # type: ignore[attr-defined]
+        epoch = f"{lanes_key}/rank{self.rank}"
+        if epoch != self._epoch:
+            self.restart_sequence(epoch)
