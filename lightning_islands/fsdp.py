@@ -11,6 +11,7 @@ per block instead, so an unchanged module trains with ``strategy="fsdp2"``. With
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import time
 from collections.abc import Sequence
@@ -50,9 +51,15 @@ def destroy_world_at_exit() -> None:
     needs the GIL, the finalizing interpreter ends the thread, and the process aborts with SIGABRT
     ("terminate called without an active exception"). Destroying the group in an ``atexit``
     handler, before finalization, joins those threads first (torch releases the GIL for it).
+
+    Then the objects alive at exit are frozen (:func:`gc.freeze`): finalization's last garbage
+    collection skips the million objects importing torch and Lightning made, about a second of
+    CPU less per process (the modules are still torn down, their objects still released by
+    reference count).
     """
     global _exit_hook_registered
     if not _exit_hook_registered:
+        atexit.register(gc.freeze)  # handlers run last-registered first: this one after destroy_world
         atexit.register(destroy_world)
         _exit_hook_registered = True
 
