@@ -1,6 +1,7 @@
 """Utilization over a shaped link: synchronous rounds, fragments, fragments + overlap.
 
-Runs the same training (the provided MoE, two islands of one process each, ``islands=two_equal``)
+Runs the same training (the provided MoE, two islands of one process each, ``islands=two_equal``;
+``--devices N``: N processes each)
 over the same shaped link between two network namespaces (``islands.link=RATE``, see README "A
 shaped link on one machine"; needs root and ``ip``/``tc``) three ways:
 
@@ -8,6 +9,9 @@ shaped link on one machine"; needs root and ``ip``/``tc``) three ways:
 - ``fragments``: ``islands.fragments=F``, one fragment every H / F steps (the same bytes per H steps);
 - ``fragments+overlap``: the same with ``islands.overlap_steps=tau``: each round flies while tau
   more inner steps run;
+- ``sliced`` (asked for with ``--configs``): ``sync`` with ``islands.exchange=sliced``, every rank
+  moving its own slice; with ``--devices N`` every island (and ``none``) runs N processes of batch
+  16 / N, so that the planner's ``--path sliced`` can be checked against a measured run;
 
 and once with no cross-island exchange at all (``none``: each island trains as a lone island, both
 at once, so they share the cores as the others do). ``utilization`` = wall time of ``none`` / wall
@@ -48,7 +52,7 @@ from pathlib import Path
 from lightning_islands.app.netns import parse_link
 from lightning_islands.codecs import make_codec
 
-CONFIGS = ("none", "sync", "fragments", "fragments+overlap")
+CONFIGS = ("none", "sync", "sliced", "fragments", "fragments+overlap")
 
 
 def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[str]:
@@ -58,11 +62,17 @@ def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[
               "data.val_windows=16", "data.val_batch_size=16", f"islands.sync_every={args.H}",
               f"islands.codec={args.codec}", f"islands.lanes={args.lanes}", f"seed={args.seed}",
               "experiment.name=utilization", "summary_json=true", *args.extra]
+    n, batch = args.devices, 16 // args.devices  # the same tokens per step whatever the processes
+    member = f"{{devices:{n},batch_size:{batch}}}"
     if config == "none":
-        return [*common, "islands.members=[{devices:1,batch_size:16}]"]
+        return [*common, f"islands.members=[{member}]"]
     link = [f"islands.link='{rate}'"] if rate else []
+    if n != 1:
+        link.append(f"islands.members=[{member},{member}]")
     if config == "sync":
         return [*common, *link]
+    if config == "sliced":
+        return [*common, *link, "islands.exchange=sliced"]
     streaming = [f"islands.fragments={args.fragments}"]
     if config == "fragments+overlap":
         streaming += [f"islands.overlap_steps={args.tau}", f"islands.overlap_alpha={args.alpha}"]
@@ -154,8 +164,9 @@ def predict(args: argparse.Namespace, row: dict, none: dict, rate_bps: float, rt
     loop (the planner models rounds, not a run's one-time start and end)."""
     from lightning_islands.plan.config import prediction_for
 
-    islands = {"members": [{"devices": 1}, {"devices": 1}], "sync_every": args.H, "codec": args.codec,
-               "lanes": args.lanes, "fragments": row["fragments"], "overlap_steps": row["overlap_steps"]}
+    islands = {"members": [{"devices": args.devices}] * 2, "sync_every": args.H, "codec": args.codec,
+               "lanes": args.lanes, "fragments": row["fragments"], "overlap_steps": row["overlap_steps"],
+               "exchange": "sliced" if row["config"] == "sliced" else "leader"}
     pred = prediction_for(islands, numel=none["parameters"], step_seconds=none["step_seconds"], link_bps=rate_bps,
                           rtt_s=rtt_ms / 1e3, rounds=row["rounds"])
     planned = min(pred.utilization)
@@ -205,8 +216,11 @@ def main() -> None:
                         help="the islands' host TCP: a new namespace's, or tuned for a long-fat link (32 MiB "
                              "buffers, no slow start after idle; `--link RATE,RTT,tuned`)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--configs", default=",".join(CONFIGS[1:]),
-                        help="which of sync,fragments,fragments+overlap to run (none always runs)")
+    parser.add_argument("--configs", default="sync,fragments,fragments+overlap",
+                        help="which of sync,sliced,fragments,fragments+overlap to run (none always runs; sliced: "
+                             "sync with islands.exchange=sliced, for --devices 2 or more)")
+    parser.add_argument("--devices", type=int, default=1, choices=[1, 2, 4, 8, 16],
+                        help="processes per island (each with batch 16 / devices)")
     parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")
     parser.add_argument("--at-once", action="store_true",
                         help="run every config at the same time as none (needs a --rate other than auto): a smoke "
@@ -266,7 +280,8 @@ def main() -> None:
               f"{r['bytes'] / 1e6:.1f} MB | {r['peak_bps'] / 1e6:.1f} | "
               f"{r['mean_bps'] / 1e6:.2f} | {r['seconds_waiting']:.1f} | {r['val_loss']:.4f} |" for r in rows]
     head = (f"link {rate} (shaped with tc between network namespaces), H={args.H}, codec {args.codec}, "
-            f"F={args.fragments}, tau={args.tau}, {args.steps} steps, two islands of 1 process x batch 16; "
+            f"F={args.fragments}, tau={args.tau}, {args.steps} steps, two islands of {args.devices} process(es) x "
+            f"batch {16 // args.devices}; "
             f"{time.time() - started:.0f} s in all")
     print(head)
     print("\n".join(table))

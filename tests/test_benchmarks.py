@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,6 +110,25 @@ def test_lanes_benchmark_writes_its_table_and_the_round_trips_of_a_round(tmp_pat
     # arrives last, a few polls more for the other (16 round trips before the one-request polls)
     assert all(6 <= n <= 12 for n in latency["round"]["round_trips_counted"]), latency["round"]
     assert [w["window_bytes_per_lane"] for w in data["windows"]] == [250_000, 125_000]  # BDP at 20 ms, per lane
+
+
+def test_utilization_benchmark_runs_sliced_islands_of_several_processes_and_predicts_them():
+    """``--devices 2 --configs sliced``: every island runs two processes of half the batch, the sliced
+    row sets ``islands.exchange=sliced``, and its prediction is the planner's sliced path."""
+    import argparse
+
+    bench = load_benchmark("utilization")
+    args = argparse.Namespace(steps=8, H=4, codec="int4", lanes=2, seed=1, extra=[], devices=2, fragments=2, tau=1,
+                              alpha=0.0)
+    member = "{devices:2,batch_size:8}"
+    assert f"islands.members=[{member}]" in bench._overrides(args, "none", None)
+    sliced = bench._overrides(args, "sliced", "20mbit")
+    assert "islands.exchange=sliced" in sliced and f"islands.members=[{member},{member}]" in sliced
+    assert "islands.exchange=sliced" not in bench._overrides(args, "sync", "20mbit")
+    none = {"parameters": 10**9, "step_seconds": 1.0, "wall_seconds": 10.0, "loop_seconds": 9.0}
+    rows = [{"config": c, "rounds": 2, "fragments": 1, "overlap_steps": 0} for c in ("sync", "sliced")]
+    leader, each_rank = (bench.predict(args, row, none, 20e6, 0.0) for row in rows)
+    assert each_rank["planned_utilization"] > leader["planned_utilization"]  # the codec work spread over both
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root (CI runs as root)")

@@ -343,6 +343,12 @@ def test_prediction_for_reads_the_islands_config():
     assert inputs.fragment_sizes == (861_472,) * 4
     with pytest.raises(ValueError, match="one per island"):
         prediction_for(islands, numel=10, step_seconds=[0.1, 0.2, 0.3], link_bps=1e9)
+    assert inputs.exchange_path == "leader"
+    each_rank, link = {**islands, "exchange": "sliced"}, LinkSpec(bps=1e9)
+    sliced = inputs_from_islands(each_rank, numel=1000, step_seconds=0.3, link=link)
+    assert sliced.exchange_path == "sliced"  # the config's islands.exchange, unless --path says otherwise
+    forced = inputs_from_islands(each_rank, numel=1000, step_seconds=0.3, link=link, exchange_path="leader")
+    assert forced.exchange_path == "leader"
 
 
 def test_the_islands_steps_per_round_reaches_the_plan_as_it_reaches_training():

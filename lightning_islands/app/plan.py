@@ -180,8 +180,7 @@ def build_inputs(args: argparse.Namespace, cfg: Any) -> PlanInputs:
         cfg.islands, numel=total, step_seconds=per_island(steps, n, "--step-seconds"), link=link,
         intra_bytes_per_s=[v * 1e9 for v in intra] if intra else [hw.intra_bytes_per_s for hw in hardware],
         leader_bytes_per_s=[v * 1e9 for v in leader] if leader else [hw.leader_bytes_per_s for hw in hardware],
-        rounds=args.rounds, block_sizes=blocks or None,
-        exchange_path=args.path or str(cfg.islands.get("exchange", "leader")))
+        rounds=args.rounds, block_sizes=blocks or None, exchange_path=args.path)
 
 
 def per_island_names(text: str, n: int) -> list[str]:

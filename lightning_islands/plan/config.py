@@ -48,11 +48,12 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
                         link: LinkSpec, intra_bytes_per_s: float | Sequence[float] = _CPU.intra_bytes_per_s,
                         leader_bytes_per_s: float | Sequence[float] = _CPU.leader_bytes_per_s,
                         rounds: int | None = None, block_sizes: Sequence[int] | None = None,
-                        exchange_path: str = "leader") -> PlanInputs:
+                        exchange_path: str | None = None) -> PlanInputs:
     """A :class:`PlanInputs` from the ``islands`` config (a dict or an OmegaConf node) and the figures;
     every per-island figure is one number for all islands or one per island. ``block_sizes``: values
     of each transformer block, to split fragments by ``islands.fragment_layout`` (the rest of
-    ``numel`` is spread evenly); ``None``: equal fragments."""
+    ``numel`` is spread evenly); ``None``: equal fragments. ``exchange_path``: ``leader`` or
+    ``sliced`` (default: the config's ``exchange``)."""
     members = _members(islands)
     n = len(members)
     devices = [int(m.get("devices", 1)) for m in members]
@@ -86,7 +87,7 @@ def inputs_from_islands(islands: Mapping[str, Any], *, numel: int, step_seconds:
         fragment_sizes=sizes,
         rounds=rounds,
         sync_warmup=tuple(settings.sync_warmup or ()),
-        exchange_path=exchange_path,
+        exchange_path=exchange_path or settings.exchange,
         topology=settings.topology,
         max_staleness=settings.max_staleness,
         grace_s=settings.grace_s,
