@@ -344,7 +344,7 @@ def test_prediction_for_reads_the_islands_config():
     with pytest.raises(ValueError, match="one per island"):
         prediction_for(islands, numel=10, step_seconds=[0.1, 0.2, 0.3], link_bps=1e9)
     assert inputs.exchange_path == "leader"
-    each_rank, link = {**islands, "exchange": "sliced"}, LinkSpec(bps=1e9)
+    each_rank, link = {**islands, "exchange": "sliced", "overlap_steps": 0}, LinkSpec(bps=1e9)
     sliced = inputs_from_islands(each_rank, numel=1000, step_seconds=0.3, link=link)
     assert sliced.exchange_path == "sliced"  # the config's islands.exchange, unless --path says otherwise
     forced = inputs_from_islands(each_rank, numel=1000, step_seconds=0.3, link=link, exchange_path="leader")
