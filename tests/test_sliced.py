@@ -261,3 +261,28 @@ def test_a_resume_may_change_the_exchange(first, then):
     half = run(Plan(sizes=[2, 3], tokens=[4, 6], rounds=2, settings={**settings, "exchange": first}))
     resumed = run(Plan(sizes=[2, 3], tokens=[4, 6], rounds=4, settings={**settings, "exchange": then}), resume=half)
     assert all(torch.equal(a, b) for a, b in zip(straight[2:], assert_identical(resumed)))
+
+
+def test_the_rounds_bytes_add_up_over_the_slices_and_its_seconds_are_the_slowest_ranks():
+    """The slices move side by side: the island's bytes are every rank's, its seconds the slowest's."""
+    from lightning_islands.engine.exchange import ChunkExchange
+    from lightning_islands.engine.sliced import _sum_stats
+
+    shared = ThreadIsland(2)
+    headers = [RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2), RoundHeader(0, tokens=1.0, steps=1, norm=1.0)]
+
+    def rank_main(rank: int) -> tuple[int, dict]:
+        group = ThreadGroup(shared, rank)
+        layout = CanonicalLayout(SPECS, group)
+        exchange = ChunkExchange(make_codec("int4"), None, 0, MergePlan.of(headers, "tokens", None, layout), layout,
+                                 1.0, False)
+        exchange.link_sums.update(bytes_sent=10.0 * (rank + 1), seconds_exchanging=1.0 + 2 * rank,
+                                  seconds_waiting=0.5 - 0.25 * rank)
+        exchange.stats.payload_bytes = 100 * (rank + 1)
+        chunks = _sum_stats(group, exchange, 3 + rank)
+        return chunks, dict(exchange.link_sums, payload_bytes=exchange.stats.payload_bytes)
+
+    (chunks, lead), (_, other) = run_threads([lambda r=r: rank_main(r) for r in range(2)])
+    assert chunks == 7 and lead["payload_bytes"] == 300
+    assert lead["bytes_sent"] == 30.0 and lead["seconds_exchanging"] == 3.0 and lead["seconds_waiting"] == 0.5
+    assert other["bytes_sent"] == 20.0, "only the leader's exchange takes the island's totals"

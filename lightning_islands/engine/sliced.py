@@ -30,6 +30,7 @@ merged ones, and what the codec dropped) and one chunk's temporaries, not the fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -105,7 +106,7 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     grads = layout.from_owners(None if mine is None else mine.merged, bounds, device,
                                [torch.zeros_like(a) for a in anchors])
     exchange = None if mine is None else mine.exchange
-    chunks = _sum_stats(group, exchange, 0 if mine is None else mine.chunks, len(plan.members))
+    chunks = _sum_stats(group, exchange, 0 if mine is None else mine.chunks)
     return SliceResult(grads, exchange if side.is_leader else None, chunks)
 
 
@@ -153,25 +154,27 @@ def _raise(side: Island, failed: list[tuple[int, tuple[str, str]]]) -> None:
     raise side.link.fail_round(why)
 
 
-def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int, members: int) -> int:
-    """Sum every rank's exchange statistics and link totals into the leader's ``exchange`` (the
-    round's metrics then read as the leader path's); returns the island's chunk count."""
+def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
+    """Combine every rank's exchange statistics and link totals into the leader's ``exchange`` (the
+    round's metrics then read as the leader path's): counts, bytes and sums add up; the seconds
+    spent exchanging and waiting are the slowest rank's, the slices having moved side by side.
+    Returns the island's chunk count."""
     if exchange is None:
-        values = [0.0] * (3 + len(LINK_TOTALS) + _stats_len(members))
+        mine = None
     else:
         stats = exchange.stats
-        values = [float(chunks), float(stats.numel), float(stats.payload_bytes),
-                  *[exchange.link_sums[k] for k in LINK_TOTALS], *_stats_values(exchange)]
-    total = group.sum(values)
+        mine = [float(chunks), float(stats.numel), float(stats.payload_bytes),
+                *[exchange.link_sums[k] for k in LINK_TOTALS], *_stats_values(exchange)]
+    rows = [r for r in group.all_gather_object(mine) if r is not None]
+    total = [math.fsum(column) for column in zip(*rows)]
+    for k, key in enumerate(LINK_TOTALS):
+        if key.startswith("seconds"):
+            total[3 + k] = max(r[3 + k] for r in rows)
     if exchange is not None and group.rank == 0:
         exchange.stats.numel, exchange.stats.payload_bytes = int(total[1]), int(total[2])
         exchange.link_sums = dict(zip(LINK_TOTALS, total[3 : 3 + len(LINK_TOTALS)]))
         _load_stats(exchange, total[3 + len(LINK_TOTALS):])
-    return int(total[0])
-
-
-def _stats_len(members: int) -> int:
-    return 3 + members + members * (members - 1) // 2
+    return int(total[0]) if total else 0
 
 
 def _stats_values(exchange: ChunkExchange) -> list[float]:
