@@ -286,3 +286,22 @@ def test_the_rounds_bytes_add_up_over_the_slices_and_its_seconds_are_the_slowest
     assert chunks == 7 and lead["payload_bytes"] == 300
     assert lead["bytes_sent"] == 30.0 and lead["seconds_exchanging"] == 3.0 and lead["seconds_waiting"] == 0.5
     assert other["bytes_sent"] == 20.0, "only the leader's exchange takes the island's totals"
+
+
+def test_slices_moved_a_chunk_at_a_time_give_the_same_bits_and_hold_one_chunk(monkeypatch):
+    """With ``exchange_chunk_mib`` below a slice, every slice moves in chunks side by side: the bits
+    are the leader path's, and no rank receives more than a chunk at a time."""
+    settings = {"codec": "int4", "error_feedback": True}
+    leader = assert_identical(run(Plan(sizes=[2, 3], tokens=[4, 6], settings=settings)))
+    received, to_owners = [], CanonicalLayout.to_owners
+
+    def spy(self, locals_, bounds, device, out_device=None):
+        got = to_owners(self, locals_, bounds, device, out_device)
+        received.append(0 if got is None else got.numel())
+        return got
+
+    monkeypatch.setattr(CanonicalLayout, "to_owners", spy)
+    chunked = {**settings, "exchange": "sliced", "exchange_chunk_mib": 2048 * 4 / 2**20}  # 2048 values
+    results = run(Plan(sizes=[2, 3], tokens=[4, 6], settings=chunked))
+    assert all(torch.equal(a, b) for a, b in zip(leader, assert_identical(results)))
+    assert max(received) == 2048 and leaders(results)[0]["metrics"][0]["islands/exchange_chunks"] == 4

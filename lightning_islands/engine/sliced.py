@@ -6,17 +6,20 @@ all of its bytes. Sliced, the fragment's canonical vector is cut into ``S`` slic
 ``S`` the ranks of the smallest island present (every island reads it from the headers), and rank
 ``r < S`` of every island owns slice ``r``:
 
-1. the island moves each slice to its owner over its own fabric, all at once
+a chunk at a time (``exchange_chunk_mib`` within a slice), every slice's chunk ``k`` side by side:
+
+1. the island moves chunk ``k`` of each slice to its owner over its own fabric, all at once
    (:meth:`CanonicalLayout.to_owners`, an all-to-all of the ranks' pieces, which are neither
    contiguous nor block-aligned in the canonical order);
-2. each owner runs the leader path's :class:`~lightning_islands.engine.exchange.ChunkExchange` on its
-   slice alone, chunk by chunk, over its own lanes to the owners of the same slice in the other
-   islands (rank 0's are the island's link; the others' a
-   :class:`~lightning_islands.link.protocol.RankLink`), so the slices move in parallel;
-3. the island learns whether every slice moved (one object all-gather: a lost transfer anywhere runs
-   the round again on every island, any other failure ends it as the leader's would);
-4. each owner sends its merged slice, and what the codec dropped from it (error feedback), back to
-   the shards (:meth:`CanonicalLayout.from_owners`, the reverse all-to-all).
+2. each owner runs the leader path's :class:`~lightning_islands.engine.exchange.ChunkExchange` on it
+   over its own lanes to the owners of the same slice in the other islands (rank 0's are the
+   island's link; the others' a :class:`~lightning_islands.link.protocol.RankLink`), so the slices
+   move in parallel;
+3. each owner sends the merged chunk, and what the codec dropped from it (error feedback), back to
+   the shards (:meth:`CanonicalLayout.from_owners`, the reverse all-to-all);
+4. after the last chunk the island learns whether every slice moved (one object all-gather: a lost
+   transfer anywhere runs the round again on every island, any other failure ends it as the
+   leader's would).
 
 The merge is elementwise and in island order, and the slices fall on codec blocks, so a codec that
 quantizes block by block gives the leader path's bits. A codec that selects (top-k) selects within
@@ -24,8 +27,7 @@ each slice's chunks, as the leader path does within each chunk: a slice is a chu
 the result equals the leader path's when its chunks are the slices. Every island cuts the same
 slices from the same headers, so the global state stays bit-identical across islands whatever their
 ranks. Ranks ``>= S`` of a larger island own no slice: they send their pieces and receive the
-results. A rank holds its slice (two copies: the values it sent, overwritten chunk by chunk with the
-merged ones, and what the codec dropped) and one chunk's temporaries, not the fragment.
+results. A rank holds one chunk of its slice and that chunk's temporaries, never the fragment.
 """
 
 from __future__ import annotations
@@ -86,59 +88,47 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     decayed residual); ``anchors``: shard-shaped tensors the results take the shape of;
     ``residual``: this rank's error-feedback residual shards, overwritten with what the codec
     dropped (``None`` without error feedback); ``count``: the round's slices; ``chunk``: values per
-    chunk within a slice (``None``: the slice at once)."""
+    chunk within a slice (``None``: each slice at once).
+
+    The slices move a chunk at a time, all of them side by side: chunk ``k`` of every slice goes to
+    its owner, moves between the islands and comes back before chunk ``k + 1`` is gathered, so a rank
+    holds one chunk of its slice and one chunk's temporaries. An owner whose transfer failed goes on
+    taking part in the island's chunk loop without moving anything (its chunks' results are not used:
+    the round ends in an error or runs again; what the codec dropped is written as zeros there)."""
     group, rank = layout.group, layout.group.rank
     bounds = slice_bounds(layout.numel, count, codec.alignment)
-    own = layout.to_owners(sent, bounds, device, exchange_device)
-    mine = None if own is None else _run_slice(codec, link, side.index, plan, layout, delta_sq, residual is not None,
-                                                own, bounds[rank][0], chunk)
-    del own
-    beat = side.link.beating({"sliced": "waiting for the island's slices"}) if side.is_leader and side.link else None
+    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
+    owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
+    exchange = ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if owns else None
+    failed: tuple[str, str] | None = None
+    grads = [torch.zeros_like(a) for a in anchors]
+    beat = side.link.beating({"sliced": "moving the island's slices"}) if side.is_leader and side.link else None
     with beat if beat is not None else nullcontext():
-        statuses = group.all_gather_object(None if mine is None else mine.failed)
-    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-    if failed:
-        side.agree(lambda: _raise(side, failed))
-    if residual is not None:  # first, so that what the codec dropped is freed before the results' room is taken
-        layout.from_owners(None if mine is None else mine.dropped, bounds, device, residual)
-        if mine is not None:
-            mine.dropped = None
-    grads = layout.from_owners(None if mine is None else mine.merged, bounds, device,
-                               [torch.zeros_like(a) for a in anchors])
-    exchange = None if mine is None else mine.exchange
-    chunks = _sum_stats(group, exchange, 0 if mine is None else mine.chunks)
+        for k in range(max(len(p) for p in pieces)):
+            parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+            part = layout.to_owners(sent, parts, device, exchange_device)
+            merged, dropped = part, None
+            if part is not None and exchange is not None:
+                if failed is None:
+                    try:
+                        merged, dropped = exchange.run(part, parts[rank][0])
+                    except RoundLost as err:
+                        failed = ("lost", str(err))
+                    except Exception as err:  # noqa: BLE001 - the island decides together (below)
+                        failed = ("error", f"{type(err).__name__}: {err}")
+                if failed is not None:
+                    dropped = torch.zeros_like(part) if residual is not None else None
+            if residual is not None:
+                layout.from_owners(dropped, parts, device, residual)
+            layout.from_owners(merged, parts, device, grads)
+        if exchange is not None:
+            exchange.release()
+        statuses = group.all_gather_object(failed)
+    problems = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if problems:
+        side.agree(lambda: _raise(side, problems))
+    chunks = _sum_stats(group, exchange, len(pieces[rank]) if owns else 0)
     return SliceResult(grads, exchange if side.is_leader else None, chunks)
-
-
-@dataclass
-class _Slice:
-    merged: Tensor | None
-    dropped: Tensor | None
-    exchange: ChunkExchange | None
-    chunks: int
-    failed: tuple[str, str] | None  # (kind, message): "lost" runs the round again, "error" ends it
-
-
-def _run_slice(codec: Codec, link: Any, island: int, plan: MergePlan, layout: CanonicalLayout, delta_sq: float,
-               keep_residual: bool, own: Tensor, start: int, chunk: int | None) -> _Slice:
-    """The owner's exchange of its slice ``own`` (the fragment's values from ``start``), chunk by chunk."""
-    exchange = ChunkExchange(codec, link, island, plan, layout, delta_sq, keep_residual)
-    merged = own  # each chunk's merged values take the place of what it sent
-    dropped = torch.empty_like(own) if keep_residual else None
-    bounds = outer.chunk_bounds(own.numel(), chunk)
-    try:
-        for a, b in bounds:
-            m, d = exchange.run(own[a:b], start + a)
-            merged[a:b].copy_(m)
-            if dropped is not None and d is not None:
-                dropped[a:b].copy_(d)
-    except RoundLost as err:
-        return _Slice(None, None, exchange, len(bounds), ("lost", str(err)))
-    except Exception as err:  # noqa: BLE001 - the island decides together (exchange_sliced)
-        return _Slice(None, None, exchange, len(bounds), ("error", f"{type(err).__name__}: {err}"))
-    finally:
-        exchange.release()
-    return _Slice(merged, dropped, exchange, len(bounds), None)
 
 
 def _raise(side: Island, failed: list[tuple[int, tuple[str, str]]]) -> None:
