@@ -110,9 +110,11 @@ def test_no_rank_holds_more_than_its_slice(monkeypatch):
     assert largest < NUMEL
 
 
-def _one_island(fail: dict[int, Exception]) -> list:
+def _one_island(fail: dict[int, Exception], before: dict[int, tuple[str, str]] | None = None,
+                no_lanes: tuple[int, ...] = ()) -> list:
     """Island 0 of two, its two ranks as threads, alone in a round (island 1 absent): rank r's lanes
-    raise ``fail[r]`` at their first transfer."""
+    raise ``fail[r]`` at their first transfer; ``before[r]``: rank r failed before the exchange;
+    ``no_lanes``: ranks without lanes of their own."""
     hub, shared = Hub(2), ThreadIsland(2)
     headers = [RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2), RoundHeader.absent_from(0)]
 
@@ -127,13 +129,14 @@ def _one_island(fail: dict[int, Exception]) -> list:
         layout = CanonicalLayout(SPECS, group)
         side = Island(0, 2, group)
         side.link = MemoryLink(hub, 0) if rank == 0 else None
-        link = Failing(hub, 0, rank)
-        link.use((0,), None)
+        link = None if rank in no_lanes else Failing(hub, 0, rank)
+        if link is not None:
+            link.use((0,), None)
         plan = MergePlan.of(headers, "tokens", None, layout)
         sent = [layout.shard_of(torch.ones(NUMEL), i) for i in range(len(SPECS))]
         try:
             exchange_sliced(side, layout, IslandSettings().make_codec(), link, plan, sent, sent, None, 1.0, 2, None,
-                            torch.device("cpu"), torch.device("cpu"))
+                            torch.device("cpu"), torch.device("cpu"), (before or {}).get(rank))
         except Exception as err:  # noqa: BLE001 - what each rank raised is the result
             return err
         return None
@@ -145,6 +148,16 @@ def test_a_lost_slice_runs_the_round_again_on_every_rank():
     got = _one_island({1: RoundLost("rank 1 of island 0 lost its peer (injected)")})
     assert all(isinstance(e, RoundLost) for e in got), got
     assert all("rank 1's slice" in str(e) and "injected" in str(e) for e in got)
+
+
+def test_a_rank_whose_lanes_could_not_be_built_runs_the_round_again_with_its_island():
+    got = _one_island({}, before={1: ("lost", "rank 1 of island 0 gave up building its lanes (injected)")})
+    assert all(isinstance(e, RoundLost) and "building its lanes" in str(e) for e in got), got
+
+
+def test_a_rank_without_lanes_of_its_own_ends_the_island_instead_of_merging_alone():
+    got = _one_island({}, no_lanes=(1,))
+    assert all(type(e) is RuntimeError and "rank 1 of island 0 has no lanes of its own" in str(e) for e in got), got
 
 
 def test_a_slice_that_fails_otherwise_ends_the_island_naming_the_rank():

@@ -257,14 +257,16 @@ class IslandEngine(IslandEngineBase):
         present, key = self.side.with_link(lambda link: (tuple(link.present), link.lanes_key))
         if rank == 0:
             link = self.link
-        elif rank < count:
-            if self.rank_link is None:
-                raise RuntimeError(f"rank {rank} of island {self.island} has no lanes of its own for exchange=sliced: "
-                                   "the engine met the other islands without open_rank_link")
+        elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
             link = self.rank_link
-            link.use(present, key)
+        failed = None
+        try:  # a rank's lanes that cannot be built fail the round with the island, not alone
+            if link is not None and rank:
+                link.use(present, key)
+        except RoundLost as err:
+            failed = ("lost", str(err))
         got = sliced.exchange_sliced(self.side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
-                                     count, self.settings.exchange_chunk, self.device, self.exchange_device)
+                                     count, self.settings.exchange_chunk, self.device, self.exchange_device, failed)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
         return grads, {} if got.exchange is None else self.meeting.account(got.exchange, got.chunks)
 

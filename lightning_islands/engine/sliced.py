@@ -80,7 +80,7 @@ class SliceResult:
 def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: Any, plan: MergePlan,
                     sent: Sequence[Tensor], anchors: Sequence[Tensor], residual: Sequence[Tensor] | None,
                     delta_sq: float, count: int, chunk: int | None, device: torch.device,
-                    exchange_device: torch.device) -> SliceResult:
+                    exchange_device: torch.device, failed: tuple[str, str] | None = None) -> SliceResult:
     """One round's sliced exchange on this rank (module docstring): a collective of the island.
 
     ``link``: this rank's lanes (the island's link on rank 0, a RankLink on ranks ``1..count-1``,
@@ -88,7 +88,8 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     decayed residual); ``anchors``: shard-shaped tensors the results take the shape of;
     ``residual``: this rank's error-feedback residual shards, overwritten with what the codec
     dropped (``None`` without error feedback); ``count``: the round's slices; ``chunk``: values per
-    chunk within a slice (``None``: each slice at once).
+    chunk within a slice (``None``: each slice at once); ``failed``: this rank failed before the
+    exchange (``("lost", why)`` when its lanes could not be built), so it moves nothing.
 
     The slices move a chunk at a time, all of them side by side: chunk ``k`` of every slice goes to
     its owner, moves between the islands and comes back before chunk ``k + 1`` is gathered, so a rank
@@ -100,7 +101,9 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
     exchange = ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if owns else None
-    failed: tuple[str, str] | None = None
+    if failed is None and owns and link is None:  # a lone island's exchange would merge this slice with nobody's
+        failed = ("error", f"rank {rank} of island {side.index} has no lanes of its own for exchange=sliced (the "
+                           "engine met the other islands without open_rank_link)")
     grads = [torch.zeros_like(a) for a in anchors]
     beat = side.link.beating({"sliced": "moving the island's slices"}) if side.is_leader and side.link else None
     with beat if beat is not None else nullcontext():
