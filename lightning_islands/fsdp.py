@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
@@ -78,8 +79,11 @@ def init_restarted_world(backend: str, timeout: timedelta) -> None:
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timeout)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else None
     dist.init_process_group(backend, store=dist.PrefixStore(f"lightning_islands/life{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                            device_id=device)
+    destroy_world_at_exit()  # what Lightning registers when it starts the group itself
 
 
 class FSDP2Strategy(ModelParallelStrategy):

@@ -23,14 +23,16 @@ from lightning_islands.engine.sliced import exchange_sliced, slice_bounds, slice
 from lightning_islands.link.protocol import RoundLost
 
 
-@pytest.mark.parametrize("numel, count, alignment", [(7440, 3, 128), (100, 4, 64), (10, 3, 1), (1 << 20, 7, 256)])
+@pytest.mark.parametrize("numel, count, alignment", [(7440, 3, 128), (100, 4, 64), (10, 3, 1), (1 << 20, 7, 256),
+                                                     (100, 2, 128), (5000, 3, 2048)])
 def test_slices_cover_the_vector_in_order_on_whole_blocks(numel, count, alignment):
     bounds = slice_bounds(numel, count, alignment)
     assert len(bounds) == count and bounds[0][0] == 0 and bounds[-1][1] == numel
     assert all(a == b_prev for (_, b_prev), (a, _) in zip(bounds, bounds[1:]))
-    assert all(a % alignment == 0 and a <= b for a, b in bounds)
+    assert all(a <= b and (a % alignment == 0 or a == b == numel) for a, b in bounds)
     blocks = [-(-(b - a) // alignment) for a, b in bounds]  # as even as whole blocks allow
     assert max(blocks) - min(blocks) <= 1
+    assert blocks == sorted(blocks, reverse=True) and bounds[0][1] > 0, "rank 0, which reports, owns a slice"
 
 
 def test_the_smallest_island_present_sets_the_slices():
@@ -318,3 +320,39 @@ def test_slices_moved_a_chunk_at_a_time_give_the_same_bits_and_hold_one_chunk(mo
     results = run(Plan(sizes=[2, 3], tokens=[4, 6], settings=chunked))
     assert all(torch.equal(a, b) for a, b in zip(leader, assert_identical(results)))
     assert max(received) == 2048 and leaders(results)[0]["metrics"][0]["islands/exchange_chunks"] == 4
+
+
+def test_a_fragment_of_fewer_blocks_than_slices_still_reports_its_round():
+    """Three slices of a fragment of two int4 blocks: the empty slice is the last rank's, so rank 0
+    (which reports the round) owns one, and the bits are the leader path's."""
+    settings = {"codec": "int4", "error_feedback": True, "fragments": 2, "sync_every": 4}
+    leader = assert_identical(run(Plan(sizes=[3, 3], tokens=[4, 4], rounds=2, settings=settings)))
+    results = run(Plan(sizes=[3, 3], tokens=[4, 4], rounds=2, settings={**settings, "exchange": "sliced"}))
+    assert all(torch.equal(a, b) for a, b in zip(leader, assert_identical(results)))
+    assert all(m.get("islands/payload_bytes", 0) > 0 for m in leaders(results)[0]["metrics"])
+
+
+def test_a_slice_lost_past_the_rounds_deadline_ends_the_run_instead_of_retrying():
+    """``Link.fail_round`` marks the attempt failed and runs the round again, until the round's
+    deadline (``deadline_s``) has passed: then it ends the run, naming the deadline."""
+    import time
+    from datetime import timedelta
+
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.island_link import IslandLink
+    from lightning_islands.link.protocol import DeadlinePassed
+
+    coordinator = Coordinator()
+    links = [IslandLink(coordinator.address, i, 2, run_id="deadline", lanes=1, deadline=timedelta(seconds=2))
+             for i in range(2)]
+    run_threads([link.open_lanes for link in links])
+    run_threads([lambda link=link: link.meet_round(0, {}) for link in links])
+    first = links[0].fail_round("rank 1's slice: lost (injected)")
+    assert type(first) is RoundLost and "the round runs again" in str(first)
+    while time.monotonic() <= links[0].membership.deadline(0):  # the deadline itself is the event
+        time.sleep(0.05)
+    late = links[0].fail_round("rank 1's slice: lost (injected)")
+    assert isinstance(late, DeadlinePassed) and "deadline_s=2 s" in str(late)
+    for link in links:
+        link.close()
+    del coordinator

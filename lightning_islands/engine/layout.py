@@ -40,7 +40,7 @@ _LOOP_MAX = 16  # runs copied one slice at a time up to this many; more go throu
 
 Index = range | Tensor  # the indices held along one dimension: a range where they are contiguous
 Held = tuple[Index, ...] | None  # the index lists a rank holds along each dimension; None: the whole tensor
-_ROWS_CACHE = 256  # (rank, range) entries of a layout's row cache: a round's chunks, for every rank
+_ROWS_CACHE = 4096  # (rank, range) entries of a layout's row cache: a round's chunks, for every rank
 
 
 @dataclass(frozen=True, eq=False)

@@ -265,6 +265,8 @@ class IslandEngine(IslandEngineBase):
                 link.use(present, key)
         except RoundLost as err:
             failed = ("lost", str(err))
+        except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
+            failed = (type(err).__name__, f"{type(err).__name__}: {err}")
         got = sliced.exchange_sliced(self.side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
                                      count, self.settings.exchange_chunk, self.device, self.exchange_device, failed)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]

@@ -48,17 +48,24 @@ from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
-from lightning_islands.link.protocol import RoundLost
+from lightning_islands.link.protocol import (
+    AuthenticationError,
+    CoordinatorLost,
+    DeadlinePassed,
+    IslandAborted,
+    RoundLost,
+)
 
 
 def slice_bounds(numel: int, count: int, alignment: int) -> list[tuple[int, int]]:
     """``count`` contiguous ranges covering ``[0, numel)`` in order, each starting on a multiple of
-    ``alignment`` (whole codec blocks), as even as whole blocks allow (some empty when there are
-    fewer blocks than slices)."""
+    ``alignment`` (whole codec blocks), as even as whole blocks allow (the last ones empty when there
+    are fewer blocks than slices, so that rank 0, which reports the round, always owns one)."""
     if count < 1 or alignment < 1:
         raise ValueError(f"count and alignment must be >= 1, got {count} and {alignment}")
     blocks = -(-numel // alignment)
-    cuts = [min(numel, blocks * k // count * alignment) for k in range(count + 1)]
+    base, extra = divmod(blocks, count)  # the first ``extra`` slices take one block more; any empty ones come last
+    cuts = [min(numel, (base * k + min(k, extra)) * alignment) for k in range(count + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
 
 
@@ -107,7 +114,7 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     grads = [torch.zeros_like(a) for a in anchors]
     beat = side.link.beating({"sliced": "moving the island's slices"}) if side.is_leader and side.link else None
     with beat if beat is not None else nullcontext():
-        for k in range(max(len(p) for p in pieces)):
+        for k in range(max((len(p) for p in pieces), default=0)):
             parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
             part = layout.to_owners(sent, parts, device, exchange_device)
             merged, dropped = part, None
@@ -118,12 +125,13 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
                     except RoundLost as err:
                         failed = ("lost", str(err))
                     except Exception as err:  # noqa: BLE001 - the island decides together (below)
-                        failed = ("error", f"{type(err).__name__}: {err}")
+                        failed = (type(err).__name__, f"{type(err).__name__}: {err}")
                 if failed is not None:
                     dropped = torch.zeros_like(part) if residual is not None else None
             if residual is not None:
                 layout.from_owners(dropped, parts, device, residual)
             layout.from_owners(merged, parts, device, grads)
+            del part, merged, dropped  # before the next chunk's pieces arrive
         if exchange is not None:
             exchange.release()
         statuses = group.all_gather_object(failed)
@@ -136,15 +144,21 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
 
 def _raise(side: Island, failed: list[tuple[int, tuple[str, str]]]) -> None:
     """The leader's verdict on slices that did not move: lost ones run the round again on every
-    island (the attempt is marked failed), any other failure ends the island as the leader's would."""
-    errors = [(r, m) for r, (kind, m) in failed if kind != "lost"]
+    island (the attempt is marked failed; past the round's deadline it ends), any other failure ends
+    the island as the leader's would, with the failure's own class where the round cares (a lost
+    coordinator, a deadline, a refused MAC)."""
+    errors = [(r, kind, m) for r, (kind, m) in failed if kind != "lost"]
     if errors:
-        r, message = errors[0]
-        raise RuntimeError(f"rank {r}'s slice exchange failed: {message}")
+        r, kind, message = errors[0]
+        raise _KINDS.get(kind, RuntimeError)(f"rank {r}'s slice exchange failed: {message}")
     why = "; ".join(f"rank {r}'s slice: {m}" for r, (_, m) in failed)
     if side.link is None:
         raise RoundLost(why)
     raise side.link.fail_round(why)
+
+
+_KINDS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (CoordinatorLost, IslandAborted, DeadlinePassed,
+                                                                   AuthenticationError)}
 
 
 def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
@@ -159,6 +173,8 @@ def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
         mine = [float(chunks), float(stats.numel), float(stats.payload_bytes),
                 *[exchange.link_sums[k] for k in LINK_TOTALS], *_stats_values(exchange)]
     rows = [r for r in group.all_gather_object(mine) if r is not None]
+    if not rows:  # an empty fragment: no rank owned anything
+        return 0
     total = [math.fsum(column) for column in zip(*rows)]
     for k, key in enumerate(LINK_TOTALS):
         if key.startswith("seconds"):
@@ -167,7 +183,7 @@ def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
         exchange.stats.numel, exchange.stats.payload_bytes = int(total[1]), int(total[2])
         exchange.link_sums = dict(zip(LINK_TOTALS, total[3 : 3 + len(LINK_TOTALS)]))
         _load_stats(exchange, total[3 + len(LINK_TOTALS):])
-    return int(total[0]) if total else 0
+    return int(total[0])
 
 
 def _stats_values(exchange: ChunkExchange) -> list[float]:

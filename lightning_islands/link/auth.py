@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_islands.link.protocol import AuthenticationError, Link, LinkStats, RankLink, RoundLost
+from lightning_islands.link.protocol import AuthenticationError, DeadlinePassed, Link, LinkStats, RankLink, RoundLost
 
 ENV_SECRET = "LI_SECRET"
 ENV_SECRET_FILE = "LI_SECRET_FILE"
@@ -474,7 +474,7 @@ class AuthenticatedLink:
         stats.seconds_exchanging += seconds
         return stats
 
-    def fail_round(self, why: str) -> RoundLost:
+    def fail_round(self, why: str) -> RoundLost | DeadlinePassed:
         """The wrapped link's :meth:`~lightning_islands.link.protocol.Link.fail_round`."""
         return self.link.fail_round(why)
 

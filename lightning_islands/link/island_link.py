@@ -364,11 +364,17 @@ class IslandLink:
         self._measured(nbytes, time.monotonic() - started)
         return box["result"]  # type: ignore[return-value]
 
-    def fail_round(self, why: str) -> RoundLost:
+    def fail_round(self, why: str) -> RoundLost | DeadlinePassed:
         """Another rank of this island lost its transfer in the round (the sliced exchange): the
-        attempt is marked failed, so that every island runs the round again."""
-        if self.decision is not None:
-            self.membership.retry(self.decision)
+        attempt is marked failed, so that every island runs the round again; past the round's
+        deadline (``deadline_s``) :class:`DeadlinePassed` ends the run instead."""
+        if self.decision is None:
+            return RoundLost(f"island {self.island}: {why}; the round runs again")
+        self.membership.retry(self.decision)
+        if time.monotonic() > self.membership.deadline(self.decision.round):
+            return DeadlinePassed(f"island {self.island}: {why}, and round {self.decision.round} passed its deadline "
+                                  f"(deadline_s={self.deadline.total_seconds():g} s); raise islands.deadline_s or "
+                                  "check that every rank of every island can reach the others' lanes")
         return RoundLost(f"island {self.island}: {why}; the round runs again")
 
     def _lost(self, what: str, err: Exception) -> RoundLost:

@@ -141,9 +141,10 @@ class Link(Protocol):
         """Bytes and seconds moved since the last call."""
         ...
 
-    def fail_round(self, why: str) -> RoundLost:
+    def fail_round(self, why: str) -> RoundLost | DeadlinePassed:
         """A transfer of another of this island's ranks failed in the current round (``why``): the
-        attempt is marked failed, so that every island runs the round again; returns the error to raise."""
+        attempt is marked failed, so that every island runs the round again; returns the error to raise
+        (:class:`DeadlinePassed` past the round's deadline)."""
         ...
 
     def add_wait(self, seconds: float) -> None:

@@ -54,8 +54,9 @@ class RankLanes:
         self.lanes = Lanes(connector(address, min(deadline, STORE_TIMEOUT)), lanes, deadline,
                            interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island} rank {rank}")
         self._grace = grace_s
-        self.present: tuple[int, ...] = tuple(range(num_islands))
+        self.present: tuple[int, ...] = ()
         self._key: str | None = None
+        self._built = False
         self._rates: deque[float] = deque(maxlen=RATES)
         self.stats = LinkStats()
 
@@ -64,15 +65,16 @@ class RankLanes:
 
     def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
         """The round's islands present and their lanes' key; the lanes are built when it changes."""
-        if lanes_key == self._key and tuple(present) == self.present:
+        if self._built and lanes_key == self._key and tuple(present) == self.present:
             return
-        self.present, self._key = tuple(present), None
+        self.present, self._key, self._built = tuple(present), lanes_key, False
         if self.island not in present:
             return
+        self.lanes._options()  # a bad LI_LINK_IFNAME is a RuntimeError naming it, not a lost round
         prefix = f"{self.run_id}/{lanes_key}/rank{self.rank}/"
         self._watched("building its lanes", lambda: self.lanes.build(prefix, present.index(self.island),
                                                                      len(present)))
-        self._key = lanes_key
+        self._built = True
 
     def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         """Every island's payload of this rank's slice, in island order (empty for an island not
@@ -83,8 +85,11 @@ class RankLanes:
         out = [torch.empty(0, dtype=torch.uint8) for _ in range(self.num_islands)]
         out[self.island] = payload
         present = self.present
-        if len(present) < 2:
+        if present == (self.island,):
             return out
+        if not self._built:
+            raise RoundLost(f"rank {self.rank} of island {self.island} has no lanes for this round (they were not "
+                            "built: RankLink.use was not called, or failed)")
         t0 = time.perf_counter()
         sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
         bad = {i: n for i, n in zip(present, sizes) if i != self.island and (n < 0 or limit is not None and n > limit)}
@@ -111,7 +116,7 @@ class RankLanes:
         limit = 2 * grace + MARGIN * nbytes / rate
         done, box = in_thread(move, f"island{self.island}-rank{self.rank}-{what.split()[-1]}")
         if not done.wait(limit):
-            self._key = None  # the next round's lanes are built anew
+            self._built = False  # the next round's lanes are built anew
             self.lanes.retire(done)
             self._rates = deque([rate / 2], maxlen=RATES)
             raise RoundLost(f"rank {self.rank} of island {self.island} gave up {what}: it took longer than its "
@@ -120,7 +125,7 @@ class RankLanes:
         if "error" in box:
             err = box["error"]
             if isinstance(err, RuntimeError) and not isinstance(err, (RoundLost, PayloadRefused)):
-                self._key = None
+                self._built = False
                 raise RoundLost(f"rank {self.rank} of island {self.island} lost a peer during {what} ({err})") from err
             raise err  # type: ignore[misc]
         if nbytes >= RATE_MIN_BYTES:
