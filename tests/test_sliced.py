@@ -114,11 +114,12 @@ def test_no_rank_holds_more_than_its_slice(monkeypatch):
 
 def _one_island(fail: dict[int, Exception], before: dict[int, tuple[str, str]] | None = None,
                 no_lanes: tuple[int, ...] = ()) -> list:
-    """Island 0 of two, its two ranks as threads, alone in a round (island 1 absent): rank r's lanes
-    raise ``fail[r]`` at their first transfer; ``before[r]``: rank r failed before the exchange;
-    ``no_lanes``: ranks without lanes of their own."""
+    """Island 0 of two, its two ranks as threads, alone in a round (island 1 absent; present in the
+    headers when some rank has no lanes, ``no_lanes``): rank r's lanes raise ``fail[r]`` at their
+    first transfer; ``before[r]``: rank r failed before the exchange."""
     hub, shared = Hub(2), ThreadIsland(2)
-    headers = [RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2), RoundHeader.absent_from(0)]
+    other = RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2) if no_lanes else RoundHeader.absent_from(0)
+    headers = [RoundHeader(0, tokens=1.0, steps=1, norm=1.0, ranks=2), other]
 
     class Failing(MemoryRankLink):
         def all_gather_bytes(self, payload, limit=None):
@@ -158,8 +159,9 @@ def test_a_rank_whose_lanes_could_not_be_built_runs_the_round_again_with_its_isl
 
 
 def test_a_rank_without_lanes_of_its_own_ends_the_island_instead_of_merging_alone():
-    got = _one_island({}, no_lanes=(1,))
-    assert all(type(e) is RuntimeError and "rank 1 of island 0 has no lanes of its own" in str(e) for e in got), got
+    """With another island present, a slice's owner without lanes would merge its slice with nobody's."""
+    got = _one_island({}, no_lanes=(0, 1))
+    assert all(type(e) is RuntimeError and "rank 0 of island 0 has no lanes of its own" in str(e) for e in got), got
 
 
 def test_a_slice_that_fails_otherwise_ends_the_island_naming_the_rank():

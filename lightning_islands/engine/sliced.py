@@ -108,7 +108,8 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
     exchange = ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if owns else None
-    if failed is None and owns and link is None:  # a lone island's exchange would merge this slice with nobody's
+    others = sum(not h.absent for h in plan.headers) > 1
+    if failed is None and owns and link is None and others:  # it would merge this slice with nobody's
         failed = ("error", f"rank {rank} of island {side.index} has no lanes of its own for exchange=sliced (the "
                            "engine met the other islands without open_rank_link)")
     grads = [torch.zeros_like(a) for a in anchors]
