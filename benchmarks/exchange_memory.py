@@ -140,12 +140,19 @@ def main() -> None:
     parser.add_argument("--codec", default=None, help="also time a round with the leader's work, in this codec")
     parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of the chunked exchange row")
     parser.add_argument("--out", default="results/exchange_memory.json")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated rows to run (default all): leader, owners, round, chunks, sliced")
     args = parser.parse_args()
     chunk = args.chunk_mib
-    modes = ["to leader", "to owners"]
+    named = {"leader": "to leader", "owners": "to owners"}
     if args.codec:
-        modes += [f"round {args.codec}", f"round {args.codec}, chunks of {args.chunk_mib:g} MiB",
-                  f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced"]
+        named |= {"round": f"round {args.codec}", "chunks": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB",
+                  "sliced": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced"}
+    wanted = args.modes.split(",") if args.modes else list(named)
+    unknown = [m for m in wanted if m not in named]
+    if unknown:
+        parser.error(f"--modes {args.modes}: unknown {unknown} (rows: {', '.join(named)}; round rows need --codec)")
+    modes = [named[m] for m in wanted]
     # Every rank of every row is a fresh process, forked from a server that imported torch and
     # lightning_islands once, rather than spawned to import them again: seconds of CPU per rank, most
     # of the run's time at small --params. (The server imports only what it is told to preload.)
