@@ -180,6 +180,8 @@ class MemoryRankLink:
         self.used: list[tuple[tuple[int, ...], str | None]] = []
 
     def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+        if self.used and lanes_key != self.used[-1][1]:  # new lanes: their calls count from one again
+            self._calls = 0
         self.present = tuple(present)
         self.used.append((self.present, lanes_key))
 
@@ -187,8 +189,9 @@ class MemoryRankLink:
         self._calls += 1
         if self._calls == self.fail_at:
             raise RoundLost(f"rank {self.rank} of island {self.island} lost its peer (injected)")
-        posts = self.hub.meet(f"rank{self.rank}/gather/{self._calls}", self.island, payload.detach().cpu().clone(),
-                              needed=self.present)
+        lanes = self.used[-1][1] if self.used else None
+        posts = self.hub.meet(f"rank{self.rank}/{lanes}/gather/{self._calls}", self.island,
+                              payload.detach().cpu().clone(), needed=self.present)
         out = [posts.get(i, torch.empty(0, dtype=torch.uint8)) for i in range(self.hub.num_islands)]
         self.stats.bytes_sent += payload.numel() * (len(self.present) - 1)
         self.stats.bytes_received += sum(t.numel() for i, t in enumerate(out) if i != self.island)

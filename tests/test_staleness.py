@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+from doubles import Hub, MemoryLink, MemoryRankLink, ThreadGroup, ThreadIsland, run_threads
 from test_engine import INNER_LR, SPECS, initial_flat, target
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings
@@ -60,15 +60,22 @@ class LateLink(MemoryLink):
 
 
 def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[str, Any], hub: Hub,
-            secret: bytes | None = None) -> dict[str, Any]:
+            secret: bytes | None = None, group: ThreadGroup | None = None) -> dict[str, Any]:
+    """One rank of island ``i`` (``group``: its island's ranks; default one): rank 0 holds the
+    island's :class:`LateLink`, every other rank its own in-memory lanes (``exchange=sliced``)."""
     s = IslandSettings(**{"sync_every": H, "outer_lr": 0.7, "outer_momentum": 0.9, "codec": "fp32",
                           "max_staleness": 2, "staleness_decay": 0.5, **settings})
-    layout = CanonicalLayout(SPECS, ThreadGroup(ThreadIsland(1), 0))
+    group = group or ThreadGroup(ThreadIsland(1), 0)
+    layout = CanonicalLayout(SPECS, group)
     engine = IslandEngine(s, layout, i, n, torch.device("cpu"), torch.device("cpu"))
     locals_ = [layout.shard_of(initial_flat(0), k).clone() for k in range(len(SPECS))]
-    link = LateLink(hub, i, late)
-    wrapped = AuthenticatedLink(link, secret, "late") if secret else link
-    engine.meet(lambda: wrapped, s.fingerprint(layout, False, "cpu"))
+
+    def open_link() -> Any:
+        link = LateLink(hub, i, late)
+        return AuthenticatedLink(link, secret, "late") if secret else link
+
+    engine.meet(open_link, s.fingerprint(layout, False, "cpu"),
+                open_rank_link=lambda: MemoryRankLink(hub, i, group.rank))
     engine.adopt_initial_state(locals_, {})
     out: dict[str, Any] = {"rounds": {}, "metrics": {}}
     while engine.schedule.round < rounds and not engine.schedule.stopping:
@@ -80,14 +87,20 @@ def _island(i: int, n: int, rounds: int, late: dict[int, int], settings: dict[st
             engine.schedule.close_step()
         metrics, _ = engine.run_round(locals_)
         r = engine.schedule.round - 1
-        out["rounds"][r], out["metrics"][r] = engine.global_flat().clone(), metrics
+        flat = engine.global_flat()  # on the island's rank 0
+        out["rounds"][r], out["metrics"][r] = None if flat is None else flat.clone(), metrics
     return out
 
 
 def run(rounds: int, late: dict[int, int], settings: dict[str, Any] | None = None, n: int = 3,
-        secret: bytes | None = None) -> list[dict[str, Any]]:
-    hub = Hub(n)
-    return run_threads([lambda i=i: _island(i, n, rounds, late, settings or {}, hub, secret) for i in range(n)])
+        secret: bytes | None = None, sizes: list[int] | None = None) -> list[dict[str, Any]]:
+    """Island leaders' results; ``sizes``: each island's ranks (threads; default one each)."""
+    hub, sizes = Hub(n), sizes or [1] * n
+    shared = [ThreadIsland(size) for size in sizes]
+    jobs = [lambda i=i, r=r: _island(i, n, rounds, late, settings or {}, hub, secret, ThreadGroup(shared[i], r))
+            for i in range(n) for r in range(sizes[i])]
+    results = run_threads(jobs)
+    return [results[sum(sizes[:i])] for i in range(n)]
 
 
 def reference(rounds: int, late: dict[int, int], max_staleness: int = 2, decay: float = 0.5) -> list[torch.Tensor]:
@@ -275,3 +288,25 @@ def test_a_repair_moves_the_other_fragments_local_parameters_with_their_anchors(
     locals_ = [torch.tensor([1.5, 1.0]), torch.tensor([3.25])]
     rebase(locals_, old, new, skip={1})
     assert torch.equal(locals_[0], torch.tensor([5.5, 4.0])) and torch.equal(locals_[1], torch.tensor([3.25]))
+
+
+@pytest.mark.parametrize("settings", [{"codec": "int4", "error_feedback": True},
+                                      {"codec": "fp32", "fragments": 2, "sync_every": 4}])
+def test_sliced_islands_merge_late_work_as_the_leaders_do_bit_for_bit(settings):
+    """Islands of 3, 3 and 2 ranks; island 2 misses round 1 (with two fragments, round 2): with
+    ``exchange=sliced`` every rank moves its slice of the late work a round later, and every island's
+    global state after every round equals the leader path's, bit for bit."""
+    # with two fragments the late fragment-0 work waits for round 4, fragment 0's next
+    late, stale_round = ({1: 2}, 2) if "fragments" not in settings else ({2: 2}, 4)
+    sizes = [3, 3, 2]  # the late island is the smallest: its absence changes the slices
+    leader = run(5, late, settings, sizes=sizes)
+    got = run(5, late, {**settings, "exchange": "sliced"}, sizes=sizes)
+    assert got[2]["metrics"][stale_round]["islands/staleness"] == 1.0
+    assert got[0]["metrics"][stale_round]["islands/stale_merged"] == 1.0
+    assert got[0]["metrics"][stale_round]["islands/exchange_chunks"] == 2.0, "two slices: the smaller islands' ranks"
+    for i in range(3):
+        assert sorted(got[i]["rounds"]) == sorted(leader[i]["rounds"])
+        for r, state in leader[i]["rounds"].items():
+            assert torch.equal(got[i]["rounds"][r], state), f"island {i}, round {r}"
+        for r in range(stale_round, 5):  # from the round that takes its work in, one global state
+            assert torch.equal(got[i]["rounds"][r], got[0]["rounds"][r]), f"island {i}, round {r}"
