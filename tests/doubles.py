@@ -197,6 +197,19 @@ class MemoryRankLink:
         self.stats.bytes_received += sum(t.numel() for i, t in enumerate(out) if i != self.island)
         return out
 
+    def swap_bytes(self, payload: torch.Tensor, peers: Sequence[int], limit: int | None = None
+                   ) -> dict[int, torch.Tensor]:
+        self._calls += 1
+        lanes, got = self.used[-1][1] if self.used else None, {}
+        for p in sorted(set(peers) & set(self.present) - {self.island}):  # one meeting per pair, in island order
+            pair = sorted((self.island, p))
+            posts = self.hub.meet(f"rank{self.rank}/{lanes}/swap/{self._calls}/{pair[0]}-{pair[1]}", self.island,
+                                  payload.detach().cpu().clone(), needed=pair)
+            got[p] = posts[p]
+        self.stats.bytes_sent += payload.numel() * len(got)
+        self.stats.bytes_received += sum(t.numel() for t in got.values())
+        return got
+
     def take_stats(self) -> LinkStats:
         stats, self.stats = self.stats, LinkStats()
         return stats

@@ -244,3 +244,26 @@ def test_the_sketch_ignores_the_sharding_and_estimates_distances():
         estimate = (torch.tensor(sketch(b, 2)[0]) - torch.tensor(one[0])).norm()
         ratios.append(float(estimate / (b - a).double().norm()))
     assert all(0.75 < r < 1.25 for r in ratios), ratios
+
+
+@pytest.mark.parametrize("sizes, settings", [
+    ([2, 3, 2, 2], {"codec": "int4", "error_feedback": True}),
+    ([3, 2, 4], {"codec": "fp8", "error_feedback": True, "fragments": 2, "sync_every": 4}),
+    ([2, 2, 3, 2], {"expert_weighting": True})])
+def test_sliced_butterfly_rounds_equal_the_leaders_bit_for_bit(sizes, settings):
+    """``exchange=sliced``: each owner swaps its slice with its partners' owners of it; every island's
+    state after every round, and its metrics, are the leader path's (islands of 2 to 4 ranks, a count
+    of islands that is not a power of two, fragments, expert weighting)."""
+    experts = [[10.0, 0.0, 5.0, 0.0], [30.0, 20.0, 5.0, 0.0], [0.0, 4.0, 1.0, 0.0], [2.0, 2.0, 2.0, 0.0]]
+    plan = Plan(sizes=sizes, tokens=[8, 3, 5, 2][: len(sizes)], rounds=4, settings={**BUTTERFLY, **settings},
+                experts=experts[: len(sizes)] if "expert_weighting" in settings else None)
+    leader = leaders(run(plan))
+    got = leaders(run(dataclasses.replace(plan, settings={**plan.settings, "exchange": "sliced"})))
+    for i, (want, have) in enumerate(zip(leader, got)):
+        for r in range(plan.rounds):
+            assert torch.equal(have["rounds"][r], want["rounds"][r]), f"island {i}, round {r}"
+            for key in ("islands/partner_spread", "islands/cosine"):
+                assert have["metrics"][r][key] == pytest.approx(want["metrics"][r][key], rel=1e-4, abs=1e-9), key
+            for key in ("islands/payload_bytes", "islands/bytes_received"):  # a header more per slice
+                assert have["metrics"][r][key] == pytest.approx(want["metrics"][r][key], rel=0.02), key
+            assert have["metrics"][r]["islands/exchange_chunks"] == 2.0, "two slices: the smallest island's ranks"

@@ -225,8 +225,8 @@ class IslandEngine(IslandEngineBase):
         layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
         anchors = [state.anchors[i] for i in idx]
         residual = [state.residual[i] for i in idx] if state.residual is not None else None
-        if self.settings.exchange == "sliced" and mix is None and self.num_islands > 1:
-            return self._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual)
+        if self.settings.exchange == "sliced" and self.num_islands > 1:
+            return self._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual, mix)
         bounds = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
         exchange = None
         if self.is_leader:
@@ -250,8 +250,10 @@ class IslandEngine(IslandEngineBase):
         return grads, {} if exchange is None else self.meeting.account(exchange, len(bounds))
 
     def _exchange_sliced(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan, layout: CanonicalLayout,
-                         anchors: list[Tensor], residual: list[Tensor] | None) -> tuple[list[Tensor], dict[str, float]]:
-        """:meth:`_exchange` with every rank moving its own slice (:mod:`lightning_islands.engine.sliced`)."""
+                         anchors: list[Tensor], residual: list[Tensor] | None, mix: mixing.PendingMix | None
+                         ) -> tuple[list[Tensor], dict[str, float]]:
+        """:meth:`_exchange` with every rank moving its own slice (:mod:`lightning_islands.engine.sliced`);
+        with the butterfly's ``mix`` each owner swaps its slice with the partners' owners of it."""
         count = sliced.slice_count(plan.headers)
         rank, link = self.group.rank, None
         present, key = self.side.with_link(lambda link: (tuple(link.present), link.lanes_key))
@@ -267,8 +269,11 @@ class IslandEngine(IslandEngineBase):
             failed = ("lost", str(err))
         except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
             failed = (type(err).__name__, f"{type(err).__name__}: {err}")
+        mixer = None if mix is None else (lambda lanes: mix.exchange(self.codec, lanes, self.island, plan, delta_sq,
+                                                                      residual is not None, layout))
         got = sliced.exchange_sliced(self.side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
-                                     count, self.settings.exchange_chunk, self.device, self.exchange_device, failed)
+                                     count, self.settings.exchange_chunk, self.device, self.exchange_device, failed,
+                                     mixer)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
         return grads, {} if got.exchange is None else self.meeting.account(got.exchange, got.chunks)
 

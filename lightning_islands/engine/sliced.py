@@ -33,7 +33,7 @@ results. A rank holds one chunk of its slice and that chunk's temporaries, never
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +48,7 @@ from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
+from lightning_islands.engine.mixing import MixExchange
 from lightning_islands.link.protocol import (
     AuthenticationError,
     CoordinatorLost,
@@ -80,14 +81,15 @@ class SliceResult:
     (every rank) and, on the leader, the island's summed exchange (its stats and link totals)."""
 
     grads: list[Tensor]
-    exchange: ChunkExchange | None
+    exchange: ChunkExchange | MixExchange | None
     chunks: int
 
 
 def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: Any, plan: MergePlan,
                     sent: Sequence[Tensor], anchors: Sequence[Tensor], residual: Sequence[Tensor] | None,
                     delta_sq: float, count: int, chunk: int | None, device: torch.device,
-                    exchange_device: torch.device, failed: tuple[str, str] | None = None) -> SliceResult:
+                    exchange_device: torch.device, failed: tuple[str, str] | None = None,
+                    mix: Callable[[Any], MixExchange] | None = None) -> SliceResult:
     """One round's sliced exchange on this rank (module docstring): a collective of the island.
 
     ``link``: this rank's lanes (the island's link on rank 0, a RankLink on ranks ``1..count-1``,
@@ -107,7 +109,10 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     bounds = slice_bounds(layout.numel, count, codec.alignment)
     pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
-    exchange = ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if owns else None
+    exchange: ChunkExchange | MixExchange | None = None
+    if owns:
+        exchange = (ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if mix is None
+                    else mix(link))
     others = sum(not h.absent for h in plan.headers) > 1
     if failed is None and owns and link is None and others:  # it would merge this slice with nobody's
         failed = ("error", f"rank {rank} of island {side.index} has no lanes of its own for exchange=sliced (the "
@@ -162,7 +167,7 @@ _KINDS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (CoordinatorL
                                                                    AuthenticationError)}
 
 
-def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
+def _sum_stats(group: Any, exchange: ChunkExchange | MixExchange | None, chunks: int) -> int:
     """Combine every rank's exchange statistics and link totals into the leader's ``exchange`` (the
     round's metrics then read as the leader path's): counts, bytes and sums add up; the seconds
     spent exchanging and waiting are the slowest rank's, the slices having moved side by side.
@@ -187,13 +192,16 @@ def _sum_stats(group: Any, exchange: ChunkExchange | None, chunks: int) -> int:
     return int(total[0])
 
 
-def _stats_values(exchange: ChunkExchange) -> list[float]:
+def _stats_values(exchange: ChunkExchange | MixExchange) -> list[float]:
     s = exchange.stats
-    return [s.sent_sq, s.error_sq, s.merged_sq, *s.decoded_sq, *s.dots.values()]
+    spread = list(exchange.spread_sq.values()) if isinstance(exchange, MixExchange) else []
+    return [s.sent_sq, s.error_sq, s.merged_sq, *s.decoded_sq, *s.dots.values(), *spread]
 
 
-def _load_stats(exchange: ChunkExchange, values: Sequence[float]) -> None:
-    s, n = exchange.stats, len(exchange.stats.decoded_sq)
+def _load_stats(exchange: ChunkExchange | MixExchange, values: Sequence[float]) -> None:
+    s, n, d = exchange.stats, len(exchange.stats.decoded_sq), len(exchange.stats.dots)
     s.sent_sq, s.error_sq, s.merged_sq = values[0], values[1], values[2]
     s.decoded_sq = list(values[3 : 3 + n])
-    s.dots = dict(zip(s.dots, values[3 + n :]))
+    s.dots = dict(zip(s.dots, values[3 + n : 3 + n + d]))
+    if isinstance(exchange, MixExchange):  # the squared distances to each partner, summed over the slices
+        exchange.spread_sq = dict(zip(exchange.spread_sq, values[3 + n + d :]))

@@ -184,6 +184,10 @@ class RankLink(Protocol):
         """As :meth:`Link.all_gather_bytes`, among this rank's counterparts of the islands present."""
         ...
 
+    def swap_bytes(self, payload: Tensor, peers: Sequence[int], limit: int | None = None) -> dict[int, Tensor]:
+        """As :meth:`Link.swap_bytes`, with this rank's counterparts of ``peers`` (the butterfly's)."""
+        ...
+
     def take_stats(self) -> LinkStats:
         """Bytes and seconds moved since the last call."""
         ...

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
@@ -79,34 +79,55 @@ class RankLanes:
     def all_gather_bytes(self, payload: torch.Tensor, limit: int | None = None) -> list[torch.Tensor]:
         """Every island's payload of this rank's slice, in island order (empty for an island not
         present); sizes outside ``0..limit`` are :class:`PayloadRefused` before allocation."""
-        if payload.dtype != torch.uint8 or payload.dim() != 1:
-            raise TypeError("payload must be a 1-D uint8 tensor")
-        payload = payload.cpu().contiguous()
+        payload = _checked(payload)
         out = [torch.empty(0, dtype=torch.uint8) for _ in range(self.num_islands)]
         out[self.island] = payload
         present = self.present
         if present == (self.island,):
             return out
+        got = self._transfer("an all-gather", present, lambda: self.lanes.sizes(payload.numel()),
+                             lambda sizes: self.lanes.all_gather(payload, sizes), payload.numel(), limit)
+        for i, t in zip(present, got):
+            out[i] = t
+        return out
+
+    def swap_bytes(self, payload: torch.Tensor, peers: Sequence[int], limit: int | None = None
+                   ) -> dict[int, torch.Tensor]:
+        """Send this rank's payload to the same rank of each island of ``peers`` present and receive
+        each one's (the butterfly's pairs, :meth:`Link.swap_bytes`); sizes refused as in
+        :meth:`all_gather_bytes`."""
+        payload = _checked(payload)
+        present = self.present
+        islands = [i for i in peers if i in present and i != self.island]
+        if not islands:
+            return {}
+        ranks = [present.index(i) for i in islands]
+        got = self._transfer("a swap", islands, lambda: self.lanes.swap_sizes(payload.numel(), ranks),
+                             lambda sizes: self.lanes.swap(payload, ranks, sizes), payload.numel(), limit)
+        return dict(zip(islands, got))
+
+    def _transfer(self, what: str, islands: Sequence[int], sizes_of: Callable[[], list[int]],
+                  move: Callable[[list[int]], list[torch.Tensor]], sent: int, limit: int | None) -> list[torch.Tensor]:
+        """A watched transfer among ``islands`` (in the order of ``sizes_of()``'s answer): the sizes
+        first, refused outside ``0..limit`` before anything is allocated, then ``move(sizes)``."""
         if not self._built:
             raise RoundLost(f"rank {self.rank} of island {self.island} has no lanes for this round (they were not "
                             "built: RankLink.use was not called, or failed)")
         t0 = time.perf_counter()
-        sizes = self._watched("an all-gather's sizes", lambda: self.lanes.sizes(payload.numel()))
-        bad = {i: n for i, n in zip(present, sizes) if i != self.island and (n < 0 or limit is not None and n > limit)}
+        sizes = self._watched(f"{what}'s sizes", sizes_of)
+        bad = {i: n for i, n in zip(islands, sizes) if i != self.island and (n < 0 or limit is not None and n > limit)}
         if bad:
             raise PayloadRefused(f"rank {self.rank} of island {self.island}: island(s) {sorted(bad)} announced "
                                  f"{sorted(bad.values())} bytes for a slice, outside 0..{limit}; refused before "
                                  "allocating")
         t1 = time.perf_counter()
-        incoming = sum(n for i, n in zip(present, sizes) if i != self.island)
-        got = self._watched("an all-gather", lambda: self.lanes.all_gather(payload, sizes), incoming)
-        for i, t in zip(present, got):
-            out[i] = t
+        incoming = sum(n for i, n in zip(islands, sizes) if i != self.island)
+        got = self._watched(what, lambda: move(sizes), incoming)
         self.stats.seconds_waiting += t1 - t0
         self.stats.seconds_exchanging += time.perf_counter() - t1
-        self.stats.bytes_sent += payload.numel() * (len(present) - 1)
+        self.stats.bytes_sent += sent * sum(1 for i in islands if i != self.island)
         self.stats.bytes_received += incoming
-        return out
+        return got
 
     def _watched(self, what: str, move: Callable[[], T], nbytes: int = 0) -> T:
         """``move()`` in a thread of its own, given up past its deadline (module docstring)."""
@@ -140,3 +161,9 @@ class RankLanes:
     def close(self) -> None:
         """Release the lanes."""
         self.lanes.close()
+
+
+def _checked(payload: torch.Tensor) -> torch.Tensor:
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise TypeError("payload must be a 1-D uint8 tensor")
+    return payload.cpu().contiguous()
