@@ -226,6 +226,8 @@ class ThreadIsland:
         self.queues = {(s, d): queue.Queue() for s in range(size) for d in range(size)}
         self.barrier = threading.Barrier(size, timeout=WAIT_S)
         self.slots: list[Any] = [None] * size
+        self.lock = threading.Lock()
+        self.second: ThreadIsland | None = None  # the ranks' second group (ThreadGroup.split)
 
 
 class ThreadGroup:
@@ -267,6 +269,12 @@ class ThreadGroup:
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.all_gather_object(obj)[0]
+
+    def split(self) -> ThreadGroup:
+        with self.shared.lock:
+            if self.shared.second is None:
+                self.shared.second = ThreadIsland(self.size)
+        return ThreadGroup(self.shared.second, self.rank)
 
 
 def run_threads(targets: Sequence[Callable[[], Any]]) -> list[Any]:

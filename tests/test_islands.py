@@ -108,11 +108,14 @@ SHARED_RUNS = {
     "round-lengths": ([1, 1], ["--steps", 12, "--H", 4, "--steps-per-round", "4,2"]),
     "early-stop": ([1, 1], ["--steps", 20, "--H", 2, "--val-every", 3, "--early-stop-island", 0]),
     "sliced": ([2, 2], ["--steps", 8, "--H", 4, "--batch-sizes", "4,8", "--exchange", "sliced"]),
+    "sliced-overlap": ([2, 2], ["--steps", 8, "--H", 4, "--fragments", 2, "--overlap", 1,
+                                "--exchange", "sliced"]),
 }
 # two at a time: four launches at once (a dozen processes on 2 cores) starved islands past the 10 s grace
 # window of their start on a CI machine
 SHARED_GROUPS = [("heterogeneous", "sync-warmup"), ("outer-warmup", "h1"), ("nan", "topk:0.25+int4"),
-                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"), ("sliced",)]
+                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"), ("sliced",),
+                 ("sliced-overlap",)]
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +188,18 @@ def test_sliced_islands_move_each_ranks_slice_and_match_reference(shared_run):
     m = per_island[0][2]["metrics"]
     assert m["islands/exchange_chunks"] == 2, "two slices, one per rank (rank 1's over lanes of its own)"
     assert m["islands/bytes_sent"] == pytest.approx(m["islands/payload_bytes"])  # both ranks' bytes, one peer
+
+
+def test_overlapped_sliced_islands_move_every_ranks_slice_in_its_own_thread(shared_run):
+    """exchange=sliced with overlap_steps=1 between islands of two processes: each rank's thread moves
+    its slice over the island's second (gloo) group and its own lanes while the ranks train; the
+    islands stay bit-identical round after round."""
+    out = shared_run("sliced-overlap")
+    per_island = assert_islands_equal(out, 4)
+    for r in range(1, 5):
+        m = per_island[0][r]["metrics"]
+        assert m["islands/exchange_chunks"] == 2 and m["islands/fragment"] == (r - 1) % 2
+        assert ("islands/seconds_waiting_in_flight" in m) == (r < 4), r  # the last round, at the last step, is not
 
 
 def test_sync_warmup_rounds_follow_the_schedule_and_match_reference(shared_run):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from doubles import Hub, MemoryLink, ThreadGroup, ThreadIsland, run_threads
+from doubles import Hub, MemoryLink, MemoryRankLink, ThreadGroup, ThreadIsland, run_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import INNER_LR, SPECS, initial_flat, target
@@ -72,7 +72,8 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     gate = gates[island] if gates else None
     engine.meet(lambda: GatedLink(hub, island, gate) if gate else RecordingLink(hub, island),
-                settings.fingerprint(layout, False, "cpu"))
+                settings.fingerprint(layout, False, "cpu"),
+                open_rank_link=lambda: MemoryRankLink(hub, island, group.rank))
     engine.adopt_initial_state(locals_, {})
     globals_, metrics = [], []
 
@@ -320,3 +321,34 @@ def test_time_balance_budgets_a_fragment_round_of_h_over_f_slowest_steps():
     assert engine.schedule.steps_per_round == 4
     engine.schedule.advance(0, [RoundHeader(0, step_seconds=1.0), RoundHeader(0, step_seconds=2.0)])
     assert engine.schedule.steps_per_round == 8  # 4 steps of the slower island fit 8 of this one
+
+
+@pytest.mark.parametrize("kw", [
+    {"fragments": 2, "overlap_steps": 1, "codec": "int4", "exchange_chunk_mib": 0.004},
+    {"overlap_steps": 3, "overlap_alpha": 0.25, "codec": "fp8", "error_feedback": True},
+], ids=["fragments+overlap, chunks", "overlap, alpha"])
+def test_overlapped_sliced_rounds_equal_the_leaders_bit_for_bit(kw):
+    """``exchange=sliced`` with ``overlap_steps``: every rank moves its slices in a thread of its own
+    over the island's second group while the ranks train; islands of 3, 2 and 4 ranks end every
+    round with the leader path's global state, local parameters and residual, bit for bit."""
+    sizes, steps = [3, 2, 4], 16
+    leader = run(sizes, kw, steps)
+    got = run(sizes, {**kw, "exchange": "sliced"}, steps)
+    for a, b in zip(leader, got):
+        assert len(a["globals"]) == len(b["globals"]) >= 4
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))
+        assert a["digest"] == b["digest"]
+        flown = b["metrics"][0]
+        assert "islands/seconds_waiting_in_flight" in flown and flown["islands/exchange_chunks"] >= 2
+
+
+def test_an_overlapped_sliced_round_reads_the_snapshot_not_parameters_being_trained():
+    """The exchange is held back until the ranks have trained past the sync point; every rank's
+    thread still moves the values of the sync point."""
+    sizes, steps, kw = [2, 2], 12, {"fragments": 2, "overlap_steps": 1, "exchange": "sliced"}
+    free = run(sizes, kw, steps)
+    held = run(sizes, kw, steps, gates=[threading.Event(), threading.Event()])
+    for a, b in zip(free, held):
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+    torch.testing.assert_close(free[0]["globals"][-1].double(), reference(sizes, kw, steps)[-1], rtol=1e-5, atol=1e-5)

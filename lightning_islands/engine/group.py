@@ -61,6 +61,12 @@ class IslandGroup(Protocol):
         """Every rank's ``obj``, in rank order, on every rank."""
         ...
 
+    def split(self) -> IslandGroup:
+        """A second group of the same ranks, whose collectives run beside this one's without meeting
+        them (an overlapped sliced round's thread uses it while training uses this one). A
+        collective: every rank calls it once, at the same point."""
+        ...
+
 
 class SoloGroup:
     """An island of one process: every collective is the identity."""
@@ -93,31 +99,41 @@ class SoloGroup:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def split(self) -> SoloGroup:
+        return SoloGroup()
+
 
 class TorchGroup:
-    """The island as torch.distributed's default process group (its world is the island).
+    """The island as torch.distributed's default process group (its world is the island), or as
+    ``group``, a process group of the same ranks (:meth:`split`).
 
     ``device``: where the island computes (collectives of NCCL need tensors there).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.device, self.group = device, group
         self.size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.size > 1 else 0
 
+    def _backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
     def transfer_device(self, device: torch.device) -> torch.device:
         # gloo's send and recv take CPU tensors only (an island that trains on GPUs over gloo)
-        return torch.device("cpu") if self.size > 1 and dist.get_backend() == "gloo" else device
+        return torch.device("cpu") if self.size > 1 and self._backend() == "gloo" else device
+
+    def _math_device(self) -> torch.device:
+        return torch.device("cpu") if self._backend() == "gloo" else self.device
 
     def send(self, tensor: Tensor, dst: int) -> None:
-        dist.send(tensor, dst=dst)
+        dist.send(tensor, dst=dst, group=self.group)
 
     def recv(self, tensor: Tensor, src: int) -> None:
-        dist.recv(tensor, src=src)
+        dist.recv(tensor, src=src, group=self.group)
 
     def exchange(self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]]) -> None:
-        ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, src) for src, t in recvs]
+        ops = [dist.P2POp(dist.isend, t, dst, group=self.group) for dst, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, src, group=self.group) for src, t in recvs]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -125,27 +141,34 @@ class TorchGroup:
     def sum(self, values: Sequence[float]) -> list[float]:
         if self.size == 1:
             return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        t = torch.tensor(list(values), dtype=torch.float64, device=self._math_device())
+        dist.all_reduce(t, group=self.group)
         return [float(v) for v in t.tolist()]
 
     def max_int(self, value: int) -> int:
         if self.size == 1:
             return int(value)
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([value], dtype=torch.int64, device=self._math_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
     def broadcast_object(self, obj: Any) -> Any:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def split(self) -> TorchGroup:
+        """A gloo group of the island's ranks (CPU transfers, whatever the default backend: an
+        overlapped round's thread moves its chunks through host memory)."""
+        if self.size == 1:
+            return TorchGroup(self.device)
+        return TorchGroup(self.device, dist.new_group(backend="gloo"))

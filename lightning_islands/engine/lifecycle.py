@@ -73,6 +73,7 @@ class IslandEngineBase:
         # max_staleness: the checksum of each fragment's global state at its last outer step counts
         self.recent_states: dict[int, dict[int, int]] = {}
         self.rank_link: RankLink | None = None  # exchange=sliced: this rank's own lanes (not the leader's)
+        self._flight_side: Island | None = None  # exchange=sliced with overlap: the island over a second group
 
     @property
     def link(self) -> Link | None:
@@ -96,6 +97,19 @@ class IslandEngineBase:
     def is_leader(self) -> bool:
         """Whether this rank is its island's leader (the one that talks to other islands)."""
         return self.side.is_leader
+
+    @property
+    def sliced(self) -> bool:
+        """Whether every rank moves its own slice of a round (``exchange=sliced`` with other islands)."""
+        return self.settings.exchange == "sliced" and self.num_islands > 1
+
+    def flight_side(self) -> Island:
+        """The island over a second group of its ranks, for an overlapped sliced round's thread
+        (made at the first such round: a collective of the island), sharing the leader's link."""
+        if self._flight_side is None:
+            self._flight_side = Island(self.island, self.num_islands, self.group.split())
+        self._flight_side.link = self.link
+        return self._flight_side
 
     def grace_s(self) -> float:
         """How long a round waits for an island that shows no sign of life: ``grace_s``, else the

@@ -31,11 +31,12 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs import with_residual
-from lightning_islands.engine import flight, health, mixing, outer, sliced
+from lightning_islands.engine import flight, health, mixing, outer, sliced, sliced_flight
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
 from lightning_islands.engine.flight import InFlight
 from lightning_islands.engine.header import RoundHeader, StateSummary
+from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.lifecycle import IslandEngineBase
 from lightning_islands.engine.merging import MergePlan
@@ -225,7 +226,7 @@ class IslandEngine(IslandEngineBase):
         layout, state, idx = self.fragment_layouts[fragment], self.state, self.state.indices(fragment)
         anchors = [state.anchors[i] for i in idx]
         residual = [state.residual[i] for i in idx] if state.residual is not None else None
-        if self.settings.exchange == "sliced" and self.num_islands > 1:
+        if self.sliced:
             return self._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual, mix)
         bounds = outer.chunk_bounds(layout.numel, self.settings.exchange_chunk)
         exchange = None
@@ -250,13 +251,16 @@ class IslandEngine(IslandEngineBase):
         return grads, {} if exchange is None else self.meeting.account(exchange, len(bounds))
 
     def _exchange_sliced(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan, layout: CanonicalLayout,
-                         anchors: list[Tensor], residual: list[Tensor] | None, mix: mixing.PendingMix | None
-                         ) -> tuple[list[Tensor], dict[str, float]]:
+                         anchors: list[Tensor], residual: list[Tensor] | None, mix: mixing.PendingMix | None = None,
+                         side: Island | None = None) -> tuple[list[Tensor], dict[str, float]]:
         """:meth:`_exchange` with every rank moving its own slice (:mod:`lightning_islands.engine.sliced`);
-        with the butterfly's ``mix`` each owner swaps its slice with the partners' owners of it."""
+        with the butterfly's ``mix`` each owner swaps its slice with the partners' owners of it.
+        ``side``: the island over another group of its ranks (an overlapped round's thread; ``layout``
+        then on that group too)."""
+        side = side or self.side
         count = sliced.slice_count(plan.headers)
         rank, link = self.group.rank, None
-        present, key = self.side.with_link(lambda link: (tuple(link.present), link.lanes_key))
+        present, key = side.with_link(lambda link: (tuple(link.present), link.lanes_key))
         if rank == 0:
             link = self.link
         elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
@@ -271,7 +275,7 @@ class IslandEngine(IslandEngineBase):
             failed = (type(err).__name__, f"{type(err).__name__}: {err}")
         mixer = None if mix is None else (lambda lanes: mix.exchange(self.codec, lanes, self.island, plan, delta_sq,
                                                                       residual is not None, layout))
-        got = sliced.exchange_sliced(self.side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
+        got = sliced.exchange_sliced(side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
                                      count, self.settings.exchange_chunk, self.device, self.exchange_device, failed,
                                      mixer)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
@@ -281,11 +285,15 @@ class IslandEngine(IslandEngineBase):
         """Gather the fragment's vector to the leader (an island collective, now) and start its
         exchange in the leader's background thread; the round is in flight until it lands."""
         layout = self.fragment_layouts[pending.fragment]
-        flat = layout.gather_to_leader(sent, self.device, self.exchange_device)
-        if self.is_leader:
-            assert flat is not None
-            pending.flight = flight.fly(self.meeting, flat, header, layout, delta_sq, self.state.residual is not None,
-                                        outer.chunk_bounds(layout.numel, self.settings.exchange_chunk))
+        if self.sliced:  # every rank's thread moves its own slices
+            pending.flight = sliced_flight.fly(self, pending, sent, delta_sq, header)
+        else:
+            flat = layout.gather_to_leader(sent, self.device, self.exchange_device)
+            if self.is_leader:
+                assert flat is not None
+                pending.flight = flight.fly(self.meeting, flat, header, layout, delta_sq,
+                                            self.state.residual is not None,
+                                            outer.chunk_bounds(layout.numel, self.settings.exchange_chunk))
         self.in_flight = pending
         pending.blocking = time.perf_counter() - pending.started
         self.round_tokens = 0  # the steps taken while it flies count for the next round
@@ -313,7 +321,8 @@ class IslandEngine(IslandEngineBase):
         work, idx = pending.flight, self.state.indices(pending.fragment)
         self.in_flight, pending.flight = None, None
         residual = None if self.state.residual is None else [self.state.residual[i] for i in idx]
-        landed = flight.receive(self.side, work, self.fragment_layouts[pending.fragment], self.device, residual)
+        landed = (sliced_flight.receive(work, residual) if self.sliced else  # type: ignore[arg-type]
+                  flight.receive(self.side, work, self.fragment_layouts[pending.fragment], self.device, residual))
         pending.headers = landed.headers
         if landed.late:
             self._left_behind(pending, landed.late, self.schedule.inner_steps - pending.inner_steps)

@@ -171,7 +171,7 @@ class IslandSettings:
                   "fragment, encodes, exchanges and scatters it) or `sliced` (the fragment is cut into as many "
                   "slices, on codec blocks, as the smallest island present has ranks; rank r of every island "
                   "gathers, encodes and exchanges slice r over lanes of its own; docs/ARCHITECTURE.md, sliced). "
-                  "`sliced` does not combine with `overlap_steps` yet.")
+                  "With `overlap_steps` every rank moves its slices in a thread of its own.")
     max_staleness: int = setting(
         0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
            "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "
@@ -341,9 +341,6 @@ class IslandSettings:
                              f"{self.overlap_steps} yet; set one of them to 0")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES} (islands.exchange), got {self.exchange!r}")
-        if self.exchange == "sliced" and self.overlap_steps:
-            raise ValueError(f"exchange=sliced does not combine with overlap_steps={self.overlap_steps!r} yet; set "
-                             "islands.exchange=leader, or islands.overlap_steps=0")
         if self.topology == "butterfly" and self.overlap_steps:
             raise ValueError(f"topology=butterfly does not combine with overlap_steps={self.overlap_steps!r} yet; set "
                              "islands.overlap_steps to 0 or use topology=allreduce")
