@@ -831,6 +831,8 @@ def test_a_killed_island_restarts_rejoins_and_ends_bit_identical(tmp_path, phase
         for name, t in rounds0[r]["params"].items():
             assert torch.equal(t, rounds1[r]["params"][name]), f"round {r}: {name} differs"
         assert rounds0[r]["digest"] == rounds1[r]["digest"]
+    if phase == "slice":  # the restarted island took the state rank by rank, not through its leader
+        assert "taking island 0's, slice by slice" in out
     before_hold = [r for r in rounds0 if r <= HOLD_STEP // 4]  # the rounds island 0 ended before its pause
     times = sorted((tmp_path / "faults" / f"island0_round{r}.pt").stat().st_mtime for r in before_hold)
     stall = max(b - a for a, b in zip(times, times[1:]))

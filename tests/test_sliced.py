@@ -359,3 +359,43 @@ def test_a_slice_lost_past_the_rounds_deadline_ends_the_run_instead_of_retrying(
     for link in links:
         link.close()
     del coordinator
+
+
+@pytest.mark.parametrize("kw", [{"codec": "int4", "exchange_chunk_mib": 1024 * 4 / 2**20},
+                                {"fragments": 2, "overlap_steps": 1}], ids=["chunks", "fragments+overlap"])
+def test_a_drifted_island_is_repaired_slice_by_slice_as_the_leader_would(kw, monkeypatch, caplog):
+    """One bit of island 1's anchors flips after round 1: with ``exchange=sliced`` the majority's
+    first island sends its anchors and momentum slice by slice, chunk by chunk, rank to rank (no
+    rank gathers the state), and every island ends every later round as the leader path's repair
+    leaves it, bit for bit."""
+    from test_streaming import run as run_streaming
+
+    from lightning_islands.engine import sliced_repair
+
+    sizes, inside = [3, 2, 3], threading.local()
+    gather, repair = CanonicalLayout.gather_to_leader, sliced_repair.repair_sliced
+    calls = []
+
+    def spy_gather(self, *args, **kwargs):
+        assert not getattr(inside, "repair", False), "the sliced repair gathered the state to one rank"
+        return gather(self, *args, **kwargs)
+
+    def flagged(*args, **kwargs):
+        inside.repair = True
+        try:
+            calls.append(repair(*args, **kwargs))
+            return calls[-1]
+        finally:
+            inside.repair = False
+
+    leader = run_streaming(sizes, kw, 16, corrupt=(1, 1))
+    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
+    monkeypatch.setattr(sliced_repair, "repair_sliced", flagged)
+    got = run_streaming(sizes, {**kw, "exchange": "sliced"}, 16, corrupt=(1, 1))
+    repaired = [m["islands/islands_repaired"] for m in got[0]["metrics"]]
+    assert sum(repaired) == 1.0 and 1 in calls, repaired
+    assert "taking island 0's, slice by slice" in caplog.text
+    for a, b in zip(leader, got):
+        assert len(a["globals"]) == len(b["globals"])
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert a["digest"] == b["digest"] == got[0]["digest"]

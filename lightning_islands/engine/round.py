@@ -26,12 +26,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_islands.codecs import with_residual
-from lightning_islands.engine import flight, health, mixing, outer, sliced, sliced_flight
+from lightning_islands.engine import flight, health, mixing, outer, sliced, sliced_flight, sliced_repair
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
 from lightning_islands.engine.flight import InFlight
@@ -259,20 +260,7 @@ class IslandEngine(IslandEngineBase):
         then on that group too)."""
         side = side or self.side
         count = sliced.slice_count(plan.headers)
-        rank, link = self.group.rank, None
-        present, key = side.with_link(lambda link: (tuple(link.present), link.lanes_key))
-        if rank == 0:
-            link = self.link
-        elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
-            link = self.rank_link
-        failed = None
-        try:  # a rank's lanes that cannot be built fail the round with the island, not alone
-            if link is not None and rank:
-                link.use(present, key)
-        except RoundLost as err:
-            failed = ("lost", str(err))
-        except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
-            failed = (type(err).__name__, f"{type(err).__name__}: {err}")
+        link, failed = self._lanes(count, side)
         mixer = None if mix is None else (lambda lanes: mix.exchange(self.codec, lanes, self.island, plan, delta_sq,
                                                                       residual is not None, layout))
         got = sliced.exchange_sliced(side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
@@ -280,6 +268,25 @@ class IslandEngine(IslandEngineBase):
                                      mixer)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
         return grads, {} if got.exchange is None else self.meeting.account(got.exchange, got.chunks)
+
+    def _lanes(self, count: int, side: Island) -> tuple[Any, tuple[str, str] | None]:
+        """This rank's lanes for a round of ``count`` slices (the island's link on rank 0, its own
+        beyond, ``None`` past ``count``), brought to the round's islands present (a collective of the
+        island); and why they could not be, if so (the island then fails together, not this rank alone)."""
+        rank, link = self.group.rank, None
+        present, key = side.with_link(lambda link: (tuple(link.present), link.lanes_key))
+        if rank == 0:
+            link = self.link
+        elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
+            link = self.rank_link
+        try:
+            if link is not None and rank:
+                link.use(present, key)
+        except RoundLost as err:
+            return link, ("lost", str(err))
+        except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
+            return link, (type(err).__name__, f"{type(err).__name__}: {err}")
+        return link, None
 
     def _fly(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: RoundHeader) -> PendingRound:
         """Gather the fragment's vector to the leader (an island collective, now) and start its
@@ -389,6 +396,10 @@ class IslandEngine(IslandEngineBase):
         peer lost meanwhile leaves a drifted island as it was (it is repaired at its next round, not
         voting until then)."""
         try:
+            if self.sliced:  # every rank sends or takes its own slice of the state
+                link, failed = self._lanes(sliced.slice_count(headers), self.side)
+                return sliced_repair.repair_sliced(self.side, self.layout, self.state, self.device, headers, locals_,
+                                                   link, self.settings.exchange_chunk, failed)
             return health.repair(self.side, self.layout, self.state, self.device, headers, locals_)
         except RoundLost as err:
             if self.is_leader:
