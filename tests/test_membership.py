@@ -638,7 +638,8 @@ def test_the_keys_of_rounds_long_over_are_deleted_and_an_island_that_far_behind_
 
 def test_the_sweep_of_a_round_deletes_the_rendezvous_keys_of_the_lanes_it_built():
     """A round whose member set changed built lanes under its own key: sweeping the round deletes
-    their rendezvous keys; lanes kept from an earlier round are not that round's to delete."""
+    their rendezvous keys, its leaders' and its other ranks' (sliced); lanes kept from an earlier
+    round are not that round's to delete."""
     from lightning_islands.link.lanes import rendezvous_keys
     from lightning_islands.link.sweeper import round_keys
 
@@ -650,6 +651,12 @@ def test_the_sweep_of_a_round_deletes_the_rendezvous_keys_of_the_lanes_it_built(
     keys = round_keys(store, "k", 6, 3, 2)
     assert set(rendezvous_keys("k/round6/a0/", 2, 3)) <= set(keys)
     assert "k/round6/a0/lane1//0/2" in keys and "k/round6/a0/members" in keys
+    # exchange=sliced: ranks 1 and 2 of every island built lanes of their own for the round, rank 3 none
+    ranks = [rendezvous_keys(f"k/round6/a0/rank{k}/", 2, 3) for k in (1, 2, 3)]
+    for key in ranks[0] + ranks[1][-1:]:  # rank 2's only partly: its last member's key is there
+        store.set(key, "address")
+    keys = round_keys(store, "k", 6, 3, 2)
+    assert set(ranks[0]) | set(ranks[1]) <= set(keys) and not set(ranks[2]) & set(keys)
 
 
 def test_an_enrolment_counted_but_never_written_does_not_hide_the_ones_after_it():

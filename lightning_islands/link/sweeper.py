@@ -11,6 +11,7 @@ round trip).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -29,7 +30,8 @@ SWEPT = "swept"  # the newest round whose keys are deleted
 def round_keys(store: dist.Store, run_id: str, round_: int, num_islands: int, lanes: int) -> list[str]:
     """The keys round ``round_`` left, attempt by attempt while an attempt's member set is there:
     its headers, member set, outcome and "done"s, and the rendezvous keys of the lanes an attempt
-    built (of ``lanes`` lanes; round 0 also sweeps those of the lanes opened at the start)."""
+    built, the leaders' and the other ranks' own (of ``lanes`` lanes; round 0 also sweeps those of
+    the lanes opened at the start)."""
     keys: list[str] = []
     if round_ == 0:
         keys += rendezvous_keys(f"{run_id}/{START_LANES}/", lanes, num_islands)
@@ -42,7 +44,21 @@ def round_keys(store: dist.Store, run_id: str, round_: int, num_islands: int, la
         keys += [f"{base}/{kind}/{i}" for kind in ("h", "done") for i in range(size)]
         if decision["lanes"] == f"round{round_}/a{attempt}":  # built for this attempt's member set
             keys += rendezvous_keys(f"{base}/", lanes, len(decision["present"]))
+            keys += _rank_lanes_keys(store, base, lanes, len(decision["present"]))
         attempt += 1
+    return keys
+
+
+def _rank_lanes_keys(store: dist.Store, base: str, lanes: int, size: int) -> list[str]:
+    """The rendezvous keys of the ranks' own lanes built under ``base`` (``exchange=sliced``: rank
+    ``k`` of every island builds under ``<base>/rank<k>/``, ``k = 1, 2, ...`` up to the round's
+    slices); a rank whose lanes' first or last key is missing was not built, and no later one was."""
+    keys: list[str] = []
+    for k in itertools.count(1):
+        found = rendezvous_keys(f"{base}/rank{k}/", lanes, size)
+        if not found or not (store.check(found[:1]) or store.check(found[-1:])):
+            return keys
+        keys += found
     return keys
 
 
