@@ -12,6 +12,8 @@ shaped link on one machine"; needs root and ``ip``/``tc``) three ways:
 - ``sliced`` (asked for with ``--configs``): ``sync`` with ``islands.exchange=sliced``, every rank
   moving its own slice; with ``--devices N`` every island (and ``none``) runs N processes of batch
   16 / N, so that the planner's ``--path sliced`` can be checked against a measured run;
+- ``fragments+overlap+sliced`` (asked for with ``--configs``): ``fragments+overlap`` with
+  ``islands.exchange=sliced`` (every rank's slices fly in a thread of its own);
 
 and once with no cross-island exchange at all (``none``: each island trains as a lone island, both
 at once, so they share the cores as the others do). ``utilization`` = wall time of ``none`` / wall
@@ -52,7 +54,7 @@ from pathlib import Path
 from lightning_islands.app.netns import parse_link
 from lightning_islands.codecs import make_codec
 
-CONFIGS = ("none", "sync", "sliced", "fragments", "fragments+overlap")
+CONFIGS = ("none", "sync", "sliced", "fragments", "fragments+overlap", "fragments+overlap+sliced")
 
 
 def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[str]:
@@ -74,8 +76,10 @@ def _overrides(args: argparse.Namespace, config: str, rate: str | None) -> list[
     if config == "sliced":
         return [*common, *link, "islands.exchange=sliced"]
     streaming = [f"islands.fragments={args.fragments}"]
-    if config == "fragments+overlap":
+    if "overlap" in config:
         streaming += [f"islands.overlap_steps={args.tau}", f"islands.overlap_alpha={args.alpha}"]
+    if config.endswith("sliced"):
+        streaming.append("islands.exchange=sliced")
     return [*common, *link, *streaming]
 
 
@@ -166,7 +170,7 @@ def predict(args: argparse.Namespace, row: dict, none: dict, rate_bps: float, rt
 
     islands = {"members": [{"devices": args.devices}] * 2, "sync_every": args.H, "codec": args.codec,
                "lanes": args.lanes, "fragments": row["fragments"], "overlap_steps": row["overlap_steps"],
-               "exchange": "sliced" if row["config"] == "sliced" else "leader"}
+               "exchange": "sliced" if row["config"].endswith("sliced") else "leader"}
     pred = prediction_for(islands, numel=none["parameters"], step_seconds=none["step_seconds"], link_bps=rate_bps,
                           rtt_s=rtt_ms / 1e3, rounds=row["rounds"])
     planned = min(pred.utilization)
@@ -217,8 +221,8 @@ def main() -> None:
                              "buffers, no slow start after idle; `--link RATE,RTT,tuned`)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--configs", default="sync,fragments,fragments+overlap",
-                        help="which of sync,sliced,fragments,fragments+overlap to run (none always runs; sliced: "
-                             "sync with islands.exchange=sliced, for --devices 2 or more)")
+                        help="which of sync,sliced,fragments,fragments+overlap,fragments+overlap+sliced to run "
+                             "(none always runs; sliced: with islands.exchange=sliced, for --devices 2 or more)")
     parser.add_argument("--devices", type=int, default=1, choices=[1, 2, 4, 8, 16],
                         help="processes per island (each with batch 16 / devices)")
     parser.add_argument("--extra", action="append", default=[], help="a Hydra override for every run (repeatable)")

@@ -124,6 +124,9 @@ def test_utilization_benchmark_runs_sliced_islands_of_several_processes_and_pred
     sliced = bench._overrides(args, "sliced", "20mbit")
     assert "islands.exchange=sliced" in sliced and f"islands.members=[{member},{member}]" in sliced
     assert "islands.exchange=sliced" not in bench._overrides(args, "sync", "20mbit")
+    flying = bench._overrides(args, "fragments+overlap+sliced", "20mbit")
+    assert {"islands.exchange=sliced", "islands.overlap_steps=1", "islands.fragments=2"} <= set(flying)
+    assert "islands.exchange=sliced" not in bench._overrides(args, "fragments+overlap", "20mbit")
     none = {"parameters": 10**9, "step_seconds": 1.0, "wall_seconds": 10.0, "loop_seconds": 9.0}
     rows = [{"config": c, "rounds": 2, "fragments": 1, "overlap_steps": 0} for c in ("sync", "sliced")]
     leader, each_rank = (bench.predict(args, row, none, 20e6, 0.0) for row in rows)
