@@ -718,6 +718,16 @@ def test_gpu_and_cpu_islands_keep_one_global_state(tmp_path, accelerators, preci
 
 
 @needs_cuda
+def test_a_gpu_island_beside_a_cpu_island_of_two_processes_exchanges_sliced(tmp_path):
+    """exchange=sliced between a one-process GPU island (its slice gathered, encoded and merged on the
+    GPU) and a CPU island of two processes (gloo): both hold one global state after every round."""
+    launch([1, 2], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 2, "--codec", "int4",
+                    "--accelerators", "gpu,cpu", "--batch-sizes", "4,8", "--exchange", "sliced"], tmp_path / "logs")
+    per_island = assert_islands_equal(tmp_path, 4)
+    assert per_island[0][4]["metrics"]["islands/exchange_chunks"] >= 1
+
+
+@needs_cuda
 def test_gpu_island_matches_the_reference(tmp_path):
     launch([1, 1], ["islands_regression.py", "--out", tmp_path, "--steps", 8, "--H", 4, "--batch-sizes", "4,8",
                     "--accelerators", "gpu,cpu"], tmp_path / "logs")
