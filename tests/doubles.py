@@ -179,7 +179,7 @@ class MemoryRankLink:
         self._calls = 0
         self.used: list[tuple[tuple[int, ...], str | None]] = []
 
-    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+    def use(self, present: tuple[int, ...], lanes_key: str | None, attempt: str | None = None) -> None:
         if self.used and lanes_key != self.used[-1][1]:  # new lanes: their calls count from one again
             self._calls = 0
         self.present = tuple(present)

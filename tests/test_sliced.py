@@ -399,3 +399,34 @@ def test_a_drifted_island_is_repaired_slice_by_slice_as_the_leader_would(kw, mon
         assert len(a["globals"]) == len(b["globals"])
         assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
         assert a["digest"] == b["digest"] == got[0]["digest"]
+
+
+def test_a_ranks_transfer_gives_up_once_another_island_marks_the_attempt_failed():
+    """Rank 1 of island 1 builds its lanes and then goes silent (no reset): rank 1 of island 0, in
+    an all-gather with a deadline of a minute, gives up as soon as a leader marks the round's
+    attempt failed at the coordinator (as the leaders' links do on a lost island), not at its deadline."""
+    from lightning_islands.link.coordinator import Coordinator
+    from lightning_islands.link.rank_lanes import RankLanes
+
+    coordinator = Coordinator()
+    ranks = [RankLanes(coordinator.address, i, 1, 2, run_id="watch", lanes=1, grace_s=30.0) for i in range(2)]
+    run_threads([lambda r=r: r.use((0, 1), "round0/a0", "round0/a0") for r in ranks])
+    box: dict[str, BaseException] = {}
+    started = threading.Event()
+
+    def gather() -> None:
+        started.set()
+        try:
+            ranks[0].all_gather_bytes(torch.ones(8, dtype=torch.uint8))
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            box["error"] = err
+
+    t = threading.Thread(target=gather)
+    t.start()
+    started.wait()
+    coordinator.store.set("watch/round0/a0/outcome", "fail")  # island 0's leader lost island 1
+    t.join(timeout=25)  # well inside the transfer's own deadline (2 x grace_s = 60 s)
+    assert not t.is_alive(), "the transfer did not give up when the attempt was marked failed"
+    assert isinstance(box.get("error"), RoundLost) and "failed on another island" in str(box["error"])
+    for r in ranks:
+        r.close()

@@ -274,14 +274,15 @@ class IslandEngine(IslandEngineBase):
         beyond, ``None`` past ``count``), brought to the round's islands present (a collective of the
         island); and why they could not be, if so (the island then fails together, not this rank alone)."""
         rank, link = self.group.rank, None
-        present, key = side.with_link(lambda link: (tuple(link.present), link.lanes_key))
+        present, key, attempt = side.with_link(lambda link: (tuple(link.present), link.lanes_key,
+                                                             getattr(link, "attempt_key", None)))
         if rank == 0:
             link = self.link
         elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
             link = self.rank_link
         try:
             if link is not None and rank:
-                link.use(present, key)
+                link.use(present, key, attempt)
         except RoundLost as err:
             return link, ("lost", str(err))
         except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together

@@ -241,6 +241,11 @@ class AuthenticatedLink:
         """The key the wrapped link's lanes were built under."""
         return self.link.lanes_key
 
+    @property
+    def attempt_key(self) -> str | None:
+        """The wrapped link's current round attempt (``None`` where it has none)."""
+        return getattr(self.link, "attempt_key", None)
+
     # ------------------------------------------------------------------ sequence
     def restart_sequence(self, epoch: str) -> None:
         """Start payload sequence numbers anew under ``epoch`` (e.g. after islands rejoined): every
@@ -508,9 +513,9 @@ class AuthenticatedRankLink(AuthenticatedLink):
     def __repr__(self) -> str:  # never the key
         return f"AuthenticatedRankLink({self.link!r}, rank={self.rank}, run_id={self.run_id!r})"
 
-    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+    def use(self, present: tuple[int, ...], lanes_key: str | None, attempt: str | None = None) -> None:
         """The round's islands present and their lanes' key (:meth:`RankLink.use`)."""
-        self.link.use(present, lanes_key)  # type: ignore[attr-defined]
+        self.link.use(present, lanes_key, attempt)  # type: ignore[attr-defined]
         epoch = f"{lanes_key}/rank{self.rank}"
         if epoch != self._epoch:
             self.restart_sequence(epoch)

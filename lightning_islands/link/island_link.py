@@ -237,6 +237,11 @@ class IslandLink:
         """The key the current lanes were built under (it changes with the member set)."""
         return self._lanes_key
 
+    @property
+    def attempt_key(self) -> str | None:
+        """The current round attempt's key (``round<r>/a<k>``), ``None`` before the first round."""
+        return None if self.decision is None else self.decision.key
+
     # -- rounds: who takes part ------------------------------------------------------------------
     def meet_round(self, round_: int, header: dict) -> list[dict | None]:
         """Publish this island's header of round ``round_`` and return every island's, in island

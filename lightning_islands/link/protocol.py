@@ -175,9 +175,10 @@ class RankLink(Protocol):
     (rank 0's are its island's :class:`Link`). The island's leader decides each round's members;
     :meth:`use` hands them to the other ranks before their transfers."""
 
-    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
+    def use(self, present: tuple[int, ...], lanes_key: str | None, attempt: str | None = None) -> None:
         """The round's islands present and the key their lanes are built under (as the leader's link
-        has them); lanes are rebuilt when the key changes."""
+        has them); lanes are rebuilt when the key changes. ``attempt``: the round attempt's key, whose
+        failure (marked by any island) ends this rank's transfers of it."""
         ...
 
     def all_gather_bytes(self, payload: Tensor, limit: int | None = None) -> list[Tensor]:

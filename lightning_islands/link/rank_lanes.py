@@ -9,7 +9,10 @@ meets the same groups. A transfer is watched as the leader's are, by its size: p
 ``grace_s`` plus :data:`~lightning_islands.link.island_link.MARGIN` times its bytes at the slowest
 rate measured, it is given up (its groups retired) and :class:`RoundLost` tells the island, whose
 leader then marks the attempt failed for every island. A peer that dies resets its connections and
-fails the transfer at once; one that goes silent costs that deadline, never gloo's timeout.
+fails the transfer at once. One that goes silent is noticed by the leaders, whose links watch the
+islands' liveness: the first to notice marks the round's attempt failed at the coordinator, and a
+rank's transfer watches that mark (the attempt the leader hands over with :meth:`RankLanes.use`),
+so it gives up within a scan of it instead of at its own deadline; never at gloo's timeout.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from lightning_islands.link.coordinator import ENV_LINK_IFNAME, connector
 from lightning_islands.link.island_link import FIRST_RATE_BPS, MARGIN, RATE_MIN_BYTES, RATES, STORE_TIMEOUT
 from lightning_islands.link.lanes import Lanes
 from lightning_islands.link.protocol import LinkStats, PayloadRefused, RoundLost
-from lightning_islands.link.waiting import in_thread
+from lightning_islands.link.waiting import SCAN_S, in_thread
 
 T = TypeVar("T")
 
@@ -51,8 +54,11 @@ class RankLanes:
                  deadline: timedelta = timedelta(hours=1), grace_s: float | Callable[[], float] = 60.0,
                  interface: str | None = None) -> None:
         self.island, self.rank, self.num_islands, self.run_id = island, rank, num_islands, run_id
-        self.lanes = Lanes(connector(address, min(deadline, STORE_TIMEOUT)), lanes, deadline,
-                           interface or os.environ.get(ENV_LINK_IFNAME) or None, f"island {island} rank {rank}")
+        connect = connector(address, min(deadline, STORE_TIMEOUT))
+        self.lanes = Lanes(connect, lanes, deadline, interface or os.environ.get(ENV_LINK_IFNAME) or None,
+                           f"island {island} rank {rank}")
+        self._connect, self._store = connect, None  # the watch's own connection, made when first needed
+        self._attempt: str | None = None  # the round's attempt whose failure mark the transfers watch
         self._grace = grace_s
         self.present: tuple[int, ...] = ()
         self._key: str | None = None
@@ -63,8 +69,11 @@ class RankLanes:
     def __repr__(self) -> str:
         return f"RankLanes(island={self.island}, rank={self.rank})"
 
-    def use(self, present: tuple[int, ...], lanes_key: str | None) -> None:
-        """The round's islands present and their lanes' key; the lanes are built when it changes."""
+    def use(self, present: tuple[int, ...], lanes_key: str | None, attempt: str | None = None) -> None:
+        """The round's islands present and their lanes' key; the lanes are built when it changes.
+        ``attempt``: the key of the round's attempt (``round<r>/a<k>``) whose failure mark, set by
+        any island's leader at the coordinator, ends this rank's transfers of it at once."""
+        self._attempt = attempt
         if self._built and lanes_key == self._key and tuple(present) == self.present:
             return
         self.present, self._key, self._built = tuple(present), lanes_key, False
@@ -136,13 +145,18 @@ class RankLanes:
         started = time.monotonic()
         limit = 2 * grace + MARGIN * nbytes / rate
         done, box = in_thread(move, f"island{self.island}-rank{self.rank}-{what.split()[-1]}")
-        if not done.wait(limit):
+        why = None
+        while why is None and not done.wait(SCAN_S):
+            if self._failed_elsewhere():
+                why = f"round attempt {self._attempt} failed on another island"
+            elif time.monotonic() - started > limit:
+                why = (f"it took longer than its deadline of {limit:.1f} s ({nbytes} bytes at {rate * 8 / 1e6:.3g} "
+                       f"Mbit/s with a margin of {MARGIN:g}, plus twice grace_s)")
+                self._rates = deque([rate / 2], maxlen=RATES)
+        if why is not None:
             self._built = False  # the next round's lanes are built anew
             self.lanes.retire(done)
-            self._rates = deque([rate / 2], maxlen=RATES)
-            raise RoundLost(f"rank {self.rank} of island {self.island} gave up {what}: it took longer than its "
-                            f"deadline of {limit:.1f} s ({nbytes} bytes at {rate * 8 / 1e6:.3g} Mbit/s with a "
-                            f"margin of {MARGIN:g}, plus twice grace_s)")
+            raise RoundLost(f"rank {self.rank} of island {self.island} gave up {what}: {why}")
         if "error" in box:
             err = box["error"]
             if isinstance(err, RuntimeError) and not isinstance(err, (RoundLost, PayloadRefused)):
@@ -152,6 +166,19 @@ class RankLanes:
         if nbytes >= RATE_MIN_BYTES:
             self._rates.append(nbytes / max(time.monotonic() - started, 1e-9))
         return box["result"]  # type: ignore[return-value]
+
+    def _failed_elsewhere(self) -> bool:
+        """Whether the current attempt is marked failed at the coordinator (read without checking a
+        seal: a forged mark can only make this rank give up a transfer, as withholding could)."""
+        if self._attempt is None:
+            return False
+        key = f"{self.run_id}/{self._attempt}/outcome"
+        try:
+            self._store = self._store or self._connect()
+            return bool(self._store.check([key])) and self._store.get(key).endswith(b"fail")
+        except Exception:  # noqa: BLE001 - the coordinator unreachable: the deadline still bounds the wait
+            self._store = None
+            return False
 
     def take_stats(self) -> LinkStats:
         """Bytes and seconds moved since the last call."""
