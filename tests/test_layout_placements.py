@@ -118,6 +118,37 @@ def test_any_placement_gathers_to_the_full_vector_and_scatters_back_exactly(isla
     assert {checksum for checksum, _ in results} == {solo.checksum(whole)}
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(islands(), st.lists(st.floats(0, 1), min_size=1, max_size=4))
+def test_any_placement_moves_each_range_to_its_owner_and_back_exactly(island, cuts):
+    """The sliced exchange's all-to-all (``to_owners``/``from_owners``) over any mesh and placement:
+    owner ``r`` receives exactly values ``bounds[r]`` of the canonical vector (empty ranges, and
+    ranks past the ranges, receive nothing), and what the owners send back lands in every rank's
+    shards exactly where it belongs, replicated copies included."""
+    world, params = island
+
+    def body(rank, layout, locals_, fulls):
+        want = torch.cat([f.reshape(-1) for f in fulls])
+        cut = sorted(int(c * layout.numel) for c in cuts)[: world - 1]
+        edges = [0, *cut, layout.numel]
+        bounds = list(zip(edges, edges[1:]))  # at most one range per rank, covering the vector; some may be empty
+        got = layout.to_owners(locals_, bounds, CPU)
+        mine = bounds[rank] if rank < len(bounds) else None
+        if mine is None or mine[0] == mine[1]:
+            assert got is None or got.numel() == 0, (rank, bounds)
+        else:
+            assert torch.equal(got, want[mine[0]:mine[1]]), (rank, bounds)
+        flat = torch.arange(layout.numel, dtype=torch.float32)
+        into = [torch.full(t.shape, -1.0) for t in locals_]
+        back = None if mine is None or mine[0] == mine[1] else flat[mine[0]:mine[1]].clone()
+        layout.from_owners(back, bounds, CPU, into)
+        for i, (e, (_, _, placing)) in enumerate(zip(layout.entries, params)):
+            assert torch.equal(into[i], truth(flat[e.offset: e.offset + e.numel].view(e.shape), placing, rank, world))
+        return True
+
+    assert all(_run(world, params, body))
+
+
 def test_replicated_copies_are_gathered_once_and_scattered_to_every_holder():
     # a 2 x 2 mesh: "col" split along dim 0 over both mesh dims, "row" along dim 1 over the second
     # only (copies on the first), "norm" replicated everywhere, "bias" plain
