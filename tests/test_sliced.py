@@ -430,3 +430,29 @@ def test_a_ranks_transfer_gives_up_once_another_island_marks_the_attempt_failed(
     assert isinstance(box.get("error"), RoundLost) and "failed on another island" in str(box["error"])
     for r in ranks:
         r.close()
+
+
+def test_a_lone_island_moves_its_slices_too_and_no_rank_gathers_the_fragment(monkeypatch):
+    """An island training alone with ``exchange=sliced`` (synchronous and overlapped rounds): every
+    rank encodes and decodes its own slice, merging with nobody, and the rounds equal the leader
+    path's bit for bit; nothing is gathered to one rank."""
+    from test_streaming import run as run_streaming
+
+    settings = {"codec": "int4", "error_feedback": True, "exchange_chunk_mib": 1024 * 4 / 2**20}
+    leader = leaders(run(Plan(sizes=[3], tokens=[4], settings=settings)))
+    flying = run_streaming([3], {**settings, "overlap_steps": 1}, 12)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a sliced round took the leader's path (the fragment gathered to rank 0)")
+
+    from lightning_islands.engine import flight
+    from lightning_islands.engine import round as engine_round
+
+    monkeypatch.setattr(engine_round, "exchange_chunks", refuse)  # the leader path's chunk loop
+    monkeypatch.setattr(flight, "fly", refuse)  # and its overlapped round
+    got = leaders(run(Plan(sizes=[3], tokens=[4], settings={**settings, "exchange": "sliced"})))
+    assert all(torch.equal(a, b) for a, b in zip(leader[0]["rounds"], got[0]["rounds"]))
+    assert got[0]["metrics"][-1]["islands/exchange_chunks"] > 3
+    flown = run_streaming([3], {**settings, "overlap_steps": 1, "exchange": "sliced"}, 12)
+    assert len(flown[0]["globals"]) == len(flying[0]["globals"]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(flying[0]["globals"], flown[0]["globals"]))

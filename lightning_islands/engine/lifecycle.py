@@ -100,8 +100,9 @@ class IslandEngineBase:
 
     @property
     def sliced(self) -> bool:
-        """Whether every rank moves its own slice of a round (``exchange=sliced`` with other islands)."""
-        return self.settings.exchange == "sliced" and self.num_islands > 1
+        """Whether every rank moves its own slice of a round (``exchange=sliced``; a lone island's
+        slices merge with nobody, but no rank holds the fragment either)."""
+        return self.settings.exchange == "sliced"
 
     def flight_side(self) -> Island:
         """The island over a second group of its ranks, for an overlapped sliced round's thread

@@ -274,8 +274,8 @@ class IslandEngine(IslandEngineBase):
         beyond, ``None`` past ``count``), brought to the round's islands present (a collective of the
         island); and why they could not be, if so (the island then fails together, not this rank alone)."""
         rank, link = self.group.rank, None
-        present, key, attempt = side.with_link(lambda link: (tuple(link.present), link.lanes_key,
-                                                             getattr(link, "attempt_key", None)))
+        present, key, attempt = side.with_link(lambda link: ((side.index,), None, None) if link is None else (
+            tuple(link.present), link.lanes_key, getattr(link, "attempt_key", None)))  # None: a lone island
         if rank == 0:
             link = self.link
         elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
