@@ -13,7 +13,10 @@ FSDP2-style DTensors (``Shard(0)`` over the island). Each rank runs, each in a f
 - ``to owners`` and, with ``--codec``, ``round CODEC sliced``: the same for ``islands.exchange=sliced``
   (``CanonicalLayout.to_owners`` / ``from_owners``, an all-to-all that gives each rank its slice; then
   :func:`~lightning_islands.engine.sliced.exchange_sliced`, each rank encoding, decoding and merging
-  its own slice in chunks of ``--chunk-mib``).
+  its own slice in chunks of ``--chunk-mib``);
+- with ``--codec``, ``..., overlapped`` and ``..., sliced, overlapped``: the chunked rounds flown in
+  the background (``overlap_steps``: the leader's thread on the gathered fragment, or every rank's
+  thread on a snapshot of its shards) and landed (the wait and the hand-over to the shards).
 
 It reports how far each process's peak resident memory (``VmHWM``) rose above its level before the
 round, in MiB and in full fp32 copies of the model, and each rank's wall time for the round. Linux only.
@@ -49,12 +52,17 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
 
 
-def _engine_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib: float | None) -> tuple[list, int]:
+def _engine_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib: float | None,
+                  exchange: str = "leader", overlapped: bool = False) -> tuple[list, int]:
     """The first half of one round of the engine, a lone island (see the module docstring): the
-    outer step's gradients, and the resident size before the round."""
+    outer step's gradients, and the resident size before the round. ``overlapped``: the round flies
+    in the background (the leader's thread, or with ``exchange="sliced"`` every rank's) and lands."""
     cpu = torch.device("cpu")
-    settings = IslandSettings(codec=codec, error_feedback=True, exchange_chunk_mib=chunk_mib)
+    settings = IslandSettings(codec=codec, error_feedback=True, exchange_chunk_mib=chunk_mib, exchange=exchange,
+                              overlap_steps=1 if overlapped else 0)
     engine = IslandEngine(settings, layout, 0, 1, cpu, cpu)
+    if overlapped:
+        engine.flight_side()  # the second group of a sliced flight, made before the measurement
     engine.state.set_anchors([torch.add(loc, loc) for loc in locals_])  # anchor - local = the shards of locals_
     # last round's residual, sharded like the model: it persists between rounds (written: resident)
     engine.state.residual = [torch.zeros_like(loc) for loc in locals_]
@@ -62,7 +70,11 @@ def _engine_round(layout: CanonicalLayout, locals_: list, codec: str, chunk_mib:
     dist.barrier()
     _reset_peak()
     base = _peak_rss()
-    pending = engine.start(locals_)
+    if overlapped:
+        pending = engine.start(locals_, background=True)
+        engine._receive(pending)  # the landing's wait and hand-over, without the outer step
+    else:
+        pending = engine.start(locals_)
     assert pending.grads is not None
     return pending.grads, base
 
@@ -103,7 +115,11 @@ def _worker(rank: int, world: int, numel: int, mode: str, store: str, out: str, 
         _reset_peak()
         base = _peak_rss()
         t0 = time.perf_counter()
-        if mode.startswith("round") and mode.endswith("sliced"):
+        if mode.endswith("overlapped"):
+            grads, base = _engine_round(layout, locals_, codec, chunk, "sliced" if "sliced" in mode else "leader",
+                                        overlapped=True)
+            grads[0].reshape(-1)[:1] = 0.5
+        elif mode.startswith("round") and mode.endswith("sliced"):
             grads, base = _sliced_round(layout, locals_, codec, chunk)
             grads[0].reshape(-1)[:1] = 0.5
         elif mode.startswith("round"):
@@ -141,13 +157,16 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=64.0, help="chunk of the chunked exchange row")
     parser.add_argument("--out", default="results/exchange_memory.json")
     parser.add_argument("--modes", default=None,
-                        help="comma-separated rows to run (default all): leader, owners, round, chunks, sliced")
+                        help="comma-separated rows to run (default all): leader, owners, round, chunks, sliced, "
+                             "overlapped, sliced-overlapped")
     args = parser.parse_args()
     chunk = args.chunk_mib
     named = {"leader": "to leader", "owners": "to owners"}
     if args.codec:
         named |= {"round": f"round {args.codec}", "chunks": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB",
-                  "sliced": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced"}
+                  "sliced": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced",
+                  "overlapped": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, overlapped",
+                  "sliced-overlapped": f"round {args.codec}, chunks of {args.chunk_mib:g} MiB, sliced, overlapped"}
     wanted = args.modes.split(",") if args.modes else list(named)
     unknown = [m for m in wanted if m not in named]
     if unknown:

@@ -1010,6 +1010,8 @@ def test_with_residual_adds_the_decayed_residual():
     x, r = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
     assert torch.equal(C.with_residual(x, r), x + r)  # decay 1: plain error feedback, bit for bit
     assert torch.equal(C.with_residual(x, r, 0.0), x)
+    for decay in (1.0, 0.8, 0.0):  # in place: the same bits
+        assert torch.equal(C.add_residual_(x.clone(), r, decay), C.with_residual(x, r, decay))
     torch.testing.assert_close(C.with_residual(x, r, 0.25), x + r / 4, rtol=0, atol=1e-6)
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match=r"decay must be in \[0, 1\]"):

@@ -54,6 +54,7 @@ from lightning_islands.codecs.blockwise import Float8Codec, IntCodec
 from lightning_islands.codecs.dense import BFloat16Codec, Float32Codec
 from lightning_islands.codecs.feedback import (
     ErrorFeedback,
+    add_residual_,
     check_decay,
     compression_ratio,
     quantization_error,
@@ -91,5 +92,6 @@ __all__ = [
     "default_error_feedback",
     "make_codec",
     "quantization_error",
+    "add_residual_",
     "with_residual",
 ]

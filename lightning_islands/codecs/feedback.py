@@ -86,6 +86,12 @@ def check_decay(decay: float, name: str = "error-feedback decay") -> float:
     return float(decay)
 
 
+def add_residual_(x: Tensor, residual: Tensor, decay: float = 1.0) -> Tensor:
+    """:func:`with_residual` in place of ``x`` (the same values, bit for bit, without a new tensor:
+    for an ``x`` the caller owns, such as a round's fresh pseudo-gradient)."""
+    return x.add_(residual) if decay == 1.0 else x.add_(residual, alpha=decay)
+
+
 def with_residual(x: Tensor, residual: Tensor, decay: float = 1.0) -> Tensor:
     """What a round sends with error feedback: ``x + decay * residual`` (a new tensor).
 

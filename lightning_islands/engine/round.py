@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.codecs import with_residual
+from lightning_islands.codecs import add_residual_
 from lightning_islands.engine import flight, health, mixing, outer, sliced, sliced_flight, sliced_repair
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.exchange import exchange_chunks
@@ -130,7 +130,8 @@ class IslandEngine(IslandEngineBase):
         if s.use_error_feedback and not had_residual:
             state.residual = [torch.zeros_like(a) for a in state.anchors]
         elif s.use_error_feedback:  # each rank adds its shards of (a share of) what the last rounds dropped
-            sent = [with_residual(d, state.residual[i].to(d.device), s.error_feedback_decay) for d, i in zip(sent, idx)]
+            # in place: what is sent (the pseudo-gradient, or the butterfly's distance) is this round's own
+            sent = [add_residual_(d, state.residual[i].to(d.device), s.error_feedback_decay) for d, i in zip(sent, idx)]
         sums = self.group.sum([*(own_sq if mix else [own_sq]), float(self.round_tokens)])
         delta_sq, tokens = sums[0], sums[-1]
         if mix is not None:

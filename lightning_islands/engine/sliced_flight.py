@@ -3,7 +3,8 @@
 Through the leader (:mod:`.flight`) the island gathers the fragment to rank 0 and only rank 0's
 thread talks to the other islands. Sliced, every owner moves its own slice, so every rank runs the
 round's attempts (:func:`~lightning_islands.engine.attempts.run_attempts`) in a background thread,
-on a snapshot of its shards of what the island sends, as the synchronous round runs them: the
+on its shards of what the island sends (computed at the sync point, untouched by training), as the
+synchronous round runs them: the
 headers through the leader, every chunk through :func:`~lightning_islands.engine.sliced.exchange_sliced`,
 then the settling. The thread's island collectives (the plan's broadcast, each chunk's all-to-all,
 the slices' outcome) go over a second group of the island's ranks
@@ -34,15 +35,15 @@ if TYPE_CHECKING:
 
 def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float,
         header: RoundHeader) -> InFlight:
-    """Every rank: start the round of ``header`` in a background thread on a copy of ``sent`` (this
-    rank's shards of the pseudo-gradient plus decayed residual); a round that loses an island runs
-    again without it, as the synchronous one does."""
+    """Every rank: start the round of ``header`` in a background thread on ``sent`` (this rank's
+    shards of the pseudo-gradient plus decayed residual: the round's own tensors, which no inner step
+    writes, so they are the snapshot); a round that loses an island runs again without it, as the
+    synchronous one does."""
     side, fragment, meeting = engine.flight_side(), pending.fragment, engine.meeting
     layout = copy.copy(engine.fragment_layouts[fragment])
     layout.group = side.group  # the same pieces, moved over the second group
     idx = engine.state.indices(fragment)
     anchors = [engine.state.anchors[i] for i in idx]  # the results' shapes (the anchors change only at landing)
-    snapshot = [t.detach().clone() for t in sent]
     residual = None if engine.state.residual is None else [torch.empty_like(engine.state.residual[i]) for i in idx]
 
     def attempt(k: int) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
         if not plan.stepped:
             side.agree(lambda: meeting.settle(this.round, plan.stop))
             return {"headers": headers}
-        grads, metrics = engine._exchange_sliced(snapshot, delta_sq, plan, layout, anchors, residual, side=side)
+        grads, metrics = engine._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual, side=side)
         side.agree(lambda: meeting.settle(this.round, plan.stop))
         if side.is_leader:  # waiting in flight was not idle time (training went on), as the leader path says
             metrics |= plan.expert_gap_metrics()
