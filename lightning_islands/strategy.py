@@ -186,7 +186,7 @@ class IslandStrategy(FSDP2Strategy):
         if self.join and self.engine is None:  # the run's settings, before anything is built from them
             self._secret = load_secret(self.secret_file)
             self.settings = self._adopt_run_settings()
-        layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device))
+        layout = CanonicalLayout.from_parameters(named, TorchGroup(self.root_device, timeout=self._timeout))
         previous, self.engine = self.engine, IslandEngine(self.settings, layout, self.island_index, self.num_islands,
                                                           self.root_device, self._exchange_device())
         if previous is not None:  # a second fit with this strategy continues its rounds and outer state

@@ -61,17 +61,21 @@ class RecordingLink(MemoryLink):
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
                  mode: str = "auto", gates: list[threading.Event] | None = None,
                  experts: bool = False, poison: tuple[int, int, float] | None = None,
-                 corrupt: tuple[int, int] | None = None) -> dict[str, Any]:
+                 corrupt: tuple[int, int] | None = None, late: dict[int, int] | None = None) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for; a round due at the last
     step is synchronous and ends the run. ``mode``: ``auto`` (a :class:`RoundDriver`: the settings decide, overlap when
-    ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts)."""
+    ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts).
+    ``late``: island ``late[r]`` misses round ``r`` (test_staleness's LateLink)."""
     settings = IslandSettings(**{**BASE, **kw})
     layout = CanonicalLayout(SPECS, group)
     engine = IslandEngine(settings, layout, island, len(sizes), torch.device("cpu"), torch.device("cpu"))
     start = initial_flat(island)
     locals_ = [layout.shard_of(start, i).clone() for i in range(len(SPECS))]
     gate = gates[island] if gates else None
-    engine.meet(lambda: GatedLink(hub, island, gate) if gate else RecordingLink(hub, island),
+    from test_staleness import LateLink
+
+    engine.meet(lambda: LateLink(hub, island, late) if late else GatedLink(hub, island, gate) if gate else
+                RecordingLink(hub, island),
                 settings.fingerprint(layout, False, "cpu"),
                 open_rank_link=lambda: MemoryRankLink(hub, island, group.rank))
     engine.adopt_initial_state(locals_, {})
@@ -352,3 +356,20 @@ def test_an_overlapped_sliced_round_reads_the_snapshot_not_parameters_being_trai
     for a, b in zip(free, held):
         assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
     torch.testing.assert_close(free[0]["globals"][-1].double(), reference(sizes, kw, steps)[-1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("late", [{2: 1}, {3: 0}], ids=["island 1 late", "the first island late"])
+def test_an_island_late_for_an_overlapped_sliced_round_rejoins_as_with_the_leader(late):
+    """Island ``late[r]`` misses overlapped round ``r`` (decided without it while its ranks train):
+    its every rank's thread learns it, the island takes no step, rejoins at the next round and is
+    repaired slice by slice; every island's rounds equal the leader path's, bit for bit."""
+    sizes, kw = [2, 3, 2], {"fragments": 2, "overlap_steps": 1, "codec": "int4"}
+    leader = run(sizes, kw, 16, late=late)
+    got = run(sizes, {**kw, "exchange": "sliced"}, 16, late=late)
+    missed = next(iter(late.values()))
+    assert len(got[missed]["globals"]) < len(got[(missed + 1) % 3]["globals"]), "the late island skipped a round"
+    assert sum(m["islands/islands_repaired"] for m in got[(missed + 1) % 3]["metrics"]) >= 1
+    for a, b in zip(leader, got):
+        assert len(a["globals"]) == len(b["globals"])
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert a["digest"] == b["digest"] == got[0]["digest"]

@@ -13,6 +13,7 @@ strategy), in one process (an island of one rank), or between threads of one tes
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -107,11 +108,13 @@ class TorchGroup:
     """The island as torch.distributed's default process group (its world is the island), or as
     ``group``, a process group of the same ranks (:meth:`split`).
 
-    ``device``: where the island computes (collectives of NCCL need tensors there).
+    ``device``: where the island computes (collectives of NCCL need tensors there); ``timeout``: that
+    of the island's collectives, which a :meth:`split` group takes too (default: torch's).
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-        self.device, self.group = device, group
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None,
+                 timeout: timedelta | None = None) -> None:
+        self.device, self.group, self.timeout = device, group, timeout
         self.size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.size > 1 else 0
 
@@ -170,5 +173,5 @@ class TorchGroup:
         """A gloo group of the island's ranks (CPU transfers, whatever the default backend: an
         overlapped round's thread moves its chunks through host memory)."""
         if self.size == 1:
-            return TorchGroup(self.device)
-        return TorchGroup(self.device, dist.new_group(backend="gloo"))
+            return TorchGroup(self.device, timeout=self.timeout)
+        return TorchGroup(self.device, dist.new_group(backend="gloo", timeout=self.timeout), self.timeout)

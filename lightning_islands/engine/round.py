@@ -330,7 +330,7 @@ class IslandEngine(IslandEngineBase):
         work, idx = pending.flight, self.state.indices(pending.fragment)
         self.in_flight, pending.flight = None, None
         residual = None if self.state.residual is None else [self.state.residual[i] for i in idx]
-        landed = (sliced_flight.receive(work, residual) if self.sliced else  # type: ignore[arg-type]
+        landed = (sliced_flight.receive(work, self.group, residual) if self.sliced else  # type: ignore[arg-type]
                   flight.receive(self.side, work, self.fragment_layouts[pending.fragment], self.device, residual))
         pending.headers = landed.headers
         if landed.late:
@@ -398,7 +398,7 @@ class IslandEngine(IslandEngineBase):
         peer lost meanwhile leaves a drifted island as it was (it is repaired at its next round, not
         voting until then)."""
         try:
-            if self.sliced:  # every rank sends or takes its own slice of the state
+            if self.sliced and sliced_repair.needed(headers):  # every rank sends or takes its slice of the state
                 link, failed = self._lanes(sliced.slice_count(headers), self.side)
                 return sliced_repair.repair_sliced(self.side, self.layout, self.state, self.device, headers, locals_,
                                                    link, self.settings.exchange_chunk, failed)

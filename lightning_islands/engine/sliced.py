@@ -109,14 +109,14 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     bounds = slice_bounds(layout.numel, count, codec.alignment)
     pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
-    exchange: ChunkExchange | MixExchange | None = None
-    if owns:
-        exchange = (ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if mix is None
-                    else mix(link))
     others = sum(not h.absent for h in plan.headers) > 1
     if failed is None and owns and link is None and others:  # it would merge this slice with nobody's
         failed = ("error", f"rank {rank} of island {side.index} has no lanes of its own for exchange=sliced (the "
                            "engine met the other islands without open_rank_link)")
+    exchange: ChunkExchange | MixExchange | None = None
+    if owns and failed is None:
+        exchange = (ChunkExchange(codec, link, side.index, plan, layout, delta_sq, residual is not None) if mix is None
+                    else mix(link))
     grads = [torch.zeros_like(a) for a in anchors]
     beat = side.link.beating({"sliced": "moving the island's slices"}) if side.is_leader and side.link else None
     with beat if beat is not None else nullcontext():
@@ -124,8 +124,8 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
             parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
             part = layout.to_owners(sent, parts, device, exchange_device)
             merged, dropped = part, None
-            if part is not None and exchange is not None:
-                if failed is None:
+            if part is not None:  # this rank owns chunk k of its slice
+                if failed is None and exchange is not None:
                     try:
                         merged, dropped = exchange.run(part, parts[rank][0])
                     except RoundLost as err:
@@ -156,14 +156,14 @@ def _raise(side: Island, failed: list[tuple[int, tuple[str, str]]]) -> None:
     errors = [(r, kind, m) for r, (kind, m) in failed if kind != "lost"]
     if errors:
         r, kind, message = errors[0]
-        raise _KINDS.get(kind, RuntimeError)(f"rank {r}'s slice exchange failed: {message}")
+        raise ERROR_KINDS.get(kind, RuntimeError)(f"rank {r}'s slice exchange failed: {message}")
     why = "; ".join(f"rank {r}'s slice: {m}" for r, (_, m) in failed)
     if side.link is None:
         raise RoundLost(why)
     raise side.link.fail_round(why)
 
 
-_KINDS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (CoordinatorLost, IslandAborted, DeadlinePassed,
+ERROR_KINDS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (CoordinatorLost, IslandAborted, DeadlinePassed,
                                                                    AuthenticationError)}
 
 

@@ -27,7 +27,12 @@ from torch import Tensor
 
 from lightning_islands.engine.attempts import run_attempts
 from lightning_islands.engine.flight import InFlight, Landed
+from lightning_islands.engine.group import IslandGroup
 from lightning_islands.engine.header import RoundHeader
+from lightning_islands.engine.island import RERAISED
+from lightning_islands.engine.sliced import ERROR_KINDS
+
+_KINDS = {**RERAISED, **ERROR_KINDS}  # errors raised on every rank as they are
 
 if TYPE_CHECKING:
     from lightning_islands.engine.round import IslandEngine, PendingRound
@@ -70,12 +75,24 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
         name=f"island{engine.island}-rank{engine.group.rank}-round{round_}")
 
 
-def receive(work: InFlight, residual: list[Tensor] | None) -> Landed:
-    """Every rank: wait for its own thread of the round; its shards of the merged pseudo-gradient
-    and, into ``residual`` (this rank's shards of the outer state's; ``None``: no error feedback),
-    what the codec dropped."""
+def receive(work: InFlight, group: IslandGroup, residual: list[Tensor] | None) -> Landed:
+    """Every rank: wait for its own thread of the round, and learn over the island's ``group``
+    whether every rank's ended well (an error on any rank is raised on every rank, as the leader's
+    would be); its shards of the merged pseudo-gradient and, into ``residual`` (this rank's shards
+    of the outer state's; ``None``: no error feedback), what the codec dropped."""
     t0 = time.perf_counter()
-    got = work.join()
+    mine: BaseException | None = None
+    try:
+        got = work.join()
+    except Exception as err:  # noqa: BLE001 - the island decides together (below)
+        mine = err
+    outcomes = group.all_gather_object(None if mine is None else (type(mine).__name__, str(mine)))
+    failed = next(((r, o) for r, o in enumerate(outcomes) if o is not None), None)
+    if mine is not None:
+        raise mine
+    if failed is not None:
+        r, (kind, message) = failed
+        raise _KINDS.get(kind, RuntimeError)(f"rank {r}'s overlapped round failed: {message}")
     landed = Landed(got["headers"], time.perf_counter() - t0, got.get("late"), bool(got.get("ended")))
     if landed.late or landed.ended or "grads" not in got:
         return landed

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -34,6 +35,14 @@ from lightning_islands.engine.state import OuterState
 from lightning_islands.link.protocol import RoundLost
 
 log = logging.getLogger(__name__)
+
+
+def needed(headers: Sequence[RoundHeader]) -> bool:
+    """Whether a round with ``headers`` repairs some island: one present outside the majority while
+    a majority exists (every rank of every island derives the same from the headers; none for a
+    round this island was late for, whose headers are empty, or one that ended the run)."""
+    good = majority(headers)
+    return bool(good) and any(i not in good and not h.absent for i, h in enumerate(headers))
 
 
 def repair_sliced(side: Island, layout: CanonicalLayout, state: OuterState, device: torch.device,
@@ -71,7 +80,10 @@ def repair_sliced(side: Island, layout: CanonicalLayout, state: OuterState, devi
         got = None
         if owns:
             n = parts[rank][1] - parts[rank][0]
-            if failed is None:
+            if failed is not None and link is not None:  # the lanes' call count stays in step (MACs bind it)
+                with suppress(Exception):
+                    link.swap_bytes(torch.empty(0, dtype=torch.uint8), [])
+            elif failed is None:
                 try:
                     got = link.swap_bytes(mine if mine is not None else torch.empty(0, dtype=torch.uint8), peers,
                                           limit=4 * n * fields)

@@ -35,6 +35,7 @@ def round_keys(store: dist.Store, run_id: str, round_: int, num_islands: int, la
     keys: list[str] = []
     if round_ == 0:
         keys += rendezvous_keys(f"{run_id}/{START_LANES}/", lanes, num_islands)
+        keys += _rank_lanes_keys(store, f"{run_id}/{START_LANES}", lanes, num_islands)
     attempt = 0
     while (members := _get(store, f"{run_id}/round{round_}/a{attempt}/members")) is not None:
         base = f"{run_id}/round{round_}/a{attempt}"
