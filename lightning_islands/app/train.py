@@ -16,19 +16,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from lightning_islands.startup import startup_imports
 
-from lightning_islands.app import placeholders
-from lightning_islands.app.components import centralized_batch, check_job
-from lightning_islands.app.gpus import place_islands
-from lightning_islands.app.launch import report_failures, run_islands
-from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
-from lightning_islands.app.report import build_report
-from lightning_islands.app.settings import check_islands
-from lightning_islands.app.summary import format_summary, summarize
+# Hydra, torch and Lightning: a fifth less CPU at start (see lightning_islands.startup)
+with startup_imports(main=__name__ == "__main__"):
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.experimental.callback import Callback
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    from lightning_islands.app import placeholders
+    from lightning_islands.app.components import centralized_batch, check_job
+    from lightning_islands.app.gpus import place_islands
+    from lightning_islands.app.launch import report_failures, run_islands
+    from lightning_islands.app.netns import LinkUnavailable, check_link_support, parse_link
+    from lightning_islands.app.report import build_report
+    from lightning_islands.app.settings import check_islands
+    from lightning_islands.app.summary import format_summary, summarize
 
 
 def config_dir() -> str:
