@@ -11,17 +11,21 @@ import json
 import sys
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from lightning_islands.startup import startup_imports
 
-from lightning_islands.engine import CanonicalLayout, TorchGroup
-from lightning_islands.fsdp import destroy_world_at_exit
-from lightning_islands.fsdp_policy import clip_grad_norm_across_meshes
+# torch: a fifth less CPU at start (see lightning_islands.startup)
+with startup_imports(main=__name__ == "__main__"):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_islands.engine import CanonicalLayout, TorchGroup
+    from lightning_islands.fsdp import destroy_world_at_exit
+    from lightning_islands.fsdp_policy import clip_grad_norm_across_meshes
 
 
 class Net(nn.Module):

@@ -11,11 +11,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from lightning_islands.startup import startup_imports
 
-from lightning_islands.link.coordinator import island_identity
-from lightning_islands.link.island_link import IslandLink
+# torch: a fifth less CPU at start (see lightning_islands.startup)
+with startup_imports(main=__name__ == "__main__"):
+    import torch
+    import torch.distributed as dist
+
+    from lightning_islands.link.coordinator import island_identity
+    from lightning_islands.link.island_link import IslandLink
 
 out, intra_mb, lane_mb = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 island, num_islands, coordinator, run_id = island_identity()

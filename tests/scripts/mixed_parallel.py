@@ -14,12 +14,16 @@ import os
 import warnings
 from pathlib import Path
 
-import lightning.pytorch as pl
-import torch
-from torch.utils.data import DataLoader, IterableDataset
+from lightning_islands.startup import startup_imports
 
-from lightning_islands import IslandStrategy
-from lightning_islands.models import MoELanguageModel
+# torch and Lightning: a fifth less CPU at start (see lightning_islands.startup)
+with startup_imports(main=__name__ == "__main__"):
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_islands import IslandStrategy
+    from lightning_islands.models import MoELanguageModel
 
 TINY = dict(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, d_ff=64,
             warmup_steps=2, max_steps=100)
