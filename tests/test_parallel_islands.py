@@ -4,6 +4,7 @@ real processes, the provided MoE, its own parallel plan."""
 from __future__ import annotations
 
 import json
+import threading
 
 import lightning.pytorch as pl
 import pytest
@@ -34,29 +35,65 @@ LAYOUTS = {
 CHECKPOINTED = {"tensor", "expert"}
 
 
+def _resumed(layout):
+    """The arguments of the run that resumes the layout's run from its step-4 checkpoints."""
+    islands, args = LAYOUTS[layout]
+    return islands, lambda run: ["--steps", 8, "--H", 4, *args,
+                                 "--resume", str(run(layout) / "ckpt_island{island}" / "step=4.ckpt")]
+
+
+# Every run of mixed_parallel.py the tests below read: name: (islands, arguments, or a function of
+# ``layout_run`` that gives them once the runs they need exist). Each layout runs 8 steps, H=4.
+RUNS = {
+    **{layout: (islands, ["--steps", 8, "--H", 4, *args, *(["--ckpt-every", 4] if layout in CHECKPOINTED else [])])
+       for layout, (islands, args) in LAYOUTS.items()},
+    "one": ([1, 1], ["--batch-sizes", "8"]),  # two one-process islands, the tensor layout's data and start
+    "tensor-resumed": _resumed("tensor"),
+    "expert-resumed": _resumed("expert"),
+}
+# launched a group at a time: two launches at once take less time than one after the other (much of a
+# launch waits, see conftest.launch_together); more at once starve islands on 2 cores
+GROUPS = [("tensor", "expert"), ("2d-mesh", "one"), ("tensor-resumed", "expert-resumed")]
+
+
 @pytest.fixture(scope="module")
 def layout_run(tmp_path_factory):
-    """``layout_run(layout)``: the output folder of one run of LAYOUTS[layout] (8 steps, H=4), launched
-    the first time a test asks for it and shared by every test of the module that reads that layout:
-    a launch costs seconds of CPU in each process, the steps almost nothing. A failed launch fails
+    """``layout_run(name)``: the output folder of RUNS[name], launched the first time a test asks for
+    it together with the rest of its group and shared by every test of the module that reads it: a
+    launch costs seconds of CPU in each process, the steps almost nothing. A failed launch fails
     every test that asks for it."""
-    runs = {}
+    runs: dict = {}
 
-    def run(layout):
-        if layout not in runs:
-            islands, args = LAYOUTS[layout]
-            ckpt = ["--ckpt-every", 4] if layout in CHECKPOINTED else []
-            base = tmp_path_factory.mktemp(layout)
-            try:
-                launch(islands, ["mixed_parallel.py", "--out", base / "run", "--steps", 8, "--H", 4, *args, *ckpt],
-                       base / "logs")
-            except AssertionError as err:
-                runs[layout] = err
-                raise
-            runs[layout] = base / "run"
-        if isinstance(runs[layout], AssertionError):
-            pytest.fail(f"the {layout} run failed:\n{runs[layout]}")
-        return runs[layout]
+    def run(name):
+        if name not in runs:
+            group = next(g for g in GROUPS if name in g)
+            jobs, outs = {}, {}
+            for n in group:
+                islands, args = RUNS[n]
+                try:
+                    args = args(run) if callable(args) else args  # the runs it resumes from, first
+                except BaseException as err:  # noqa: BLE001 - a run it resumes from failed
+                    runs[n] = err
+                    continue
+                base = tmp_path_factory.mktemp(n)
+                outs[n] = base / "run"
+                jobs[n] = (islands, ["mixed_parallel.py", "--out", outs[n], *args], base / "logs")
+
+            def one(n: str) -> None:
+                try:
+                    launch(*jobs[n])
+                    runs[n] = outs[n]
+                except BaseException as err:  # noqa: BLE001 - reported by the tests that read this run
+                    runs[n] = err
+
+            threads = [threading.Thread(target=one, args=(n,)) for n in jobs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if isinstance(runs[name], BaseException):
+            pytest.fail(f"the {name} run failed:\n{runs[name]}")
+        return runs[name]
 
     return run
 
@@ -84,10 +121,9 @@ def test_islands_that_parallelize_differently_keep_one_global_state(layout_run, 
     assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
 
 
-def test_a_tensor_parallel_island_trains_what_one_process_would(layout_run, tmp_path):
-    """The tensor-parallel run (shared, see layout_run) against two one-process islands."""
-    tp, one = layout_run("tensor"), tmp_path / "one"
-    launch([1, 1], ["mixed_parallel.py", "--out", one, "--batch-sizes", "8"], tmp_path / "logs1")
+def test_a_tensor_parallel_island_trains_what_one_process_would(layout_run):
+    """The tensor-parallel run against two one-process islands (both shared, see layout_run)."""
+    tp, one = layout_run("tensor"), layout_run("one")
     a, b = load_rounds(tp, 0), load_rounds(one, 0)
     for name, t in b[2]["params"].items():  # the same data and start; only the order of sums differs
         torch.testing.assert_close(a[2]["params"][name], t, rtol=1e-4, atol=1e-5, msg=name)
@@ -95,13 +131,10 @@ def test_a_tensor_parallel_island_trains_what_one_process_would(layout_run, tmp_
 
 
 @pytest.mark.parametrize("layout", ["tensor", "expert"])
-def test_a_parallel_island_resumes_from_its_checkpoint_exactly(layout_run, tmp_path, layout):
+def test_a_parallel_island_resumes_from_its_checkpoint_exactly(layout_run, layout):
     """The layout's shared run (8 steps, a checkpoint after step 4) is the uninterrupted one; a second
-    launch resumes from its step-4 checkpoints and must reach the same rounds bit for bit."""
-    full, resumed = layout_run(layout), tmp_path / "resumed"
-    islands, args = LAYOUTS[layout]
-    launch(islands, ["mixed_parallel.py", "--steps", 8, "--H", 4, *args, "--out", resumed,
-                     "--resume", str(full / "ckpt_island{island}" / "step=4.ckpt")], tmp_path / "logs2")
+    launch (shared too) resumes from its step-4 checkpoints and must reach the same rounds bit for bit."""
+    full, resumed = layout_run(layout), layout_run(f"{layout}-resumed")
     a, b = load_rounds(full, 0), load_rounds(resumed, 0)
     # the checkpoint after step 4 holds the batch that closes round 1: the resumed fit runs rounds 1 and 2
     assert sorted(b) == [1, 2]
