@@ -111,35 +111,88 @@ SHARED_RUNS = {
     "sliced-overlap": ([2, 2], ["--steps", 8, "--H", 4, "--fragments", 2, "--overlap", 1,
                                 "--exchange", "sliced"]),
 }
+STREAMING_ARGS = ["--steps", 16, "--H", 4, "--fragments", 2, "--overlap", 1, "--alpha", 0.5, "--batch-sizes", "4,8",
+                  "--codec", "int4", "--inner", "adamw", "--ckpt-every", 7, "--val-every", 3]
+BUTTERFLY_ARGS = ["--steps", 8, "--H", 2, "--batch-sizes", "4,8,4,6", "--codec", "int4", "--topology", "butterfly",
+                  "--ckpt-every", 5]
+RELEASE_0_1_0 = SCRIPTS.parent / "fixtures" / "checkpoint_0.1.0"
+
+
+def _resuming(name: str, args: list, checkpoint: str):
+    """The arguments of a run that resumes the shared run ``name`` (launched with ``args``) from each
+    island's ``checkpoint``."""
+    return lambda run, out: [*args, "--resume", str(run(name) / "ckpt_island{island}" / checkpoint)]
+
+
+def _from_release_0_1_0(run, out: Path) -> list:
+    """The arguments that resume tests/fixtures/checkpoint_0.1.0 (a copy beside ``out``)."""
+    for i in (0, 1):
+        shutil.copytree(RELEASE_0_1_0 / f"island{i}.ckpt", out.parent / f"{out.name}_ckpt" / f"island{i}.ckpt")
+    return ["--steps", 8, "--H", 2, "--codec", "int4", "--inner", "adamw", "--batch-sizes", "4,8",
+            "--resume", str(out.parent / f"{out.name}_ckpt" / "island{island}.ckpt")]
+
+
+# Runs whose arguments are a function of ``(shared_run, out)`` give them once what they need exists
+# (the runs they resume from, a copied checkpoint); "expect_ok": False runs are meant to fail.
+SHARED_RUNS.update({
+    # streaming: two fragments, each round flying one inner step; resumed from its checkpoint after step 7
+    "streaming": ([2, 1], STREAMING_ARGS),
+    "streaming-resumed": ([2, 1], _resuming("streaming", STREAMING_ARGS, "step=7.ckpt")),
+    # four butterfly islands, resumed from their checkpoints in the middle of round 3
+    "butterfly": ([2, 1, 1, 1], BUTTERFLY_ARGS),
+    "butterfly-resumed": ([2, 1, 1, 1], _resuming("butterfly", BUTTERFLY_ARGS, "step=5.ckpt")),
+    # island 1's checkpoint after step 4 takes 8 s to write, 3 s past the grace window of island 0
+    "long-checkpoint": ([1, 1], ["--steps", 6, "--H", 2, "--ckpt-every", 4, "--grace-s", 5, "--save-delay", "0,8"]),
+    "release-0.1.0": ([1, 1], _from_release_0_1_0),
+    # island 0 (two processes) trains in 32-true, island 1 in bf16-mixed, island 2 in bf16-true
+    "precisions": ([2, 1, 1], ["--steps", 6, "--H", 2, "--batch-sizes", "4,8,8",
+                               "--precisions", "32-true,bf16-mixed,bf16-true"]),
+    # islands 1 and 2 disagree with island 0 each in one way: the parameters (hidden size 9), subnormals
+    "mismatched": ([1, 1, 1], ["--hidden", "8,9,8", "--flush-subnormals", "0,0,1", "--batch-sizes", "4,8,8"],
+                   {"expect_ok": False}),
+})
 # two at a time: four launches at once (a dozen processes on 2 cores) starved islands past the 10 s grace
 # window of their start on a CI machine
 SHARED_GROUPS = [("heterogeneous", "sync-warmup"), ("outer-warmup", "h1"), ("nan", "topk:0.25+int4"),
-                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"), ("sliced",),
-                 ("sliced-overlap",)]
+                 ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"),
+                 ("sliced", "long-checkpoint"), ("sliced-overlap", "streaming"), ("streaming-resumed", "precisions"),
+                 ("butterfly", "mismatched"), ("butterfly-resumed", "release-0.1.0")]
 
 
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory):
     """``shared_run(name)``: the output folder of SHARED_RUNS[name] (its logs in ``logs`` there),
-    launched the first time a test asks for it together with the rest of its group. A failed launch
-    fails only the tests that read it."""
+    launched the first time a test asks for it together with the rest of its group;
+    ``shared_run.launches[name]``: its ``(results, output, seconds)``. A failed launch (of a run
+    not meant to fail) fails only the tests that read it."""
     outcomes: dict = {}
 
     def run(name: str):
         if name not in outcomes:
             group = next(g for g in SHARED_GROUPS if name in g)
             base = tmp_path_factory.mktemp("shared")
-
-            def one(n: str) -> None:
-                islands, args = SHARED_RUNS[n]
+            jobs = {}
+            for n in group:
+                islands, args, *options = SHARED_RUNS[n]
                 out = base / n.replace(":", "_")
                 try:
-                    launch(islands, ["islands_regression.py", "--out", out, *args], out / "logs")
-                    outcomes[n] = out
+                    args = args(run, out) if callable(args) else args  # what it needs, first
+                except BaseException as err:  # noqa: BLE001 - a run it resumes from failed
+                    outcomes[n] = err
+                    continue
+                jobs[n] = (islands, ["islands_regression.py", "--out", out, *args], out / "logs", *options)
+
+            def one(n: str) -> None:
+                islands, args, logs, *options = jobs[n]
+                try:
+                    started = time.monotonic()
+                    results, text = launch(islands, args, logs, **(options[0] if options else {}))
+                    run.launches[n] = (results, text, time.monotonic() - started)
+                    outcomes[n] = logs.parent
                 except BaseException as err:  # noqa: BLE001 - reported by the tests that read this run
                     outcomes[n] = err
 
-            threads = [threading.Thread(target=one, args=(n,)) for n in group]
+            threads = [threading.Thread(target=one, args=(n,)) for n in jobs]
             for t in threads:
                 t.start()
             for t in threads:
@@ -148,6 +201,7 @@ def shared_run(tmp_path_factory):
             pytest.fail(f"the {name} run failed:\n{outcomes[name]}")
         return outcomes[name]
 
+    run.launches = {}
     return run
 
 
@@ -325,22 +379,14 @@ def test_resume_from_checkpoints_is_exact(resume_runs):
         assert a[r]["digest"] == b[r]["digest"] == b1[r]["digest"]
 
 
-def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
+def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(shared_run):
     """tests/fixtures/checkpoint_0.1.0 holds the step-4 checkpoints of both islands and the global
     state of rounds 3 and 4 of the same run, written by release 0.1.0 (commit 7b36b34, before the
     engine left the strategy) with `--steps 8 --H 2 --codec int4 --inner adamw --ckpt-every 4`:
-    resumed today, the run continues bit for bit on a machine with the recording one's CPU kernels,
-    and to float32 rounding on others."""
-    import shutil
-
-    fixture = SCRIPTS.parent / "fixtures" / "checkpoint_0.1.0"
-    for i in (0, 1):
-        shutil.copytree(fixture / f"island{i}.ckpt", tmp_path / f"island{i}.ckpt")
-    out = tmp_path / "out"
-    launch([1, 1], ["islands_regression.py", "--out", out, "--steps", 8, "--H", 2, "--codec", "int4",
-                    "--inner", "adamw", "--batch-sizes", "4,8", "--resume", str(tmp_path / "island{island}.ckpt")],
-           tmp_path / "logs")
-    want = torch.load(fixture / "rounds_3_4.pt", weights_only=False)
+    resumed today (the shared run "release-0.1.0", from a copy), the run continues bit for bit on a
+    machine with the recording one's CPU kernels, and to float32 rounding on others."""
+    out = shared_run("release-0.1.0")
+    want = torch.load(RELEASE_0_1_0 / "rounds_3_4.pt", weights_only=False)
     got, other = load_rounds(out, 0), load_rounds(out, 1)
     assert sorted(got) == sorted(other) == [2, 3, 4]  # the step-4 checkpoint precedes round 2's outer step
     for r in (3, 4):
@@ -354,18 +400,14 @@ def test_a_checkpoint_of_release_0_1_0_resumes_bit_identically(tmp_path):
             torch.testing.assert_close(got[r]["params"][name], t, rtol=1e-6, atol=1e-6, msg=f"round {r}: {name}")
 
 
-def test_streaming_islands_stay_bit_identical_and_resume_exactly(tmp_path):
+def test_streaming_islands_stay_bit_identical_and_resume_exactly(shared_run):
     """Two fragments, each round flying one inner step while training goes on: validation mid-flight,
     a checkpoint that lands the round in flight, and a resume from it that continues bit for bit.
     The resume starts from the uninterrupted run's own checkpoint after step 7: a run stopped at
     step 7 writes the same one, tensor for tensor (the round in flight lands at the checkpoint)."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--H", 4, "--fragments", 2, "--overlap", 1, "--alpha", 0.5, "--batch-sizes", "4,8",
-              "--codec", "int4", "--inner", "adamw", "--ckpt-every", 7, "--val-every", 3]
-    launch([2, 1], ["islands_regression.py", "--out", full, "--steps", 16, *common], tmp_path / "l1")
+    full = shared_run("streaming")
     assert sorted(p.name for p in (full / "ckpt_island0").iterdir()) == ["step=14.ckpt", "step=7.ckpt"]
-    launch([2, 1], ["islands_regression.py", "--out", resumed, "--steps", 16, *common,
-                    "--resume", str(full / "ckpt_island{island}" / "step=7.ckpt")], tmp_path / "l3")
+    resumed = shared_run("streaming-resumed")
     per_island = assert_islands_equal(full, 8)
     assert [per_island[0][r]["metrics"]["islands/fragment"] for r in range(1, 9)] == [0, 1] * 4
     a, b = per_island[1], load_rounds(resumed, 0)
@@ -376,16 +418,11 @@ def test_streaming_islands_stay_bit_identical_and_resume_exactly(tmp_path):
         assert a[r]["digest"] == b[r]["digest"]
 
 
-def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(tmp_path):
+def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(shared_run):
     """Four islands (one of two processes) in butterfly stages: after each round the islands of its
     stage's pairs hold the same global state and the others differ; a resume from a checkpoint in
     the middle of round 3 (each island's own state, momentum and bases) continues bit for bit."""
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--H", 2, "--batch-sizes", "4,8,4,6", "--codec", "int4", "--topology", "butterfly",
-              "--ckpt-every", 5]
-    launch([2, 1, 1, 1], ["islands_regression.py", "--out", full, "--steps", 8, *common], tmp_path / "l1")
-    launch([2, 1, 1, 1], ["islands_regression.py", "--out", resumed, "--steps", 8, *common,
-                          "--resume", str(full / "ckpt_island{island}" / "step=5.ckpt")], tmp_path / "l2")
+    full, resumed = shared_run("butterfly"), shared_run("butterfly-resumed")
     rounds = [load_rounds(full, i) for i in range(4)]
     again = [load_rounds(resumed, i) for i in range(4)]
     for r in range(1, 5):
@@ -525,30 +562,25 @@ def test_a_multi_process_island_without_steps_left_tells_the_others_at_once(resu
     assert not list(out["uneven0"].glob("island*_round*.pt"))
 
 
-def test_an_island_writing_a_long_checkpoint_is_waited_for(tmp_path):
+def test_an_island_writing_a_long_checkpoint_is_waited_for(shared_run):
     """A checkpoint write longer than grace_s is progress, not silence: the leader's beat follows
     its progress while it writes, so the island that waits for it at the next round does not give
     it up."""
-    out = tmp_path / "out"
-    started = time.monotonic()
     # 8 s of writing: island 0 waits for it at the next round's exchange, 3 s past the 5 s of silence
     # (grace_s) after which it would give island 1 up without the beats
-    launch([1, 1], ["islands_regression.py", "--out", out, "--steps", 6, "--H", 2, "--ckpt-every", 4,
-                    "--grace-s", 5, "--save-delay", "0,8"], tmp_path / "logs")
-    assert time.monotonic() - started > 8, "island 1's checkpoint write should have taken 8 s"
+    out = shared_run("long-checkpoint")
+    assert shared_run.launches["long-checkpoint"][2] > 8, "island 1's checkpoint write should have taken 8 s"
     assert (out / "ckpt_island1" / "step=4.ckpt").is_dir()
     assert_islands_equal(out, 3)
 
 
 @pytest.fixture(scope="module")
-def mismatched_run(tmp_path_factory):
-    """One launch of three islands that disagree with island 0 each in one way: island 1 in its
-    parameters (hidden size 9), island 2 in flushing subnormal floats. The start agreement names
-    every difference of every island, so one launch shows both messages."""
-    out = tmp_path_factory.mktemp("mismatched")
-    results, text = launch([1, 1, 1], ["islands_regression.py", "--out", out, "--hidden", "8,9,8",
-                                       "--flush-subnormals", "0,0,1", "--batch-sizes", "4,8,8"], out / "logs",
-                           expect_ok=False)
+def mismatched_run(shared_run):
+    """One launch (shared, "mismatched") of three islands that disagree with island 0 each in one way:
+    island 1 in its parameters (hidden size 9), island 2 in flushing subnormal floats. The start
+    agreement names every difference of every island, so one launch shows both messages."""
+    out = shared_run("mismatched")
+    results, text, _ = shared_run.launches["mismatched"]
     return out, results, text
 
 
@@ -662,13 +694,10 @@ def test_lightning_features_keep_working_under_islands(shared_run, name, rounds)
 
 
 @pytest.fixture(scope="module")
-def precision_run(tmp_path_factory):
-    """One launch for both precision cases: island 0 (two processes) trains in 32-true, island 1 in
-    bf16-mixed, island 2 in bf16-true; 6 steps, H=2."""
-    out = tmp_path_factory.mktemp("precisions")
-    launch([2, 1, 1], ["islands_regression.py", "--out", out, "--steps", 6, "--H", 2, "--batch-sizes", "4,8,8",
-                       "--precisions", "32-true,bf16-mixed,bf16-true"], out / "logs")
-    return out
+def precision_run(shared_run):
+    """One launch (shared, "precisions") for both precision cases: island 0 (two processes) trains in
+    32-true, island 1 in bf16-mixed, island 2 in bf16-true; 6 steps, H=2."""
+    return shared_run("precisions")
 
 
 @pytest.mark.parametrize("island", [1, 2], ids=["32-true,bf16-mixed", "32-true,bf16-true"])
