@@ -6,9 +6,15 @@ import sys
 
 from lightning_islands.app import launch
 
-FAILING_RANK = """import os, sys, time
+# Island 0's rank 1 fails once its rank 0 has started (it marks a file): both have printed by then.
+FAILING_RANK = """import os, pathlib, sys, time
 print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "master", os.environ["MASTER_PORT"], flush=True)
+started = pathlib.Path(sys.argv[0]).with_suffix(".started" + os.environ["LI_ISLAND"])
+if os.environ["RANK"] == "0":
+    started.touch()
 if os.environ["LI_ISLAND"] == "0" and os.environ["RANK"] == "1":
+    while not started.exists():
+        time.sleep(0.01)
     sys.exit(3)
 time.sleep(600)  # until the launcher stops it
 """
