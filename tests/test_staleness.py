@@ -205,11 +205,13 @@ def test_max_tokens_stops_every_island_after_the_round_that_reaches_the_runs_bud
     from test_engine import Plan, leaders
     from test_engine import run as run_plan
 
-    # a round merges 4*3 (island 0) + 2*4*3 (island 1, two ranks) = 36 tokens: 80 is reached in round 3
+    # a round of 3 steps merges 4*3 (island 0) + 2*4*3 (island 1, two ranks) = 36 tokens, 12 a step:
+    # 80 is reached in round 3, which runs the one step that the 8 tokens left need (not 3: 108)
     results = leaders(run_plan(Plan(sizes=[1, 2], tokens=[4, 4], rounds=10, settings={"max_tokens": 80})))
     for island in results:
         assert len(island["rounds"]) == 3
-        assert [m["islands/run_tokens"] for m in island["metrics"]] == [36.0, 72.0, 108.0]
+        assert [m["islands/run_tokens"] for m in island["metrics"]] == [36.0, 72.0, 84.0]
+        assert [m["islands/steps_per_round"] for m in island["metrics"]][:2] == [3.0, 1.0]  # the next round's
         assert island["schedule"]["stopping"] is True
     with pytest.raises(ValueError, match="max_tokens"):
         IslandSettings(max_tokens=100, fragments=2, sync_every=4)
@@ -227,13 +229,14 @@ def test_with_a_secret_an_island_mixing_alone_keeps_its_payload_sequence_in_step
 
 
 def test_a_late_island_counts_the_runs_tokens_from_the_others_and_stops_with_them():
-    """Rounds merge 45 tokens (30 in round 1, which island 2 misses): 45, 75, 120, 165. A budget of
-    150 ends the run after round 3 on every island, the late one included, whose own count missed
-    round 1 (it takes the largest count in the round's headers)."""
+    """Rounds merge 45 tokens (30 in round 1, which island 2 misses): 45, 75, 120, then the 30 that
+    a budget of 150 has left (2 of the 3 steps). The budget ends the run after round 3 on every
+    island, the late one included, whose own count missed round 1 (it takes the largest count in
+    the round's headers)."""
     islands = run(8, {1: 2}, {"max_tokens": 150})
     for i, island in enumerate(islands):
         assert max(island["rounds"]) == 3, (i, sorted(island["rounds"]))
-        assert island["metrics"][3]["islands/run_tokens"] == 165.0
+        assert island["metrics"][3]["islands/run_tokens"] == 150.0
 
 
 def test_the_start_agreement_lets_an_island_behind_hold_an_older_state_and_keeps_island_numbers():

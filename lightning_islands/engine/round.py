@@ -371,8 +371,8 @@ class IslandEngine(IslandEngineBase):
         metrics.update({"islands/outer_lr": opt.lr_at(opt.steps), "islands/outer_momentum": opt.momentum_at(opt.steps)})
         self.state.write_to(locals_, idx, self.settings.overlap_alpha if overlapped else 0.0)
         self.schedule.advance(pending.tokens, pending.headers,
-                              self.schedule.inner_steps - pending.inner_steps if overlapped else 0)
-        self.schedule.run_tokens += int(pending.merged_tokens)
+                              self.schedule.inner_steps - pending.inner_steps if overlapped else 0,
+                              pending.merged_tokens)
         keep = self.settings.fragments - 1
         self.recent_rounds = [*self.recent_rounds, {"tokens": pending.tokens, "experts": pending.experts}][-keep:] \
             if keep else []

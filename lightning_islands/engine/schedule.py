@@ -6,6 +6,7 @@ and the schedule says when a round is due and how many steps the next one runs.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -92,14 +93,29 @@ class Schedule:
                 self.restart_clock()
         return self.round_steps >= self.steps_per_round and not self.stopping
 
-    def advance(self, tokens: float, headers: Sequence[RoundHeader], steps_since: int = 0) -> None:
+    def advance(self, tokens: float, headers: Sequence[RoundHeader], steps_since: int = 0, merged: float = 0.0) -> None:
         """The round ended with an outer step: count it and plan the next one. ``steps_since``: inner
-        steps taken since the round's sync point (an overlapped round); they count for the next."""
-        next_steps = self.next_round_steps(headers)
+        steps taken since the round's sync point (an overlapped round); they count for the next.
+        ``merged``: the tokens the round merged, summed over the islands (the run's count, ``max_tokens``)."""
+        next_steps = self.within_budget(self.next_round_steps(headers), merged)
         self.round += 1
         self.round_steps = steps_since
         self.total_tokens += int(tokens)
+        self.run_tokens += int(merged)
         self.steps_per_round = next_steps
+
+    def within_budget(self, steps: int, merged: float) -> int:
+        """``steps``, or fewer when the next round would overshoot ``max_tokens``: the round that just
+        merged ``merged`` tokens over this island's ``round_steps`` predicts the next round's tokens
+        per step; the next round then runs the steps that reach what the budget has left, rounded up
+        (every island scales its own steps by the same factor, so time-balanced islands keep their
+        ratio). A round with fewer islands than predicted leaves a remainder for one more round."""
+        budget = self.settings.max_tokens
+        left = None if budget is None else budget - self.run_tokens - int(merged)
+        if left is None or left <= 0 or merged <= 0 or self.round_steps < 1:
+            return steps
+        per_step = merged / self.round_steps
+        return steps if per_step * steps <= left else max(1, math.ceil(left / per_step))
 
     def spends_budget(self, merged: float) -> bool:
         """Whether a round that merges ``merged`` tokens (every island's, as every island counts them

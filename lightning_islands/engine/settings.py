@@ -133,7 +133,8 @@ class IslandSettings:
     max_tokens: int | None = setting(
         None, "Stop after the round at which the tokens merged into the global model, summed over the islands, reach "
               "this many (a budget of the run's tokens, however the islands share them: a fast island trains more "
-              "of them). Needs `fragments=1` and no `overlap_steps`.")
+              "of them). The round that would pass it runs only the steps the budget has left. Needs `fragments=1` "
+              "and no `overlap_steps`.")
     deadline_s: float = setting(
         3600.0, "The longest one round may take on an island, from its first meeting until the round counts, all "
                 "attempts included; also the longest the start waits for an island, and the bound of a transfer "
