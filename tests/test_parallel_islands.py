@@ -50,10 +50,14 @@ RUNS = {
     "one": ([1, 1], ["--batch-sizes", "8"]),  # two one-process islands, the tensor layout's data and start
     "tensor-resumed": _resumed("tensor"),
     "expert-resumed": _resumed("expert"),
+    # a tensor-parallel island beside an FSDP2 island of two processes: two slices, both ways
+    **{f"tensor-{way}": ([2, 2], ["--steps", 8, "--H", 4, "--tp", "2,1", "--batch-sizes", "8,4", "--codec", "int4",
+                                  "--exchange", way]) for way in ("sliced", "leader")},
 }
 # launched a group at a time: two launches at once take less time than one after the other (much of a
 # launch waits, see conftest.launch_together); more at once starve islands on 2 cores
-GROUPS = [("tensor", "expert"), ("2d-mesh", "one"), ("tensor-resumed", "expert-resumed")]
+GROUPS = [("tensor", "expert"), ("2d-mesh", "one"), ("tensor-resumed", "expert-resumed"),
+          ("tensor-sliced", "tensor-leader")]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +123,22 @@ def test_islands_that_parallelize_differently_keep_one_global_state(layout_run, 
     # every expert of the parallelized island received gradient
     grads = records[0]["expert_grads"]
     assert len(grads) == 2 * 3 * 4 and all(g > 0 for g in grads.values()), grads
+
+
+def test_a_tensor_parallel_island_exchanges_by_slices_as_its_leader_would(layout_run):
+    """exchange=sliced between a tensor-parallel island (tp=2) and an FSDP2 island of two processes:
+    the canonical vector is cut into two slices, and each rank of each island owns one, though the
+    TP island's shards (head rows and columns) are laid out nothing like the FSDP island's (row
+    blocks). The islands stay bit-identical, and equal to the leader's path bit for bit (int4)."""
+    sliced, leader = _islands_equal(layout_run("tensor-sliced"), 2), _islands_equal(layout_run("tensor-leader"), 2)
+    for r in (1, 2):
+        assert sliced[r]["metrics"]["islands/exchange_chunks"] == 2, "two slices, one per rank"
+        assert leader[r]["metrics"]["islands/exchange_chunks"] == 1, "the leader's one chunk"
+        assert sliced[r]["digest"] == leader[r]["digest"]
+        for name, t in leader[r]["params"].items():
+            assert torch.equal(sliced[r]["params"][name], t), (r, name)
+    records = [json.loads((layout_run("tensor-sliced") / f"island{i}_mesh.json").read_text()) for i in range(2)]
+    assert [r["mesh"]["tp"] for r in records] == [2, 1] and records[1]["mesh"]["dp"] == 2
 
 
 def test_a_tensor_parallel_island_trains_what_one_process_would(layout_run):

@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--ep", default="1", help="expert_parallel_size per island (comma list)")
     p.add_argument("--batch-sizes", default="4", help="batch per data-parallel rank, per island (comma list)")
     p.add_argument("--codec", default="fp32")
+    p.add_argument("--exchange", default="leader", help="islands.exchange: leader or sliced")
     p.add_argument("--experts", default="4", help="n_experts per island (comma list) to provoke a mismatch")
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (DIR/ckpt_island{i}/)")
     p.add_argument("--resume", default=None, help="checkpoint path pattern with {island}")
@@ -78,7 +79,8 @@ def main() -> None:
     model = Model(**{**TINY, "n_experts": per_island(args.experts)})
     model.batch_size = per_island(args.batch_sizes)
     strategy = IslandStrategy(sync_every=args.H, outer_lr=0.7, outer_momentum=0.9, codec=args.codec, deadline_s=120,
-                              tensor_parallel_size=per_island(args.tp), expert_parallel_size=per_island(args.ep))
+                              exchange=args.exchange, tensor_parallel_size=per_island(args.tp),
+                              expert_parallel_size=per_island(args.ep))
 
     def save_round(s: IslandStrategy) -> None:
         params, digest = s.global_parameters(), s.global_state_digest()
