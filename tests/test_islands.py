@@ -1066,6 +1066,35 @@ def test_islands_that_fall_in_either_phase_are_given_up_and_the_survivors_finish
     assert stall < grace + 10.0 < deadline, f"island 0 stalled {stall:.1f} s between rounds (grace {grace:g} s)"
 
 
+def test_a_killed_butterfly_island_restarts_and_mixes_with_its_partners_again(tmp_path):
+    """Four butterfly islands; island 1's process is SIGKILLed in its inner steps of round 3 and
+    torchrun restarts it (--max-restarts). The others go on, island 1's partners mixing alone; they
+    pause after step 22 until island 1 is back or asked to rejoin (an event, see HoldForRejoin).
+    From its first round back, island 1 ends each stage bit-identical with that stage's partner
+    (island 0 at stage 0, island 3 at stage 1), and every other island trains through every round."""
+    out = tmp_path / "bfly-kill"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_islands.app.cli", "run", "--islands", "1,1,1,1", "--live", "off",
+         "--max-restarts", "1", "--", sys.executable, str(SCRIPTS / "islands_regression.py"), "--out", str(out),
+         "--steps", "32", "--H", "4", "--batch-sizes", "4,8,6,5", "--grace-s", "3", "--deadline-s", "60",
+         "--topology", "butterfly", "--codec", "int4", "--kill-island", "1", "--kill-phase", "inner",
+         "--kill-step", "10", "--kill-round", "3", "--hold-for-rejoin", "22"],
+        capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "killing island 1" in text and "island 1 rejoins the run at round" in text, text[-4000:]
+    rounds = {i: load_rounds(out, i) for i in range(4)}
+    assert all(sorted(rounds[i]) == list(range(1, 9)) for i in (0, 2, 3)), text[-4000:]
+    back = sorted(r for r, saved in rounds[1].items() if saved["restarted"])
+    assert back and back[0] <= 22 // 4 + 2 and back[-1] == 8, f"island 1 was back for rounds {back}"
+    for r in back:
+        partner = 0 if r % 2 else 3  # stage 0 (odd rounds) pairs islands 0 and 1, stage 1 islands 1 and 3
+        for name, t in rounds[partner][r]["params"].items():
+            assert torch.equal(t, rounds[1][r]["params"][name]), f"round {r}: {name} differs from island {partner}"
+        # island 2 is never island 1's partner: the pairs hold models of their own
+        assert not all(torch.equal(t, rounds[2][r]["params"][n]) for n, t in rounds[1][r]["params"].items()), r
+
+
 def test_a_stopped_island_in_a_butterfly_leaves_its_partners_mixing_alone(tmp_path):
     """Four butterfly islands; island 1 is stopped (SIGSTOP: alive, silent) in its inner steps of round
     2. Its partners (island 3 at stage 1, island 0 at stage 0) treat their stage as the identity
