@@ -456,3 +456,47 @@ def test_a_lone_island_moves_its_slices_too_and_no_rank_gathers_the_fragment(mon
     flown = run_streaming([3], {**settings, "overlap_steps": 1, "exchange": "sliced"}, 12)
     assert len(flown[0]["globals"]) == len(flying[0]["globals"]) == 3
     assert all(torch.equal(a, b) for a, b in zip(flying[0]["globals"], flown[0]["globals"]))
+
+
+def test_lanes_a_lost_repair_broke_fail_the_next_attempt_under_their_key_at_once(monkeypatch):
+    """A repair transfer lost after its round counted leaves a rank's lanes of that round's key broken
+    (its peers still hold theirs): when the next round keeps the key, the island's ranks beyond 0
+    fail the attempt at once (without building lanes anew under a used key, which would leave the
+    peers waiting until the transfer's deadline), so that the round runs again on new lanes; under
+    any other key, and afterwards, they use their lanes as usual."""
+    from lightning_islands.engine import IslandEngine, sliced_repair
+
+    hub, islands = Hub(2), [ThreadIsland(2), ThreadIsland(2)]
+    monkeypatch.setattr(sliced_repair, "needed", lambda headers: True)
+
+    def lost(*args, **kwargs):
+        raise RoundLost("rank 1's slice of the repair: lost its peer (injected)")
+
+    monkeypatch.setattr(sliced_repair, "repair_sliced", lost)
+    rank_links: dict[tuple[int, int], MemoryRankLink] = {}
+
+    def rank_main(i: int, rank: int) -> list[Any]:
+        group = ThreadGroup(islands[i], rank)
+        layout = CanonicalLayout(SPECS, group)
+        s = IslandSettings(sync_every=2, exchange="sliced")
+        engine = IslandEngine(s, layout, i, 2, torch.device("cpu"), torch.device("cpu"))
+        rank_links[i, rank] = MemoryRankLink(hub, i, rank)
+        engine.meet(lambda: MemoryLink(hub, i), s.fingerprint(layout, False, "cpu"),
+                    open_rank_link=lambda: rank_links[i, rank])
+        engine.side.on_leader(lambda link: setattr(link, "lanes_key", "round3/a0"))
+        locals_ = [layout.shard_of(torch.zeros(NUMEL), k) for k in range(len(SPECS))]
+        headers = [RoundHeader(3, steps=1, ranks=2), RoundHeader(3, steps=1, ranks=2)]
+        if i == 0:  # island 0's repair is lost (the round had counted): nothing is raised, its lanes are marked
+            assert engine._repair_counted(headers, locals_) == 0
+        failed = [engine._lanes(2, engine.side)[1]]  # the next round keeps the key
+        failed.append(engine._lanes(2, engine.side)[1])  # and the one after (its retry would name new lanes)
+        return failed
+
+    got = run_threads([lambda i=i, r=r: rank_main(i, r) for i in range(2) for r in range(2)])
+    (i0r0, i0r1, i1r0, i1r1) = got
+    assert i0r1[0] is not None and i0r1[0][0] == "lost" and "lost its lanes of round3/a0" in i0r1[0][1], i0r1
+    assert i0r0 == [None, None], "rank 0's lanes are the island link's: nothing to rebuild"
+    assert i0r1[1] is None and i1r0 == i1r1 == [None, None]
+    # island 0's rank 1 did not build lanes under the broken key; then it used them like the others
+    assert [key for _, key in rank_links[0, 1].used] == ["round3/a0", "round3/a0"]  # the repair's, the third call's
+    assert [key for _, key in rank_links[1, 1].used] == ["round3/a0", "round3/a0"]

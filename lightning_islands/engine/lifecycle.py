@@ -73,6 +73,10 @@ class IslandEngineBase:
         # max_staleness: the checksum of each fragment's global state at its last outer step counts
         self.recent_states: dict[int, dict[int, int]] = {}
         self.rank_link: RankLink | None = None  # exchange=sliced: this rank's own lanes (not the leader's)
+        # exchange=sliced: the lanes key of the last round's rank lanes, and the one a repair transfer lost
+        # after its round counted left broken on some rank (the next round under it runs on new lanes)
+        self._lanes_key: str | None = None
+        self._broken_lanes: str | None = None
         self._flight_side: Island | None = None  # exchange=sliced with overlap: the island over a second group
 
     @property

@@ -281,6 +281,10 @@ class IslandEngine(IslandEngineBase):
             link = self.link
         elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
             link = self.rank_link
+        broken, self._broken_lanes, self._lanes_key = key is not None and key == self._broken_lanes, None, key
+        if broken and link is not None and rank:  # its peers would wait for it to build them anew under a used key
+            return link, ("lost", f"rank {rank} of island {self.island} lost its lanes of {key} in the last repair; "
+                                  "the round runs again on new ones")
         try:
             if link is not None and rank:
                 link.use(present, key, attempt)
@@ -406,6 +410,8 @@ class IslandEngine(IslandEngineBase):
         except RoundLost as err:
             if self.is_leader:
                 log.warning("islands: %s", err)
+            if self.sliced:  # a rank lost its transfer: its lanes of this key are gone (see _lanes)
+                self._broken_lanes = self._lanes_key
             self.joining = self.joining or self.island not in health.majority(headers)
             return 0
 
