@@ -352,8 +352,10 @@ class IslandStrategy(FSDP2Strategy):
     def _status(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         loss = trainer.callback_metrics.get("train/loss")
+        eta = self.engine.schedule.seconds_to_round(time.perf_counter()) if self.engine else None
         return {"step": trainer.global_step, "round": self.round, "loss": float(loss) if loss is not None else None,
-                "bytes": self.totals.get("bytes_sent", 0.0) + self.totals.get("bytes_received", 0.0)}
+                "bytes": self.totals.get("bytes_sent", 0.0) + self.totals.get("bytes_received", 0.0),
+                **({"eta_s": round(eta, 2)} if eta is not None else {})}
 
     def _beating(self, phase: str) -> AbstractContextManager[None]:
         """The leader keeps beating while a long step without training steps runs (a checkpoint

@@ -453,7 +453,9 @@ def test_a_slow_island_with_max_staleness_is_not_waited_for_and_its_work_arrives
                      tmp_path / "logs")
     rounds = {i: load_rounds(out, i) for i in range(3)}
     assert sorted(rounds[0]) == sorted(rounds[1]) == list(range(1, 7)), text[-3000:]
-    assert "goes on without islands [2] (alive but slower than the wait for slow islands, 0.3 s)" in text, text[-3000:]
+    # once it passed the wait for slow islands, or at once when its status said it would arrive later
+    assert re.search(r"goes on without islands \[2\] \((alive but slower|they report arriving later) than the wait "
+                     r"for slow islands, 0.3 s\)", text), text[-3000:]
     ages = [saved["metrics"]["islands/staleness"] for saved in rounds[2].values()]
     assert 1 <= max(ages) <= 4 and all(a <= 4 for a in ages), ages
     assert sum(saved["metrics"]["islands/stale_merged"] for saved in rounds[0].values()) >= 1

@@ -155,6 +155,57 @@ def test_without_waiting_for_slow_islands_a_majority_goes_on_after_the_grace_win
     beating.set()
 
 
+@pytest.mark.parametrize("status, waited_for", [
+    ({"round": 0, "eta_s": 300.0}, False),  # its steps left take 5 minutes: the majority goes on at once
+    ({"round": -1}, False),  # still in an earlier round: it cannot make this one in time
+    ({"round": 0, "eta_s": 0.05}, True),  # about to arrive: waited for (within the long wait)
+    (None, True),  # nothing reported: waited for
+], ids=["far", "behind", "near", "silent-status"])
+def test_a_majority_waits_for_a_slow_island_only_if_its_status_says_it_arrives_in_time(status, waited_for, caplog):
+    """max_staleness with a wait for slow islands of a minute: islands 0 and 1 meet round 0 while
+    island 2 beats (alive) and publishes its status. A status that says it arrives later than the
+    wait lets the two go on without it at once (the log says why); otherwise they wait for it, and
+    it is in the round when it comes."""
+    coordinator = Coordinator()
+    store = coordinator.store
+    ms = [Membership(store, "eta", i, 3, 1, 60.0, None, lambda i: None) for i in range(3)]
+    for m in ms:
+        m.slow_wait_s = 60.0
+    if status is not None:
+        store.set("eta/status/2", json.dumps(status))
+    beating = threading.Event()
+
+    def beat() -> None:  # island 2 makes progress
+        k = 0
+        while not beating.is_set():
+            k += 1
+            store.set(ms[0].alive_key(2), f"0:{k}")
+            time.sleep(0.1)
+
+    threading.Thread(target=beat, daemon=True).start()
+    got: dict[int, Any] = {}
+    pair = [threading.Thread(target=lambda i=i: got.setdefault(i, ms[i].decide(0, {"i": i}))) for i in (0, 1)]
+    for t in pair:
+        t.start()
+    try:
+        if waited_for:
+            while not (store.check(["eta/round0/a0/h/0"]) and store.check(["eta/round0/a0/h/1"])):
+                time.sleep(0.01)
+            assert not store.check(["eta/round0/a0/members"]), "the round went on without an island about to arrive"
+            decision, _ = ms[2].decide(0, {"i": 2})
+            assert decision.present == (0, 1, 2) and "goes on without islands" not in caplog.text
+        for t in pair:
+            t.join(timeout=45)  # well inside the minute the fixed wait would take
+            assert not t.is_alive(), "the majority kept waiting for an island that reported arriving late"
+        if not waited_for:
+            assert got[0][0].present == (0, 1)
+            assert "goes on without islands [2] (they report arriving later than the wait" in caplog.text
+            with pytest.raises(LateForRound):
+                ms[2].decide(0, {"i": 2})
+    finally:
+        beating.set()
+
+
 def test_a_failed_attempt_counts_for_no_island():
     """The outcome is written once: an island that finished its exchange learns that another
     failed, and the round runs again."""

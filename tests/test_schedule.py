@@ -88,3 +88,18 @@ def test_time_balance_ignores_the_clocks_of_absent_and_joining_islands():
     assert s.next_round_steps([fast, RoundHeader(0, step_seconds=0.0, absent=True)]) == 8
     assert _schedule(sync_every=8, balance="time", max_rounds=10).next_round_steps(
         [RoundHeader(0, step_seconds=60.0, joining=True), slow]) == 8, "a joiner runs its planned steps"
+
+
+def test_the_seconds_to_the_round_are_the_steps_left_at_the_rounds_pace():
+    """What an island's status reports (``eta_s``), read by the others' wait for slow islands."""
+    s = _schedule(sync_every=4)
+    assert s.seconds_to_round(0.0) is None, "no step timed yet"
+    s.restart_clock()
+    start = s._round_started
+    s.close_step()
+    s.close_step()
+    assert s.seconds_to_round(start + 1.0) == pytest.approx(2 * 0.5)  # 2 steps in 1 s, 2 left
+    s.exclude(0.5)  # a validation run is not step time
+    assert s.seconds_to_round(start + 1.5) == pytest.approx(2 * 0.5)
+    s.stopping = True
+    assert s.seconds_to_round(start + 2.0) is None

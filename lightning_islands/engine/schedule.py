@@ -153,6 +153,13 @@ class Schedule:
         """Mean seconds per timed step of this round, up to ``now`` (``time.perf_counter()``)."""
         return (now - self._round_started - self._untimed_seconds) / max(1, self._timed_steps)
 
+    def seconds_to_round(self, now: float) -> float | None:
+        """The seconds this island's steps left in the round take at this round's pace so far (its
+        expected arrival at the round's meeting); ``None`` before a timed step."""
+        if self._timed_steps < 1 or self.stopping:
+            return None
+        return max(0, self.steps_per_round - self.round_steps) * self.step_seconds(now)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The counters a checkpoint keeps (the keys of the checkpoint's ``islands`` entry)."""

@@ -186,7 +186,8 @@ class IslandSettings:
         None, "With `max_staleness`: how long an island that reached the round waits for islands alive but not "
               "arrived once a majority of the islands alive is there (0: not at all; checked every 0.25 s); null: "
               "`grace_s`. Unlike `grace_s`, which tells a dead island from a slow one, it may be shorter than a "
-              "step.")
+              "step. An island whose status says it arrives later than that (its steps left at its pace, or it "
+              "is a round behind) is not waited for at all.")
     min_islands: int = setting(
         1, "The fewest islands a round may go on with. A round proceeds with the islands that arrive; one silent "
            "for `grace_s` is left out (the merge renormalized) and taken back when it restarts. Fewer alive ends "

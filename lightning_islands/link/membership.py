@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_islands.link.coordinator import absent, get_if_set
+from lightning_islands.link.coordinator import absent, get_if_set, status_key
 from lightning_islands.link.lanes import START_LANES
 from lightning_islands.link.protocol import (
     AuthenticationError,
@@ -51,6 +51,8 @@ from lightning_islands.link.sweeper import KEEP_ROUNDS, SWEPT, Sweeper
 from lightning_islands.link.waiting import POLL_S, wait_until
 
 log = logging.getLogger(__name__)
+# how old an island's published status may be (it publishes at most every 0.5 s, from a thread)
+STATUS_AGE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -375,16 +377,35 @@ class Membership:
                           since: float) -> bool:
         """With ``slow_wait_s`` set (max_staleness): whether the round goes on without the islands
         ``slow`` (alive, not arrived): a majority of the islands alive has arrived, at least
-        ``min_islands`` of them, and this island has waited ``slow_wait_s`` since it arrived."""
+        ``min_islands`` of them, and this island has waited ``slow_wait_s`` since it arrived, or
+        every one of them reports that it arrives later than that (:meth:`_arrives_after`)."""
         wait = self.slow_wait_s() if callable(self.slow_wait_s) else self.slow_wait_s
         if wait is None or len(arrived) < self.min_islands or 2 * len(arrived) <= len(alive):
             return False
-        if time.monotonic() - since < wait:
+        left = wait - (time.monotonic() - since)
+        reported = left > 0 and all(self._arrives_after(round_, j, left) for j in slow)
+        if left > 0 and not reported:
             return False
-        log.warning("lightning_islands: island %d: round %d goes on without islands %s (alive but slower than the "
-                    "wait for slow islands, %g s); their work is merged into a later round (max_staleness)",
-                    self.island, round_, list(slow), wait)
+        why = "they report arriving later" if reported else "alive but slower"
+        log.warning("lightning_islands: island %d: round %d goes on without islands %s (%s than the wait for slow "
+                    "islands, %g s); their work is merged into a later round (max_staleness)", self.island, round_,
+                    list(slow), why, wait)
         return True
+
+    def _arrives_after(self, round_: int, island: int, seconds: float) -> bool:
+        """Whether island ``island``'s status (its leader publishes it every half second or so, with
+        its round and ``eta_s``, the seconds its steps left in the round take at its pace) says
+        that it reaches round ``round_`` more than ``seconds`` from now: it is in an earlier round,
+        or its steps left take longer (by more than the status's age, ``STATUS_AGE_S``). Without a
+        status, or one without ``eta_s``, it may be about to arrive. A forged status can only make
+        the others go on without an island, as withholding its header could."""
+        raw = self._get(status_key(self.run_id, island))
+        try:
+            status = json.loads(raw) if raw is not None else {}
+            behind, eta = int(status.get("round", round_)) < round_, status.get("eta_s")
+            return behind or (eta is not None and float(eta) > seconds + STATUS_AGE_S)
+        except (ValueError, TypeError, AttributeError):
+            return False
 
     def _propose(self, round_: int, attempt: int, present: tuple[int, ...], joining: tuple[int, ...],
                  joining_incs: tuple[int, ...]) -> Decision:
