@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,47 @@ def launch(islands, args, log_dir, expect_ok=True, live=False):
         report_failures(results, err)
         raise AssertionError(f"islands failed:\n{err.getvalue()}\n--- output ---\n{text[-6000:]}")
     return results, text
+
+
+class SharedLaunches:
+    """``runs(name)``: the result of the launch named ``name``, made the first time a test asks for
+    it together with the rest of its group (of ``groups``) and shared by every later test that asks;
+    ``runs.launches[name]``: its ``(results, output, seconds)``. ``job(name, runs)`` gives a launch's
+    ``(launch arguments, launch keywords, result)``; it may ask ``runs`` for the launches it needs
+    first (a resume), and its error, or the launch's, fails only the tests that ask for that name.
+    Launches cost seconds of CPU in each process and mostly wait: a group's run at once (on 2 cores
+    two at a time take less time than one after the other; more starve islands)."""
+
+    def __init__(self, groups: list[tuple[str, ...]], job) -> None:
+        self.groups, self.job = groups, job
+        self.outcomes: dict = {}
+        self.launches: dict = {}
+
+    def __call__(self, name: str):
+        if name not in self.outcomes:
+            jobs = {}
+            for n in next(g for g in self.groups if name in g):
+                try:
+                    jobs[n] = self.job(n, self)
+                except BaseException as err:  # noqa: BLE001 - a launch it needs failed
+                    self.outcomes[n] = err
+            threads = [threading.Thread(target=self._launch, args=(n, *jobs[n])) for n in jobs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if isinstance(self.outcomes[name], BaseException):
+            pytest.fail(f"the {name} run failed:\n{self.outcomes[name]}")
+        return self.outcomes[name]
+
+    def _launch(self, name: str, args: tuple, kwargs: dict, result) -> None:
+        try:
+            started = time.monotonic()
+            results, text = launch(*args, **kwargs)
+            self.launches[name] = (results, text, time.monotonic() - started)
+            self.outcomes[name] = result
+        except BaseException as err:  # noqa: BLE001 - reported by the tests that ask for this launch
+            self.outcomes[name] = err
 
 
 def launch_together(*jobs):

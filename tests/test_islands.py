@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SCRIPTS, kill_island_process, launch, launch_together, load_rounds
+from conftest import SCRIPTS, SharedLaunches, kill_island_process, launch, launch_together, load_rounds
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_islands import IslandStrategy
@@ -164,45 +164,16 @@ def shared_run(tmp_path_factory):
     """``shared_run(name)``: the output folder of SHARED_RUNS[name] (its logs in ``logs`` there),
     launched the first time a test asks for it together with the rest of its group;
     ``shared_run.launches[name]``: its ``(results, output, seconds)``. A failed launch (of a run
-    not meant to fail) fails only the tests that read it."""
-    outcomes: dict = {}
+    not meant to fail) fails only the tests that read it (conftest.SharedLaunches)."""
 
-    def run(name: str):
-        if name not in outcomes:
-            group = next(g for g in SHARED_GROUPS if name in g)
-            base = tmp_path_factory.mktemp("shared")
-            jobs = {}
-            for n in group:
-                islands, args, *options = SHARED_RUNS[n]
-                out = base / n.replace(":", "_")
-                try:
-                    args = args(run, out) if callable(args) else args  # what it needs, first
-                except BaseException as err:  # noqa: BLE001 - a run it resumes from failed
-                    outcomes[n] = err
-                    continue
-                jobs[n] = (islands, ["islands_regression.py", "--out", out, *args], out / "logs", *options)
+    def job(name: str, run: SharedLaunches):
+        islands, args, *options = SHARED_RUNS[name]
+        out = tmp_path_factory.mktemp("shared") / name.replace(":", "_")
+        args = args(run, out) if callable(args) else args  # what it needs, first
+        return (islands, ["islands_regression.py", "--out", out, *args], out / "logs"), \
+            (options[0] if options else {}), out
 
-            def one(n: str) -> None:
-                islands, args, logs, *options = jobs[n]
-                try:
-                    started = time.monotonic()
-                    results, text = launch(islands, args, logs, **(options[0] if options else {}))
-                    run.launches[n] = (results, text, time.monotonic() - started)
-                    outcomes[n] = logs.parent
-                except BaseException as err:  # noqa: BLE001 - reported by the tests that read this run
-                    outcomes[n] = err
-
-            threads = [threading.Thread(target=one, args=(n,)) for n in jobs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if isinstance(outcomes[name], BaseException):
-            pytest.fail(f"the {name} run failed:\n{outcomes[name]}")
-        return outcomes[name]
-
-    run.launches = {}
-    return run
+    return SharedLaunches(SHARED_GROUPS, job)
 
 
 def test_heterogeneous_islands_bit_identical_and_match_reference(shared_run):

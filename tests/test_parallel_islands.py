@@ -4,12 +4,11 @@ real processes, the provided MoE, its own parallel plan."""
 from __future__ import annotations
 
 import json
-import threading
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import launch, load_rounds
+from conftest import SharedLaunches, launch, load_rounds
 
 from lightning_islands.fsdp import FSDP2Strategy
 
@@ -63,43 +62,16 @@ GROUPS = [("tensor", "expert"), ("2d-mesh", "one"), ("tensor-resumed", "expert-r
 @pytest.fixture(scope="module")
 def layout_run(tmp_path_factory):
     """``layout_run(name)``: the output folder of RUNS[name], launched the first time a test asks for
-    it together with the rest of its group and shared by every test of the module that reads it: a
-    launch costs seconds of CPU in each process, the steps almost nothing. A failed launch fails
-    every test that asks for it."""
-    runs: dict = {}
+    it together with the rest of its group and shared by every test of the module that reads it
+    (conftest.SharedLaunches). A failed launch fails every test that asks for it."""
 
-    def run(name):
-        if name not in runs:
-            group = next(g for g in GROUPS if name in g)
-            jobs, outs = {}, {}
-            for n in group:
-                islands, args = RUNS[n]
-                try:
-                    args = args(run) if callable(args) else args  # the runs it resumes from, first
-                except BaseException as err:  # noqa: BLE001 - a run it resumes from failed
-                    runs[n] = err
-                    continue
-                base = tmp_path_factory.mktemp(n)
-                outs[n] = base / "run"
-                jobs[n] = (islands, ["mixed_parallel.py", "--out", outs[n], *args], base / "logs")
+    def job(name: str, run: SharedLaunches):
+        islands, args = RUNS[name]
+        args = args(run) if callable(args) else args  # the runs it resumes from, first
+        base = tmp_path_factory.mktemp(name)
+        return (islands, ["mixed_parallel.py", "--out", base / "run", *args], base / "logs"), {}, base / "run"
 
-            def one(n: str) -> None:
-                try:
-                    launch(*jobs[n])
-                    runs[n] = outs[n]
-                except BaseException as err:  # noqa: BLE001 - reported by the tests that read this run
-                    runs[n] = err
-
-            threads = [threading.Thread(target=one, args=(n,)) for n in jobs]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if isinstance(runs[name], BaseException):
-            pytest.fail(f"the {name} run failed:\n{runs[name]}")
-        return runs[name]
-
-    return run
+    return SharedLaunches(GROUPS, job)
 
 
 @pytest.mark.parametrize("layout, meshes", [
