@@ -111,10 +111,11 @@ class Schedule:
         (every island scales its own steps by the same factor, so time-balanced islands keep their
         ratio). A round with fewer islands than predicted leaves a remainder for one more round."""
         budget = self.settings.max_tokens
-        left = None if budget is None else budget - self.run_tokens - int(merged)
-        if left is None or left <= 0 or merged <= 0 or self.round_steps < 1:
+        if budget is None or merged <= 0 or self.round_steps < 1:
             return steps
-        per_step = merged / self.round_steps
+        left, per_step = budget - self.run_tokens - int(merged), merged / self.round_steps
+        if left <= 0:
+            return steps
         return steps if per_step * steps <= left else max(1, math.ceil(left / per_step))
 
     def spends_budget(self, merged: float) -> bool:
