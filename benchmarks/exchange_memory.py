@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_islands.engine import CanonicalLayout, IslandEngine, IslandSettings, TorchGroup
-from lightning_islands.engine.sliced import slice_bounds
+from lightning_islands.engine.slice_moves import slice_bounds
 
 
 def _peak_rss() -> int:

@@ -267,3 +267,47 @@ def test_sliced_butterfly_rounds_equal_the_leaders_bit_for_bit(sizes, settings):
             for key in ("islands/payload_bytes", "islands/bytes_received"):  # a header more per slice
                 assert have["metrics"][r][key] == pytest.approx(want["metrics"][r][key], rel=0.02), key
             assert have["metrics"][r]["islands/exchange_chunks"] == 2.0, "two slices: the smallest island's ranks"
+
+
+def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypatch):
+    """``exchange=sliced``: the repaired island takes its partner's anchors, base and momentum rank to
+    rank, slice by slice (no rank gathers them), and every island ends as the leader path leaves it."""
+    import threading
+
+    from lightning_islands.engine import mixing
+
+    def repaired(exchange: str) -> dict:
+        plan = Plan(sizes=[2, 3, 2, 2], tokens=[4, 4, 4, 4], rounds=2,
+                    settings={**BUTTERFLY, "exchange": exchange, "codec": "int4", "exchange_chunk_mib": 4096 / 2**20})
+        saved = {key: copy.deepcopy(res) for key, res in run(plan).items()}
+        for rank in range(3):  # island 1 restarts from a damaged base of stage 0 (every rank's shards)
+            saved[1, rank]["state"]["base0"] = [b + 1e-3 for b in saved[1, rank]["state"]["base0"]]
+        plan.rounds = 3  # round 2 is stage 0 again: islands 0 and 1 meet
+        return run(plan, resume=saved)
+
+    leader = repaired("leader")
+    inside, gather, repair = threading.local(), CanonicalLayout.gather_to_leader, mixing.repair
+    calls = []
+
+    def spy_gather(self, *args, **kwargs):
+        assert not getattr(inside, "repair", False), "the sliced butterfly repair gathered the state to one rank"
+        return gather(self, *args, **kwargs)
+
+    def flagged(engine, *args, **kwargs):
+        inside.repair = True
+        try:
+            calls.append(engine.island)
+            return repair(engine, *args, **kwargs)
+        finally:
+            inside.repair = False
+
+    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
+    monkeypatch.setattr(mixing, "repair", flagged)
+    got = repaired("sliced")
+    assert sorted(set(calls)) == [0, 1, 2, 3]  # every island takes part (most with nobody)
+    assert leaders(got)[1]["metrics"][-1]["islands/islands_repaired"] == 1
+    for key, want in leader.items():
+        if key[1] == 0:  # the global state after each round, on the leader
+            assert all(torch.equal(a, b) for a, b in zip(want["rounds"], got[key]["rounds"])), key
+        for name in ("anchor", "momentum", "base0", "base1"):
+            assert all(torch.equal(a, b) for a, b in zip(want["state"][name], got[key]["state"][name])), (key, name)

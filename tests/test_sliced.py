@@ -19,7 +19,8 @@ from lightning_islands.engine import CanonicalLayout, IslandSettings
 from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.merging import MergePlan
-from lightning_islands.engine.sliced import exchange_sliced, slice_bounds, slice_count
+from lightning_islands.engine.slice_moves import slice_bounds, slice_count
+from lightning_islands.engine.sliced import exchange_sliced
 from lightning_islands.link.protocol import RoundLost
 
 
@@ -87,7 +88,8 @@ def test_no_rank_holds_more_than_its_slice(monkeypatch):
 
     def spy_owners(self, locals_, bounds, device, out_device=None):
         got = to_owners(self, locals_, bounds, device, out_device)
-        owned.append((self.group.size, self.group.rank, None if got is None else got.numel()))
+        if getattr(inside, "round", False):  # the round's (the start moves copies of the bias too)
+            owned.append((self.group.size, self.group.rank, None if got is None else got.numel()))
         return got
 
     def spy_gather(self, *args, **kwargs):
@@ -259,12 +261,13 @@ def test_the_real_lanes_of_every_rank_give_the_leaders_bits(secret, topology):
 
 def test_a_rank_whose_secret_differs_ends_every_island_naming_its_slice(caplog):
     """Rank 1 of island 1 signs with another secret: rank 1 of island 0 refuses its payload, and
-    every rank of both islands ends with an error that names the slice and the fix."""
+    every rank of both islands ends with an error that names the slice and the fix; already at the
+    start, where island 1 (built from another seed) takes island 0's parameters slice by slice."""
     plan = Plan(sizes=[2, 2], tokens=[4, 6], rounds=1, settings={"codec": "int4", "error_feedback": True})
     coordinator, links, ranks = _real_islands("sliced-forged", (SECRET, SECRET), (SECRET, b"t" * 32))
     got = _over_real_lanes(plan, links, ranks)
     assert all(isinstance(g, Exception) for g in got), got
-    assert "rank 1's slice exchange failed: AuthenticationError" in str(got[0])  # island 0 refused it
+    assert "rank 1's slice of island 0's parameters failed: AuthenticationError" in str(got[0])  # island 0 refused
     assert "does not match its tag" in str(got[0]) and "same secret" in str(got[0])
     assert "does not match its tag" in caplog.text
 
@@ -488,8 +491,8 @@ def test_lanes_a_lost_repair_broke_fail_the_next_attempt_under_their_key_at_once
         headers = [RoundHeader(3, steps=1, ranks=2), RoundHeader(3, steps=1, ranks=2)]
         if i == 0:  # island 0's repair is lost (the round had counted): nothing is raised, its lanes are marked
             assert engine._repair_counted(headers, locals_) == 0
-        failed = [engine._lanes(2, engine.side)[1]]  # the next round keeps the key
-        failed.append(engine._lanes(2, engine.side)[1])  # and the one after (its retry would name new lanes)
+        failed = [engine.rank_lanes(2)[1]]  # the next round keeps the key
+        failed.append(engine.rank_lanes(2)[1])  # and the one after (its retry would name new lanes)
         return failed
 
     got = run_threads([lambda i=i, r=r: rank_main(i, r) for i in range(2) for r in range(2)])
@@ -500,3 +503,81 @@ def test_lanes_a_lost_repair_broke_fail_the_next_attempt_under_their_key_at_once
     # island 0's rank 1 did not build lanes under the broken key; then it used them like the others
     assert [key for _, key in rank_links[0, 1].used] == ["round3/a0", "round3/a0"]  # the repair's, the third call's
     assert [key for _, key in rank_links[1, 1].used] == ["round3/a0", "round3/a0"]
+
+
+def _start(sizes: list[int], exchange: str, seeds: list[int], skew_copies: bool) -> dict[tuple[int, int], Any]:
+    """Islands of ``sizes`` ranks (threads) built from ``seeds`` meet and take island 0's state; with
+    ``skew_copies`` rank 1 of every island holds its own copy of the replicated ``bias``. Returns each
+    rank's parameters afterwards, whether the state was sent, and the whole anchors (by canonical
+    layout) on the leader."""
+    from test_engine import initial_flat
+
+    from lightning_islands.engine import IslandEngine
+
+    hub = Hub(len(sizes))
+    shared = [ThreadIsland(n) for n in sizes]
+
+    def rank_main(island: int, rank: int) -> dict[str, Any]:
+        settings = IslandSettings(exchange=exchange, exchange_chunk_mib=1024 * 4 / 2**20)
+        layout = CanonicalLayout(SPECS, ThreadGroup(shared[island], rank))
+        engine = IslandEngine(settings, layout, island, len(sizes), torch.device("cpu"), torch.device("cpu"))
+        locals_ = [layout.shard_of(initial_flat(seeds[island]), k).clone() for k in range(len(SPECS))]
+        if skew_copies and rank == 1:
+            locals_[2].add_(1.0)  # "bias": every rank holds all of it; rank 0's copy is the one gathered
+        engine.meet(lambda: MemoryLink(hub, island), settings.fingerprint(layout, False, "cpu"),
+                    open_rank_link=lambda: MemoryRankLink(hub, island, rank))
+        engine.adopt_initial_state(locals_, {"step": torch.tensor([float(seeds[island])])})
+        got = {"locals": locals_, "sent": engine.initial_state_broadcast, "anchors": engine.global_flat(),
+               "digest": engine._start_digest()}
+        if rank == min(island, sizes[island] - 1):  # one rank of each island flips one bit of a value it owns
+            engine.state.anchors[0].view(-1)[-1:].view(torch.int32).bitwise_xor_(1)
+        got["flipped"] = engine._start_digest()
+        return got
+
+    jobs = [lambda i=i, r=r: rank_main(i, r) for i, n in enumerate(sizes) for r in range(n)]
+    return dict(zip([(i, r) for i, n in enumerate(sizes) for r in range(n)], run_threads(jobs)))
+
+
+@pytest.mark.parametrize("seeds", [[0, 1, 2], [5, 5, 5]], ids=["different", "same"])
+def test_islands_take_island_0s_state_slice_by_slice_at_the_start(seeds, monkeypatch):
+    """``exchange=sliced`` at the start: the islands compare checksums that do not depend on their
+    sharding, and those built otherwise than island 0 take its parameters slice by slice, rank to
+    rank; no rank gathers the model, copies of a replicated parameter take their owner's values,
+    and every rank ends as the leader path leaves it, bit for bit. Built alike, nothing is sent."""
+    from lightning_islands.engine import rendezvous
+
+    sizes, inside, moved = [3, 2, 4], threading.local(), []
+    gather, adopt = CanonicalLayout.gather_to_leader, rendezvous.adopt_initial_state_sliced
+    move = rendezvous.move_slices
+
+    def spy_gather(self, *args, **kwargs):
+        assert not getattr(inside, "start", False), "the sliced start gathered the model to one rank"
+        return gather(self, *args, **kwargs)
+
+    def flagged(*args, **kwargs):
+        inside.start = True
+        try:
+            return adopt(*args, **kwargs)
+        finally:
+            inside.start = False
+
+    def spy_move(*args, **kwargs):
+        moved.append(kwargs["slices"])
+        return move(*args, **kwargs)
+
+    leader = _start(sizes, "leader", seeds, skew_copies=True)
+    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
+    monkeypatch.setattr(rendezvous, "adopt_initial_state_sliced", flagged)
+    monkeypatch.setattr(rendezvous, "move_slices", spy_move)
+    got = _start(sizes, "sliced", seeds, skew_copies=True)
+    different = seeds[0] != seeds[1]
+    assert moved == ([2] * 9 if different else []), moved  # every rank, over the smallest island's two slices
+    for key, want in leader.items():
+        assert got[key]["sent"] is want["sent"] is different
+        assert all(torch.equal(a, b) for a, b in zip(want["locals"], got[key]["locals"])), key
+    first = got[0, 0]["anchors"]
+    for i in range(len(sizes)):
+        assert torch.equal(got[i, 0]["anchors"], first) and torch.equal(leader[i, 0]["anchors"], first)
+        assert got[i, 0]["digest"] == got[0, 0]["digest"]  # the start agreement's, gathering nothing either
+    # each island's one flipped bit, at its own canonical place, shows in its checksum
+    assert len({got[0, 0]["digest"]} | {got[i, 0]["flipped"] for i in range(len(sizes))}) == 1 + len(sizes)

@@ -303,6 +303,10 @@ class CanonicalLayout:
         island of several ranks): those copies only agree if something keeps them so."""
         return any(not part.owner for parts in self._parts for part in parts)
 
+    def copied(self) -> list[int]:
+        """The parameters some rank holds a copy of (values another rank gathers), in order."""
+        return [i for i in range(len(self.entries)) if any(not parts[i].owner for parts in self._parts)]
+
     def check_local_shapes(self, held: Sequence[Sequence[int]]) -> None:
         """Raise on every rank of the island unless every rank holds, of each parameter, the shape
         the layout cuts for it (``held``: this rank's shapes, in parameter order); a collective."""

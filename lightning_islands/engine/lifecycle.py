@@ -29,7 +29,7 @@ from lightning_islands.engine.meeting import RoundMeeting
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import GRACE_FLOOR_S, IslandSettings
 from lightning_islands.engine.state import OuterState, base_key
-from lightning_islands.link.protocol import Link, RankLink
+from lightning_islands.link.protocol import Link, RankLink, RoundLost
 
 
 class IslandEngineBase:
@@ -123,6 +123,31 @@ class IslandEngineBase:
             return float(self.settings.grace_s)
         return max(GRACE_FLOOR_S, self.schedule.steps_per_round * self._step_seconds)
 
+    def rank_lanes(self, count: int, side: Island | None = None) -> tuple[Any, tuple[str, str] | None]:
+        """This rank's lanes for a round of ``count`` slices (the island's link on rank 0, its own
+        beyond, ``None`` past ``count``), brought to the round's islands present (a collective of the
+        island); and why they could not be, if so (the island then fails together, not this rank alone).
+        ``side``: the island over the group that runs the transfer (default: its own)."""
+        side, rank, link = side or self.side, self.group.rank, None
+        present, key, attempt = side.with_link(lambda link: ((side.index,), None, None) if link is None else (
+            tuple(link.present), link.lanes_key, getattr(link, "attempt_key", None)))  # None: a lone island
+        if rank == 0:
+            link = self.link
+        elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
+            link = self.rank_link
+        broken, self._broken_lanes, self._lanes_key = key is not None and key == self._broken_lanes, None, key
+        if broken and link is not None and rank:  # its peers would wait for it to build them anew under a used key
+            return link, ("lost", f"rank {rank} of island {self.island} lost its lanes of {key} in the last repair; "
+                                  "the round runs again on new ones")
+        try:
+            if link is not None and rank:
+                link.use(present, key, attempt)
+        except RoundLost as err:
+            return link, ("lost", str(err))
+        except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
+            return link, (type(err).__name__, f"{type(err).__name__}: {err}")
+        return link, None
+
     # ------------------------------------------------------------------ before the rounds
     def meet(self, open_link: Callable[[], Link], fingerprint: dict[str, Any], rejoining: bool = False,
              joining: bool = False, open_rank_link: Callable[[], RankLink] | None = None) -> None:
@@ -145,8 +170,14 @@ class IslandEngineBase:
             self.state.set_anchors(locals_)
             return
         self._state_exchanges += 1  # each call its own key
+        key = f"initial_state/{self._state_exchanges}"
+        if self.sliced:
+            self.initial_state_broadcast = rendezvous.adopt_initial_state_sliced(
+                self.side, self.layout, self.state, self.device, locals_, buffers, key, self.rank_lanes,
+                self.settings.exchange_chunk)
+            return
         self.initial_state_broadcast = rendezvous.adopt_initial_state(
-            self.side, self.layout, self.state, self.device, locals_, buffers, f"initial_state/{self._state_exchanges}")
+            self.side, self.layout, self.state, self.device, locals_, buffers, key)
 
     def agree_on_start(self, more: bool) -> list[int]:
         """The islands' start agreement (a collective of the island): every island's global state
@@ -154,10 +185,21 @@ class IslandEngineBase:
         against it at their stage); returns the islands that have no training steps left (``more=False``)."""
         if self.num_islands == 1:
             return [] if more else [self.island]
-        digest = self.global_state_digest() if self.butterfly is None else None
+        digest = self._start_digest() if self.butterfly is None else None
         steps = self.state.steps()
         return rendezvous.agree_on_start(self.side, digest, self.schedule.round, more,
                                          steps if isinstance(steps, int) else sum(steps), self.settings.max_staleness)
+
+    def _start_digest(self) -> str | None:
+        """What the start agreement compares (a collective of the island): the global state's SHA-256
+        (:meth:`global_state_digest`); with ``exchange=sliced``, which gathers nothing, the checksums of
+        the anchors and momentum that do not depend on how the island shards them."""
+        if not self.sliced:
+            return self.global_state_digest()
+        momentum = self.state.momentum
+        sums = [self.layout.island_checksum(self.state.anchors),
+                0 if momentum is None else self.layout.island_checksum(momentum)]
+        return "/".join(f"{s:016x}" for s in sums) + ("" if momentum is not None else "/none")
 
     def settle_start(self, done: list[int]) -> tuple[bool, str | None, bool]:
         """Act on the start agreement (:func:`rendezvous.settle_start`)."""

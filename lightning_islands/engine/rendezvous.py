@@ -3,7 +3,8 @@
 - :func:`meet`: the leader opens the link, the islands compare fingerprints of their model and
   settings through the coordinator (a mismatch is a clear error, not a hang), then open the lanes.
 - :func:`adopt_initial_state`: every island takes island 0's parameters and buffers; the islands
-  compare a SHA-256 first and send nothing when they already agree.
+  compare a SHA-256 first and send nothing when they already agree. With ``exchange=sliced``,
+  :func:`adopt_initial_state_sliced` does it with no rank holding more than a chunk of its slice.
 - :func:`agree_on_start` and :func:`settle_start`: at the start of every fit the islands compare a
   digest of their global state and whether each has steps left, and act on it alike.
 
@@ -21,13 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.engine import saves
+from lightning_islands.engine import outer, saves
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import compare_fingerprints
+from lightning_islands.engine.slice_moves import move_slices, slice_bounds
 from lightning_islands.engine.state import OuterState
-from lightning_islands.link.protocol import Link
+from lightning_islands.link.protocol import Link, RoundLost
 
 RUN_RECORD = "run"  # where island 0 publishes the run's fingerprint and settings for islands that join later
 
@@ -98,6 +100,57 @@ def adopt_initial_state(island: Island, layout: CanonicalLayout, state: OuterSta
     return True
 
 
+@torch.no_grad()
+def adopt_initial_state_sliced(island: Island, layout: CanonicalLayout, state: OuterState, device: torch.device,
+                               locals_: Sequence[Tensor], buffers: dict[str, Tensor], key: str,
+                               lanes: Callable[[int], tuple[Any, tuple[str, str] | None]], chunk: int | None) -> bool:
+    """:func:`adopt_initial_state` with ``exchange=sliced``: no rank gathers the model. The islands
+    compare the checksum of their parameters that does not depend on how an island shards them
+    (:meth:`CanonicalLayout.island_checksum`) and a SHA-256 of their buffers; the islands that
+    differ from island 0 take its parameters slice by slice, rank to rank
+    (:func:`~lightning_islands.engine.slice_moves.move_slices`, ``lanes(S)`` this rank's lanes for
+    ``S`` slices, ``chunk`` values at a time), and every island takes its buffers. Returns whether
+    island 0's state had to be sent."""
+    if layout.has_copies:  # copies on several ranks (replicated under tensor parallel) may differ
+        _copies_agree(layout, locals_, device, chunk)
+    checksum = f"{layout.island_checksum(locals_):016x}"
+    found = island.with_link(lambda link: link.gather_objects(key, {
+        "digest": f"{checksum}/{state_digest(torch.empty(0), buffers)}", "ranks": layout.group.size}))
+    takers = [i for i, d in enumerate(found) if d["digest"] != found[0]["digest"]]
+    if not takers:
+        state.set_anchors(locals_)
+        return False
+    slices = min(int(d["ranks"]) for d in found)
+    link, failed = lanes(slices)
+    try:
+        taken = move_slices(island, layout, [locals_] if island.index == 0 else None, 1, locals_, 0, takers,
+                            slices=slices, link=link, chunk=chunk, device=device, failed=failed,
+                            what="island 0's parameters")
+    except RoundLost as err:
+        raise RuntimeError(f"island {island.index} could not take island 0's parameters at the start ({err}); start "
+                           "the run again") from err
+    if taken is None:
+        state.set_anchors(locals_)
+    else:  # anchors from the fp32 values received, not from parameters that may hold fewer bits
+        for loc, t in zip(locals_, taken[0]):
+            loc.copy_(t)
+        state.set_anchors(taken[0])
+    _share_buffers(island, buffers)
+    return True
+
+
+def _copies_agree(layout: CanonicalLayout, locals_: Sequence[Tensor], device: torch.device, chunk: int | None) -> None:
+    """Every copy of a replicated parameter takes its owner's values, a chunk of each rank's slice
+    at a time (a collective of the island, over its own fabric)."""
+    idx = layout.copied()
+    sub, held = layout.subset(idx), [locals_[i] for i in idx]
+    bounds = slice_bounds(sub.numel, layout.group.size, 1)
+    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
+    for k in range(max((len(p) for p in pieces), default=0)):
+        parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+        sub.from_owners(sub.to_owners(held, parts, device), parts, device, held)
+
+
 def _share_buffers(island: Island, buffers: dict[str, Tensor]) -> None:
     """Island 0 sends its buffers, the others load them (every island has the same module)."""
     if not buffers:
@@ -118,7 +171,8 @@ def _share_buffers(island: Island, buffers: dict[str, Tensor]) -> None:
 
 
 def state_digest(flat: Tensor | None, buffers: dict[str, Tensor]) -> str:
-    """SHA-256 of the full fp32 parameters and of every buffer (name, dtype, shape, bytes)."""
+    """SHA-256 of the full fp32 parameters (``flat``; empty: buffers only) and of every buffer
+    (name, dtype, shape, bytes)."""
     assert flat is not None, "the leader holds the gathered parameters"
     h = hashlib.sha256(flat.cpu().numpy())
     for name, buf in buffers.items():

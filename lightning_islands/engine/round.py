@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,6 +40,7 @@ from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.lifecycle import IslandEngineBase
 from lightning_islands.engine.merging import MergePlan
+from lightning_islands.engine.slice_moves import slice_count
 from lightning_islands.engine.stats import sum_sq
 from lightning_islands.link.protocol import RoundLost, RunEnded
 
@@ -260,8 +260,8 @@ class IslandEngine(IslandEngineBase):
         ``side``: the island over another group of its ranks (an overlapped round's thread; ``layout``
         then on that group too)."""
         side = side or self.side
-        count = sliced.slice_count(plan.headers)
-        link, failed = self._lanes(count, side)
+        count = slice_count(plan.headers)
+        link, failed = self.rank_lanes(count, side)
         mixer = None if mix is None else (lambda lanes: mix.exchange(self.codec, lanes, self.island, plan, delta_sq,
                                                                       residual is not None, layout))
         got = sliced.exchange_sliced(side, layout, self.codec, link, plan, sent, anchors, residual, delta_sq,
@@ -269,30 +269,6 @@ class IslandEngine(IslandEngineBase):
                                      mixer)
         grads = [g.to(a.device) for g, a in zip(got.grads, anchors)]
         return grads, {} if got.exchange is None else self.meeting.account(got.exchange, got.chunks)
-
-    def _lanes(self, count: int, side: Island) -> tuple[Any, tuple[str, str] | None]:
-        """This rank's lanes for a round of ``count`` slices (the island's link on rank 0, its own
-        beyond, ``None`` past ``count``), brought to the round's islands present (a collective of the
-        island); and why they could not be, if so (the island then fails together, not this rank alone)."""
-        rank, link = self.group.rank, None
-        present, key, attempt = side.with_link(lambda link: ((side.index,), None, None) if link is None else (
-            tuple(link.present), link.lanes_key, getattr(link, "attempt_key", None)))  # None: a lone island
-        if rank == 0:
-            link = self.link
-        elif rank < count and self.rank_link is not None:  # without one the island fails together (sliced)
-            link = self.rank_link
-        broken, self._broken_lanes, self._lanes_key = key is not None and key == self._broken_lanes, None, key
-        if broken and link is not None and rank:  # its peers would wait for it to build them anew under a used key
-            return link, ("lost", f"rank {rank} of island {self.island} lost its lanes of {key} in the last repair; "
-                                  "the round runs again on new ones")
-        try:
-            if link is not None and rank:
-                link.use(present, key, attempt)
-        except RoundLost as err:
-            return link, ("lost", str(err))
-        except Exception as err:  # noqa: BLE001 - e.g. a bad LI_LINK_IFNAME: the island ends together
-            return link, (type(err).__name__, f"{type(err).__name__}: {err}")
-        return link, None
 
     def _fly(self, pending: PendingRound, sent: Sequence[Tensor], delta_sq: float, header: RoundHeader) -> PendingRound:
         """Gather the fragment's vector to the leader (an island collective, now) and start its
@@ -403,14 +379,14 @@ class IslandEngine(IslandEngineBase):
         voting until then)."""
         try:
             if self.sliced and sliced_repair.needed(headers):  # every rank sends or takes its slice of the state
-                link, failed = self._lanes(sliced.slice_count(headers), self.side)
+                link, failed = self.rank_lanes(slice_count(headers), self.side)
                 return sliced_repair.repair_sliced(self.side, self.layout, self.state, self.device, headers, locals_,
                                                    link, self.settings.exchange_chunk, failed)
             return health.repair(self.side, self.layout, self.state, self.device, headers, locals_)
         except RoundLost as err:
             if self.is_leader:
                 log.warning("islands: %s", err)
-            if self.sliced:  # a rank lost its transfer: its lanes of this key are gone (see _lanes)
+            if self.sliced:  # a rank lost its transfer: its lanes of this key are gone (see rank_lanes)
                 self._broken_lanes = self._lanes_key
             self.joining = self.joining or self.island not in health.majority(headers)
             return 0

@@ -44,11 +44,11 @@ from torch import Tensor
 from lightning_islands.codecs import Codec
 from lightning_islands.engine import outer
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
-from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.mixing import MixExchange
+from lightning_islands.engine.slice_moves import slice_bounds
 from lightning_islands.link.protocol import (
     AuthenticationError,
     CoordinatorLost,
@@ -56,23 +56,6 @@ from lightning_islands.link.protocol import (
     IslandAborted,
     RoundLost,
 )
-
-
-def slice_bounds(numel: int, count: int, alignment: int) -> list[tuple[int, int]]:
-    """``count`` contiguous ranges covering ``[0, numel)`` in order, each starting on a multiple of
-    ``alignment`` (whole codec blocks), as even as whole blocks allow (the last ones empty when there
-    are fewer blocks than slices, so that rank 0, which reports the round, always owns one)."""
-    if count < 1 or alignment < 1:
-        raise ValueError(f"count and alignment must be >= 1, got {count} and {alignment}")
-    blocks = -(-numel // alignment)
-    base, extra = divmod(blocks, count)  # the first ``extra`` slices take one block more; any empty ones come last
-    cuts = [min(numel, (base * k + min(k, extra)) * alignment) for k in range(count + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def slice_count(headers: Sequence[RoundHeader]) -> int:
-    """How many slices a round cuts: the ranks of the smallest island present."""
-    return min(h.ranks for h in headers if not h.absent)
 
 
 @dataclass

@@ -3,36 +3,27 @@
 Through the leader (:func:`~lightning_islands.engine.health.repair`) the majority's first island
 gathers the whole global state (anchors and momentum, every fragment) to its rank 0 and swaps it
 with the islands that differ, whose rank 0 receives it all: a host holds the model twice over.
-With ``exchange=sliced`` the state is cut into the round's ``S`` slices (the ranks of the smallest
-island present, :func:`~lightning_islands.engine.sliced.slice_count`) and moved a chunk at a time:
-the source island moves chunk ``k`` of each slice of its anchors (and momentum) to the slice's
-owner (:meth:`CanonicalLayout.to_owners`), each owner swaps it over its own lanes with the same
-rank of the islands repaired, and there the owner sends it back to the shards
-(:meth:`CanonicalLayout.from_owners`). Every owner of every island swaps once per chunk (with
-nobody when its island is neither the source nor repaired), so that the lanes' sequences of payloads
-stay in step. After the last chunk the island learns every slice's outcome at once: a lost transfer
-is :class:`~lightning_islands.link.protocol.RoundLost` on every rank (the island stays out of step
-and is repaired at its next round, as the leader's repair does), any other failure ends the island.
+With ``exchange=sliced`` the majority's first island sends its anchors (and momentum) slice by
+slice, rank to rank (:func:`~lightning_islands.engine.slice_moves.move_slices`, over the round's
+``S`` slices: the ranks of the smallest island present). A lost transfer leaves the island out of
+step (it is repaired at its next round, as the leader's repair does); any other failure ends it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import suppress
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_islands.engine import outer
 from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.health import majority, rebase
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
-from lightning_islands.engine.sliced import slice_bounds, slice_count
+from lightning_islands.engine.slice_moves import move_slices, slice_count
 from lightning_islands.engine.state import OuterState
-from lightning_islands.link.protocol import RoundLost
 
 log = logging.getLogger(__name__)
 
@@ -58,77 +49,22 @@ def repair_sliced(side: Island, layout: CanonicalLayout, state: OuterState, devi
     if not bad or not good:
         return 0
     src = next(i for i in good if headers[i].votes)  # a voter: the repair sends every fragment
-    me, rank = side.index, layout.group.rank
     summary = headers[src].state
     assert summary is not None, "an island that votes has a state summary"
-    fields = 2 if summary.momentum is not None else 1  # the source's anchors, and its momentum if it has one
-    momentum = state.momentum if fields == 2 and me == src else None
-    peers = bad if me == src else [src] if me in bad else []
-    bounds = slice_bounds(layout.numel, slice_count(headers), 1)
-    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
-    owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
-    taken = ([torch.empty_like(a) for a in state.anchors],
-             [torch.empty_like(a) for a in state.anchors] if fields == 2 else None) if me in bad else None
-    for k in range(max((len(p) for p in pieces), default=0)):
-        parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
-        mine = None
-        if me == src:  # the chunk of every slice of the state, at its owner
-            sent = [layout.to_owners(state.anchors, parts, device, torch.device("cpu"))]
-            if momentum is not None:
-                sent.append(layout.to_owners(momentum, parts, device, torch.device("cpu")))
-            mine = None if sent[0] is None else torch.cat(sent).view(torch.uint8)  # type: ignore[arg-type]
-        got = None
-        if owns:
-            n = parts[rank][1] - parts[rank][0]
-            if failed is not None and link is not None:  # the lanes' call count stays in step (MACs bind it)
-                with suppress(Exception):
-                    link.swap_bytes(torch.empty(0, dtype=torch.uint8), [])
-            elif failed is None:
-                try:
-                    got = link.swap_bytes(mine if mine is not None else torch.empty(0, dtype=torch.uint8), peers,
-                                          limit=4 * n * fields)
-                except RoundLost as err:
-                    failed = ("lost", str(err))
-                except Exception as err:  # noqa: BLE001 - the island decides together (below)
-                    failed = (type(err).__name__, f"{type(err).__name__}: {err}")
-            if me in bad:
-                values = got.get(src) if got is not None and failed is None else None
-                if values is None or values.numel() != 4 * n * fields:
-                    failed = failed or ("error", f"island {src} sent {0 if values is None else values.numel()} bytes "
-                                                 f"of slice {rank}'s {n} values; run the same version everywhere")
-                    values = torch.zeros(4 * n * fields, dtype=torch.uint8)
-                got = {src: values}
-        if taken is not None:
-            flat = got[src].view(torch.float32) if got is not None else None
-            n = parts[rank][1] - parts[rank][0] if owns else 0
-            layout.from_owners(None if flat is None else flat[:n], parts, device, taken[0])
-            if taken[1] is not None:
-                layout.from_owners(None if flat is None else flat[n:], parts, device, taken[1])
-    statuses = layout.group.all_gather_object(failed)
-    problems = [(r, s) for r, s in enumerate(statuses) if s is not None]
-    if problems:
-        _raise(side, problems)
+    fields = [state.anchors] + ([state.momentum] if summary.momentum is not None else [])  # read on the source
+    taken = move_slices(side, layout, fields if side.index == src else None, len(fields), state.anchors, src, bad,
+                        slices=slice_count(headers), link=link, chunk=chunk, device=device, failed=failed,
+                        what="the repair")
     if taken is None:
         return len(bad)
     if side.is_leader:
         log.warning("islands: island %d's global state differs from island(s) %s's before round %d (%s vs %s); "
-                    "taking island %d's, slice by slice", me, good, headers[src].round, headers[me].state, summary, src)
+                    "taking island %d's, slice by slice", side.index, good, headers[src].round,
+                    headers[side.index].state, summary, src)
     rebase(locals_, state.anchors, taken[0], skip=set(state.indices(summary.fragment)))
-    state.load_state_dict({"anchor": taken[0], "momentum": taken[1], "residual": state.residual,
+    state.load_state_dict({"anchor": taken[0], "momentum": taken[1] if len(taken) > 1 else None,
+                           "residual": state.residual,
                            "outer_steps": summary.outer_steps})
     state.write_to(locals_, state.indices(summary.fragment))
     return len(bad)
 
-
-def _raise(side: Island, problems: list[tuple[int, tuple[str, str]]]) -> None:
-    """Every rank: a lost slice leaves the island out of step (RoundLost: repaired at its next
-    round); any other failure ends the island, the leader's message on every rank."""
-    errors = [(r, m) for r, (kind, m) in problems if kind != "lost"]
-    if not errors:
-        raise RoundLost("; ".join(f"rank {r}'s slice of the repair: {m}" for r, (_, m) in problems))
-
-    def fail() -> None:
-        r, message = errors[0]
-        raise RuntimeError(f"rank {r}'s slice of the repair failed: {message}")
-
-    side.agree(fail)
