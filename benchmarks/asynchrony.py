@@ -28,7 +28,9 @@ budget), ``val_loss`` (the mean over islands of each island's final global model
 islands hold different ones, a late island an older one), ``val_loss_island0``,
 ``bytes_received_per_round`` (mean over islands of bytes received over rounds taken part in),
 ``staleness`` (a histogram of the ages of the pseudo-gradients merged: ``{age: count}``),
-``rounds`` and the rows' ratios to ``sync`` of the same seed. ``DIR/asynchrony.md`` is the table (and
+``rounds``, ``cpu_s`` (CPU seconds of the launch and all its processes) with ``cpu_busy`` (that
+over the launch's wall time times the machine's cores: how near the run is to being bound by the
+cores rather than by waiting) and the rows' ratios to ``sync`` of the same seed. ``DIR/asynchrony.md`` is the table (and
 the mean over seeds), ``DIR/loss_vs_wall.png`` the validation loss of island 0 against wall time,
 one line per configuration (with matplotlib).
 """
@@ -37,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -74,9 +78,12 @@ def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str
     """One run; its row."""
     log = out / f"{config}_s{seed}.log"
     cmd = [sys.executable, "-m", "lightning_islands.app.train", *overrides(config, seed, args)]
-    started = time.monotonic()
+    started, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     with log.open("w") as f:
         done = subprocess.run(cmd, cwd=out, stdout=f, stderr=subprocess.STDOUT, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the launch and every island process it reaped
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    launch_s = time.monotonic() - started
     text = log.read_text()
     if done.returncode != 0 or "run folder " not in text:
         raise RuntimeError(f"{config} (seed {seed}) failed: see {log}\n{text[-3000:]}")
@@ -97,14 +104,16 @@ def run(config: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str
             "val_loss_per_island": summary["val_loss_per_island"], "tokens": summary["tokens"],
             "rounds": summary.get("rounds"), "bytes_received_per_round": statistics.fmean(per_island),
             "staleness": dict(sorted(ages.items())), "curve": curve, "run_dir": str(run_dir),
-            "launch_s": time.monotonic() - started, "overrides": overrides(config, seed, args)}
+            "launch_s": launch_s, "cpu_s": cpu_s, "cpu_busy": cpu_s / (launch_s * (os.cpu_count() or 1)),
+            "overrides": overrides(config, seed, args)}
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     """The markdown table: every row with its ratios to ``sync`` of its seed, then the means."""
     sync = {r["seed"]: r for r in rows if r["config"] == "sync"}
     lines = ["| config | seed | wall (s) | vs sync | tokens | val loss (mean of islands) | vs sync | island 0 | "
-             "bytes in / round | rounds | stale merges (age: count) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bytes in / round | rounds | stale merges (age: count) | CPU s (busy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = sync.get(r["seed"])
         wall = f"{r['wall_s'] / base['wall_s']:.3f}" if base else "-"
@@ -112,7 +121,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['config']} | {r['seed']} | {r['wall_s']:.1f} | {wall} | {r['tokens']:,} | "
                      f"{r['val_loss']:.4f} | {loss} | "
                      f"{r['val_loss_island0']:.4f} | {r['bytes_received_per_round'] / 1e6:.2f} MB | {r['rounds']} | "
-                     f"{r['staleness'] or '-'} |")
+                     f"{r['staleness'] or '-'} | {r.get('cpu_s', 0):.0f} ({r.get('cpu_busy', 0):.2f}) |")
     seeds = sorted({r["seed"] for r in rows})
     if len(seeds) > 1:
         lines += ["", "| config | mean wall (s) | vs sync | vs balanced | mean val loss | vs sync |",

@@ -171,10 +171,9 @@ def test_an_island_whose_base_differs_takes_its_partners_state():
         assert all(torch.equal(got[i], layout.shard_of(before, i)) for i in range(len(SPECS)))
 
 
-@pytest.mark.parametrize("bad", [{"overlap_steps": 1}, {"topology": "ring"}])
-def test_unsupported_butterfly_settings_are_refused_with_the_fix(bad):
+def test_an_unknown_topology_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="topology"):
-        IslandSettings(**{**BUTTERFLY, **bad})
+        IslandSettings(**{**BUTTERFLY, "topology": "ring"})
 
 
 def test_four_islands_over_the_real_authenticated_link_give_the_in_memory_bits():
@@ -311,3 +310,109 @@ def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypat
             assert all(torch.equal(a, b) for a, b in zip(want["rounds"], got[key]["rounds"])), key
         for name in ("anchor", "momentum", "base0", "base1"):
             assert all(torch.equal(a, b) for a, b in zip(want["state"][name], got[key]["state"][name])), (key, name)
+
+
+def overlapped_reference(sizes: list[int], kw: dict, steps: int) -> list[list[torch.Tensor]]:
+    """The butterfly with ``overlap_steps`` in float64 (test_streaming's run: 7 tokens per rank per
+    step, one fragment): at each sync point every island takes its own Nesterov step on its own
+    pseudo-gradient (its proposal); tau steps later each island's global model becomes its group's
+    token-weighted mean of the proposals and its local parameters ``global + alpha (local - global)``.
+    Each island's global model after each round."""
+    from test_streaming import BASE
+
+    s = {**BASE, "overlap_alpha": 0.0, **kw}
+    n, h, mu, lr, tau, alpha = len(sizes), s["sync_every"], s["outer_momentum"], s["outer_lr"], s["overlap_steps"], \
+        s["overlap_alpha"]
+    bf = Butterfly(n)
+    glob = [initial_flat(0).double() for _ in range(n)]
+    local = [g.clone() for g in glob]
+    bufs: list[torch.Tensor | None] = [None] * n
+    out: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    flying, rounds = None, 0
+
+    def land(stage: int, props: list[torch.Tensor], stepped: list[torch.Tensor]) -> None:
+        for i in range(n):
+            group = sorted(j for unit in bf.group(i, stage) for j in unit)
+            glob[i] = sum(sizes[j] * props[j] for j in group) / sum(sizes[j] for j in group)
+        for i in range(n):
+            bufs[i] = stepped[i]
+            local[i] = glob[i] + alpha * (local[i] - glob[i]) if tau else glob[i].clone()
+            out[i].append(glob[i].clone())
+
+    for step in range(1, steps + 1):
+        for i in range(n):
+            local[i] = local[i] - INNER_LR * (local[i] - target(i, step - 1).double())
+        if flying is not None and step - flying[0] >= tau:
+            land(*flying[1:])
+            flying = None
+        if step % h == 0:
+            deltas = [glob[i] - local[i] for i in range(n)]
+            stepped = [d.clone() if b is None else mu * b + d for b, d in zip(bufs, deltas)]
+            props = [glob[i] - lr * (deltas[i] + mu * stepped[i]) for i in range(n)]
+            fly = (step, bf.stage_of(rounds), props, stepped)
+            rounds += 1
+            if tau and step != steps:
+                flying = fly
+            else:
+                land(*fly[1:])
+    return out
+
+
+OVERLAP = {**BUTTERFLY, "overlap_steps": 1, "overlap_alpha": 0.5}
+
+
+def test_overlapped_butterfly_rounds_match_the_reference_and_pairs_agree():
+    """``overlap_steps`` with the butterfly: the mix flies while the islands train; every island
+    lands its group's mix of the proposals taken at the sync point (float64 reference), the
+    islands of a group leave each stage bit-identical, and the sliced exchange gives the leader
+    path's bits."""
+    from test_streaming import run as run_streaming
+
+    sizes, steps = [2, 1, 1, 3], 16
+    got = run_streaming(sizes, OVERLAP, steps)
+    expected = overlapped_reference(sizes, OVERLAP, steps)
+    bf = Butterfly(4)
+    for i, island in enumerate(got):
+        assert len(island["globals"]) == len(expected[i]) == 4
+        for r, (a, ref) in enumerate(zip(island["globals"], expected[i])):
+            torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5, msg=f"island {i}, round {r + 1}")
+        assert "islands/seconds_waiting_in_flight" in island["metrics"][0]
+    for r in range(4):
+        for group in pairs(bf, bf.stage_of(r)):
+            assert all(torch.equal(got[i]["globals"][r], got[group[0]]["globals"][r]) for i in group), (r, group)
+    sliced = run_streaming(sizes, {**OVERLAP, "exchange": "sliced", "codec": "int4", "error_feedback": True}, steps)
+    leader = run_streaming(sizes, {**OVERLAP, "codec": "int4", "error_feedback": True}, steps)
+    for a, b in zip(leader, sliced):
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))
+
+
+def test_the_butterflys_background_path_landed_at_once_is_its_synchronous_round():
+    from test_streaming import run as run_streaming
+
+    sizes, steps, kw = [2, 1, 1, 1], 12, {**BUTTERFLY, "codec": "int4", "exchange_chunk_mib": 0.004}
+    sync = run_streaming(sizes, kw, steps)
+    background = run_streaming(sizes, kw, steps, mode="land_at_once")
+    for a, b in zip(sync, background):
+        assert len(a["globals"]) == len(b["globals"]) == 3
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))
+
+
+@pytest.mark.parametrize("exchange", ["leader", "sliced"])
+def test_an_overlapped_butterfly_repairs_a_damaged_base_when_the_round_lands(exchange):
+    """Island 1's base of stage 0 loses a bit after round 1: at round 3 (stage 0 again) its partner
+    island 0 is its group's source, the repair runs when the round lands (the island's collectives
+    are the training's until then), and the pair ends the round equal; sliced as the leader path."""
+    from test_streaming import run as run_streaming
+
+    sizes, steps, kw = [2, 3, 1, 2], 16, {**OVERLAP, "exchange": exchange}
+    got = run_streaming(sizes, kw, steps, corrupt_base=(1, 1))
+    repaired = [m["islands/islands_repaired"] for m in got[1]["metrics"]]
+    assert repaired == [0.0, 0.0, 1.0, 0.0], repaired
+    assert got[0]["metrics"][2]["islands/mixed"] == 1  # the repaired island is left out of the mix
+    assert torch.equal(got[0]["globals"][2], got[1]["globals"][2])
+    if exchange == "sliced":
+        leader = run_streaming(sizes, {**kw, "exchange": "leader"}, steps, corrupt_base=(1, 1))
+        for a, b in zip(leader, got):
+            assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))

@@ -115,6 +115,9 @@ STREAMING_ARGS = ["--steps", 16, "--H", 4, "--fragments", 2, "--overlap", 1, "--
                   "--codec", "int4", "--inner", "adamw", "--ckpt-every", 7, "--val-every", 3]
 BUTTERFLY_ARGS = ["--steps", 8, "--H", 2, "--batch-sizes", "4,8,4,6", "--codec", "int4", "--topology", "butterfly",
                   "--ckpt-every", 5]
+# each round flies one inner step; the checkpoint after step 4 is taken with round 1 in flight
+BUTTERFLY_OVERLAP_ARGS = ["--steps", 16, "--H", 4, "--batch-sizes", "4,8,4,6", "--codec", "int4", "--topology",
+                          "butterfly", "--overlap", 1, "--alpha", 0.5, "--ckpt-every", 4]
 RELEASE_0_1_0 = SCRIPTS.parent / "fixtures" / "checkpoint_0.1.0"
 
 
@@ -141,6 +144,8 @@ SHARED_RUNS.update({
     # four butterfly islands, resumed from their checkpoints in the middle of round 3
     "butterfly": ([2, 1, 1, 1], BUTTERFLY_ARGS),
     "butterfly-resumed": ([2, 1, 1, 1], _resuming("butterfly", BUTTERFLY_ARGS, "step=5.ckpt")),
+    "butterfly-overlap": ([2, 1, 1, 1], BUTTERFLY_OVERLAP_ARGS),
+    "butterfly-overlap-resumed": ([2, 1, 1, 1], _resuming("butterfly-overlap", BUTTERFLY_OVERLAP_ARGS, "step=4.ckpt")),
     # island 1's checkpoint after step 4 takes 8 s to write, 3 s past the grace window of island 0
     "long-checkpoint": ([1, 1], ["--steps", 6, "--H", 2, "--ckpt-every", 4, "--grace-s", 5, "--save-delay", "0,8"]),
     "release-0.1.0": ([1, 1], _from_release_0_1_0),
@@ -156,7 +161,8 @@ SHARED_RUNS.update({
 SHARED_GROUPS = [("heterogeneous", "sync-warmup"), ("outer-warmup", "h1"), ("nan", "topk:0.25+int4"),
                  ("two-optimizers", "accumulate-clip"), ("round-lengths", "early-stop"),
                  ("sliced", "long-checkpoint"), ("sliced-overlap", "streaming"), ("streaming-resumed", "precisions"),
-                 ("butterfly", "mismatched"), ("butterfly-resumed", "release-0.1.0")]
+                 ("butterfly", "butterfly-overlap"), ("butterfly-resumed", "release-0.1.0"),
+                 ("mismatched", "butterfly-overlap-resumed")]
 
 
 @pytest.fixture(scope="module")
@@ -389,11 +395,14 @@ def test_streaming_islands_stay_bit_identical_and_resume_exactly(shared_run):
         assert a[r]["digest"] == b[r]["digest"]
 
 
-def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(shared_run):
+@pytest.mark.parametrize("run, resumed_at", [("butterfly", 3), ("butterfly-overlap", 1)],
+                         ids=["synchronous", "overlapped"])
+def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(shared_run, run, resumed_at):
     """Four islands (one of two processes) in butterfly stages: after each round the islands of its
     stage's pairs hold the same global state and the others differ; a resume from a checkpoint in
-    the middle of round 3 (each island's own state, momentum and bases) continues bit for bit."""
-    full, resumed = shared_run("butterfly"), shared_run("butterfly-resumed")
+    the middle of round 3 (each island's own state, momentum and bases) continues bit for bit.
+    Overlapped: every round flies an inner step, and the checkpoint is taken with round 1 in flight."""
+    full, resumed = shared_run(run), shared_run(f"{run}-resumed")
     rounds = [load_rounds(full, i) for i in range(4)]
     again = [load_rounds(resumed, i) for i in range(4)]
     for r in range(1, 5):
@@ -404,9 +413,11 @@ def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(sha
                 assert torch.equal(t, rounds[b][r]["params"][name]), f"round {r}: islands {a}, {b} differ ({name})"
         assert rounds[0][r]["digest"] != rounds[3][r]["digest"]
         assert rounds[0][r]["metrics"]["islands/butterfly_stage"] == (r - 1) % 2
+        # the round flew (its waiting counted apart) unless it was the last, which ends the run at once
+        assert ("islands/seconds_waiting_in_flight" in rounds[0][r]["metrics"]) == (run.endswith("overlap") and r < 4)
     for i in range(4):
-        assert sorted(again[i]) == [3, 4]
-        for r in (3, 4):
+        assert sorted(again[i]) == list(range(resumed_at, 5))
+        for r in range(resumed_at, 5):
             for name, t in rounds[i][r]["params"].items():
                 assert torch.equal(t, again[i][r]["params"][name]), f"island {i}, resumed round {r}: {name} differs"
             assert rounds[i][r]["digest"] == again[i][r]["digest"]

@@ -61,7 +61,8 @@ class RecordingLink(MemoryLink):
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
                  mode: str = "auto", gates: list[threading.Event] | None = None,
                  experts: bool = False, poison: tuple[int, int, float] | None = None,
-                 corrupt: tuple[int, int] | None = None, late: dict[int, int] | None = None) -> dict[str, Any]:
+                 corrupt: tuple[int, int] | None = None, late: dict[int, int] | None = None,
+                 corrupt_base: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for; a round due at the last
     step is synchronous and ends the run. ``mode``: ``auto`` (a :class:`RoundDriver`: the settings decide, overlap when
     ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts).
@@ -96,6 +97,8 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
             if corrupt == (island, len(metrics)) and group.rank == 0:  # (island, round): one bit of its anchors flips
                 first = engine.state.anchors[0].view(-1)[:1]
                 first.view(torch.int32).bitwise_xor_(1)
+            if corrupt_base == (island, len(metrics)) and group.rank == 0:  # the butterfly's base of stage 0
+                engine.state.bases[0][0].view(-1)[:1].view(torch.int32).bitwise_xor_(1)
 
     driver = RoundDriver(engine, lambda: locals_, experts=counts, on_round=landed,
                          last=lambda: engine.schedule.inner_steps == steps)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,6 +24,9 @@ from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
+
+if TYPE_CHECKING:
+    from lightning_islands.engine.mixing import PendingMix
 
 
 class InFlight:
@@ -57,26 +60,30 @@ class InFlight:
 
 
 def fly(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: CanonicalLayout, delta_sq: float,
-        keep_residual: bool, bounds: Sequence[tuple[int, int]]) -> InFlight:
+        keep_residual: bool, bounds: Sequence[tuple[int, int]], mix: PendingMix | None = None) -> InFlight:
     """Leader: start the round of ``header`` in the background on ``flat`` (the fragment's gathered
     vector, laid out by ``layout``, in chunks ``bounds``); a round that loses an island runs again
-    without it."""
+    without it. ``mix``: the butterfly's round (its group mixes; its repairs wait for the landing)."""
     round_ = header.round
     return InFlight(lambda: run_attempts(
-        round_, lambda k: _attempt(meeting, flat, replace(header, attempt=k), layout, delta_sq, keep_residual, bounds),
+        round_, lambda k: _attempt(meeting, flat, replace(header, attempt=k), layout, delta_sq, keep_residual, bounds,
+                                   mix),
         lambda why: {"headers": [], "late": why},
         lambda: {"headers": [RoundHeader.absent_from(round_, stop=True)], "ended": True}, leader=True),
         name=f"island{meeting.island.index}-round{round_}")
 
 
 def _attempt(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: CanonicalLayout, delta_sq: float,
-             keep_residual: bool, bounds: Sequence[tuple[int, int]]) -> dict[str, Any]:
+             keep_residual: bool, bounds: Sequence[tuple[int, int]], mix: PendingMix | None) -> dict[str, Any]:
     """One attempt in the background: headers, every chunk into the round's result, the settling."""
     plan = meeting.meet(header)
+    if mix is not None:
+        mix.arrange(plan.headers, plan, meeting.island.index)
     if not plan.stepped:
         meeting.settle(header.round, plan.stop)
         return {"headers": plan.headers}
-    exchange = meeting.exchange(plan, layout, delta_sq, keep_residual)
+    exchange = meeting.exchange(plan, layout, delta_sq, keep_residual) if mix is None else mix.exchange(
+        meeting.codec, meeting.island.link, meeting.island.index, plan, delta_sq, keep_residual, layout)
     merged = torch.empty_like(flat)
     residual = torch.empty_like(flat) if keep_residual else None
 

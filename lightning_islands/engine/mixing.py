@@ -247,6 +247,7 @@ class PendingMix:
     members: list[int] = field(default_factory=list)  # those mixed
     steps_after: int = 0  # the group's outer step count after the round (a late island's catches up)
     spread: float = 0.0  # the islands' spread before the round, estimated from their sketches
+    repairs: dict[int, int] = field(default_factory=dict)  # each island whose base differs: its group's source
 
     @classmethod
     def start(cls, butterfly: Butterfly, state: OuterState, fragment: int, round_: int, fragments: int,
@@ -260,17 +261,28 @@ class PendingMix:
 
     def meet(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], plan: MergePlan,
              locals_: Sequence[Tensor]) -> int:
-        """Every rank, once the headers are known: the group and its members, and the repair of the
-        islands whose base differs from their group's source (before the exchange: a repaired island
-        is left out of the mix and adopts it). Returns how many islands were repaired."""
-        _, repairs, _ = agreement(self.butterfly, headers, self.stage)
-        self.group = present_group(self.butterfly, headers, engine.island, self.stage)
-        self.members = [i for i in self.group if i in plan.members and i not in repairs]
+        """Every rank, once the headers are known: :meth:`arrange`, then the repairs (before the
+        exchange: a repaired island is left out of the mix and adopts it). Returns how many islands
+        were repaired."""
+        self.arrange(headers, plan, engine.island)
+        return self.repair(engine, headers, locals_)
+
+    def arrange(self, headers: Sequence[RoundHeader], plan: MergePlan, island: int) -> None:
+        """The group and its members, from the headers alone (no collective: an overlapped round's
+        thread calls it): the islands whose base differs from their group's source are repaired,
+        and left out of the mix."""
+        _, self.repairs, _ = agreement(self.butterfly, headers, self.stage)
+        self.group = present_group(self.butterfly, headers, island, self.stage)
+        self.members = [i for i in self.group if i in plan.members and i not in self.repairs]
         self.steps_after = max(_steps(headers[i]) for i in self.group) + 1
         self.spread = spread(headers, self.anchor_sq)
-        if repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
-            repair(engine, self, headers, repairs, locals_)
-        return len(repairs)
+
+    def repair(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], locals_: Sequence[Tensor]) -> int:
+        """Every rank: the repairs :meth:`arrange` found (a collective of the island; an overlapped
+        round's land before its mix). Returns how many islands were repaired."""
+        if self.repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
+            repair(engine, self, headers, self.repairs, locals_)
+        return len(self.repairs)
 
     def exchange(self, codec: Codec, link: Link | None, island: int, plan: MergePlan, delta_sq: float,
                  keep_residual: bool, layout: CanonicalLayout) -> MixExchange:

@@ -282,7 +282,8 @@ class IslandEngine(IslandEngineBase):
                 assert flat is not None
                 pending.flight = flight.fly(self.meeting, flat, header, layout, delta_sq,
                                             self.state.residual is not None,
-                                            outer.chunk_bounds(layout.numel, self.settings.exchange_chunk))
+                                            outer.chunk_bounds(layout.numel, self.settings.exchange_chunk),
+                                            pending.mix)
         self.in_flight = pending
         pending.blocking = time.perf_counter() - pending.started
         self.round_tokens = 0  # the steps taken while it flies count for the next round
@@ -305,8 +306,9 @@ class IslandEngine(IslandEngineBase):
             return {}, False
         return self.finish(pending, locals_), pending.stop
 
-    def _receive(self, pending: PendingRound) -> None:
-        """Wait for an overlapped round's exchange and hand its results to every rank (:func:`flight.receive`)."""
+    def _receive(self, pending: PendingRound) -> bool:
+        """Wait for an overlapped round's exchange and hand its results to every rank (:func:`flight.receive`);
+        whether the round counted for this island (it was not late for it, and the run did not end)."""
         work, idx = pending.flight, self.state.indices(pending.fragment)
         self.in_flight, pending.flight = None, None
         residual = None if self.state.residual is None else [self.state.residual[i] for i in idx]
@@ -315,21 +317,22 @@ class IslandEngine(IslandEngineBase):
         pending.headers = landed.headers
         if landed.late:
             self._left_behind(pending, landed.late, self.schedule.inner_steps - pending.inner_steps)
-            return
+            return False
         if landed.ended:
             self._ended(pending)
-            return
+            return False
         if pending.stop:
             self.schedule.stopping = True
         self.joining = False
         if landed.grads is None:
-            return
+            return True
         pending.grads = [g.to(self.state.anchors[i].device) for g, i in zip(landed.grads, idx)]
         pending.metrics = landed.metrics
         if self.is_leader:
             pending.metrics["islands/seconds_waiting"] = landed.waited
             pending.metrics["islands/seconds_flight_cpu"] = work.cpu_seconds  # type: ignore[union-attr]
             self.totals["seconds_waiting"] += landed.waited
+        return True
 
     @torch.no_grad()
     def finish(self, pending: PendingRound, locals_: Sequence[Tensor]) -> dict[str, float]:
@@ -339,8 +342,12 @@ class IslandEngine(IslandEngineBase):
         overlapped = pending is self.in_flight
         landing = time.perf_counter()
         if overlapped:
-            self._receive(pending)
-            pending.repaired = self._repair_counted(pending.headers, locals_)
+            counted = self._receive(pending)
+            if pending.mix is None:
+                pending.repaired = self._repair_counted(pending.headers, locals_)
+            elif counted:  # every rank learns the group from the headers; then the repairs, before the mix
+                pending.mix.arrange(pending.headers, self.meeting.plan(pending.headers), self.island)
+                pending.repaired = pending.mix.repair(self, pending.headers, locals_)
         if pending.grads is None:
             return {}
         idx = self.state.indices(pending.fragment)

@@ -165,8 +165,8 @@ class IslandSettings:
                      "the islands hold one global state) or `butterfly` (stage k of a fragment's rounds pairs island i "
                      "with island i XOR 2^k; each island steps its own global model with its own outer momentum and "
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
-                     "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to it). "
-                     "Butterfly does not combine with `overlap_steps` yet.")
+                     "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to it; with "
+                     "`overlap_steps` the mix flies while the island trains, and a repair waits for its landing).")
     exchange: str = setting(
         "leader", "Which ranks move a round's bytes between islands: `leader` (each island's rank 0 gathers the "
                   "fragment, encodes, exchanges and scatters it) or `sliced` (the fragment is cut into as many "
@@ -343,9 +343,6 @@ class IslandSettings:
                              f"{self.overlap_steps} yet; set one of them to 0")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES} (islands.exchange), got {self.exchange!r}")
-        if self.topology == "butterfly" and self.overlap_steps:
-            raise ValueError(f"topology=butterfly does not combine with overlap_steps={self.overlap_steps!r} yet; set "
-                             "islands.overlap_steps to 0 or use topology=allreduce")
 
     def make_codec(self) -> Codec:
         """The wire format of pseudo-gradients."""

@@ -56,10 +56,12 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
         box: dict[str, Any] = {}
         headers = side.agree(lambda: box.setdefault("plan", meeting.meet(this)).headers)
         plan = box.get("plan") or meeting.plan(headers)
+        if pending.mix is not None:  # the butterfly's group; its repairs wait for the landing
+            pending.mix.arrange(headers, plan, engine.island)
         if not plan.stepped:
             side.agree(lambda: meeting.settle(this.round, plan.stop))
             return {"headers": headers}
-        grads, metrics = engine._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual, side=side)
+        grads, metrics = engine._exchange_sliced(sent, delta_sq, plan, layout, anchors, residual, pending.mix, side)
         side.agree(lambda: meeting.settle(this.round, plan.stop))
         if side.is_leader:  # waiting in flight was not idle time (training went on), as the leader path says
             metrics |= plan.expert_gap_metrics()
