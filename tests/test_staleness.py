@@ -177,7 +177,8 @@ def test_a_contribution_older_than_max_staleness_is_dropped_and_its_island_adopt
 @pytest.mark.parametrize("bad, needle", [({"max_staleness": -1}, "max_staleness"),
                                          ({"staleness_decay": 0.0}, "staleness_decay"),
                                          ({"staleness_wait_s": -1.0}, "staleness_wait_s"),
-                                         ({"max_staleness": 1, "overlap_steps": 1}, "overlap_steps")])
+                                         ({"max_staleness": 1, "overlap_steps": 1, "fragments": 2, "sync_every": 4},
+                                          "needs fragments=1")])
 def test_bad_staleness_settings_are_refused_naming_them(bad, needle):
     with pytest.raises(ValueError, match=needle):
         IslandSettings(**bad)
@@ -313,3 +314,50 @@ def test_sliced_islands_merge_late_work_as_the_leaders_do_bit_for_bit(settings):
             assert torch.equal(got[i]["rounds"][r], state), f"island {i}, round {r}"
         for r in range(stale_round, 5):  # from the round that takes its work in, one global state
             assert torch.equal(got[i]["rounds"][r], got[0]["rounds"][r]), f"island {i}, round {r}"
+
+
+@pytest.mark.parametrize("exchange", ["leader", "sliced"])
+def test_an_overlapped_round_landed_at_once_catches_a_late_island_up_as_the_synchronous_one(exchange):
+    """``max_staleness`` with rounds in the background: the island late for round 1 is caught up in
+    the round's thread (taken into round 2 with its work pending), and landed at once that gives the
+    synchronous path's ``_catch_up`` bit for bit: the same late merge, repair and states."""
+    from test_streaming import run as run_streaming
+
+    sizes, kw = [2, 1, 3], {"max_staleness": 2, "codec": "int4", "error_feedback": True, "exchange": exchange}
+    sync = run_streaming(sizes, kw, 16, late={1: 2})
+    background = run_streaming(sizes, kw, 16, late={1: 2}, mode="land_at_once")
+    assert [m["islands/staleness"] for m in background[2]["metrics"]] == [0.0, 1.0, 0.0]
+    assert [m["islands/stale_merged"] for m in background[0]["metrics"]] == [0.0, 0.0, 1.0, 0.0]
+    for a, b in zip(sync, background):
+        assert len(a["globals"]) == len(b["globals"])
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))
+
+
+@pytest.mark.parametrize("kw", [{"codec": "int4"}, {"codec": "fp8", "error_feedback": True, "overlap_alpha": 0.0}],
+                         ids=["int4", "fp8+ef"])
+def test_an_island_late_for_an_overlapped_round_merges_its_work_late_while_it_trains(kw):
+    """``max_staleness`` with ``overlap_steps``: island 2 misses overlapped round 1; its thread joins
+    round 2 with its work of round 1 (merged with its weight decayed, age 1), while its ranks train;
+    every island that takes part in a round holds the same state after it, and the sliced exchange
+    gives the leader path's bits."""
+    from test_streaming import run as run_streaming
+
+    sizes, kw = [2, 1, 3], {"max_staleness": 2, "overlap_steps": 1, "overlap_alpha": 0.5, **kw}
+    got = run_streaming(sizes, kw, 16, late={1: 2})
+    ages = [m["islands/staleness"] for m in got[2]["metrics"]]
+    assert 1.0 in ages and max(ages) == 1.0, ages
+    joined = ages.index(1.0)
+    merged = [m["islands/stale_merged"] for m in got[0]["metrics"]]
+    assert merged.count(1.0) == 1 and merged.index(1.0) == joined + 1, (merged, joined)  # island 2 skipped a round
+    rounds = {i: dict(zip([int(m["islands/round"]) for m in island["metrics"]], island["globals"]))
+              for i, island in enumerate(got)}
+    for r, state in rounds[0].items():
+        for i in (1, 2):
+            if r in rounds[i]:
+                assert torch.equal(rounds[i][r], state), (r, i)
+    assert len(rounds[2]) < len(rounds[0])
+    sliced = run_streaming(sizes, {**kw, "exchange": "sliced"}, 16, late={1: 2})
+    for a, b in zip(got, sliced):
+        assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["locals"], b["locals"]))

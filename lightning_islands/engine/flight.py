@@ -9,6 +9,7 @@ to the island's ranks and scatters the merged pseudo-gradient and the residual b
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,9 +25,12 @@ from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
+from lightning_islands.link.protocol import RunEnded
 
 if TYPE_CHECKING:
     from lightning_islands.engine.mixing import PendingMix
+
+log = logging.getLogger(__name__)
 
 
 class InFlight:
@@ -65,12 +69,39 @@ def fly(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: Canoni
     vector, laid out by ``layout``, in chunks ``bounds``); a round that loses an island runs again
     without it. ``mix``: the butterfly's round (its group mixes; its repairs wait for the landing)."""
     round_ = header.round
-    return InFlight(lambda: run_attempts(
-        round_, lambda k: _attempt(meeting, flat, replace(header, attempt=k), layout, delta_sq, keep_residual, bounds,
-                                   mix),
-        lambda why: {"headers": [], "late": why},
-        lambda: {"headers": [RoundHeader.absent_from(round_, stop=True)], "ended": True}, leader=True),
-        name=f"island{meeting.island.index}-round{round_}")
+
+    def attempts(first: RoundHeader) -> dict[str, Any]:
+        return run_attempts(
+            first.round, lambda k: _attempt(meeting, flat, replace(first, attempt=k), layout, delta_sq, keep_residual,
+                                            bounds, mix),
+            lambda why: {"headers": [], "late": why},
+            lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, leader=True)
+
+    def rejoin() -> int:
+        return meeting.island.link.rejoin(meeting.settings.deadline_s)  # type: ignore[union-attr]
+
+    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, meeting.settings.max_staleness,
+                                     meeting.island.index),
+                    name=f"island{meeting.island.index}-round{round_}")
+
+
+def catch_up(done: dict[str, Any], header: RoundHeader, rejoin: Callable[[], int],
+             attempts: Callable[[RoundHeader], dict[str, Any]], max_staleness: int, island: int,
+             leader: bool = True) -> dict[str, Any]:
+    """With ``max_staleness``, an overlapped round this island was late for (``done``) is caught up
+    in the thread, as the synchronous round does it (``IslandEngine._catch_up``): the island asks
+    to be taken into the round under way (``rejoin``) and runs it with the same pseudo-gradient as a
+    joiner, its work merged there as a late one; the result names the round it ``joined``."""
+    if not done.get("late") or not max_staleness:
+        return done
+    try:
+        joined = rejoin()
+    except RunEnded:
+        return {"headers": [RoundHeader.absent_from(header.round, stop=True)], "ended": True}
+    if leader:
+        log.warning("islands: island %d was late for round %d; it joins round %d with its work pending", island,
+                    header.round, joined)
+    return {**attempts(replace(header, round=joined, joining=True)), "joined": joined}
 
 
 def _attempt(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: CanonicalLayout, delta_sq: float,
@@ -95,6 +126,8 @@ def _attempt(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: C
     exchange_chunks(exchange, bounds, lambda start, stop: flat[start:stop], lambda work: work(), keep)
     meeting.settle(header.round, plan.stop)
     metrics = meeting.account(exchange, len(bounds)) | plan.expert_gap_metrics()
+    if meeting.settings.max_staleness:
+        metrics |= plan.staleness_metrics(meeting.island.index)
     # this thread's waits for the other islands were not idle time (training went on): the round's
     # waiting is what landing it blocks for (counted there)
     in_flight = exchange.link_sums["seconds_waiting"]
@@ -108,12 +141,14 @@ class Landed:
     """An overlapped round as every rank receives it: its ``headers``, and either why this island
     was ``late`` for it, that the run ``ended``, or (when some island stepped) this rank's shards of
     the merged pseudo-gradient (``grads``, on the fragment's layout) and the leader's ``metrics``;
-    ``waited``: the seconds it waited for the exchange to end."""
+    ``waited``: the seconds it waited for the exchange to end; ``joined``: the round it caught up in
+    (:func:`catch_up`)."""
 
     headers: list[RoundHeader]
     waited: float
     late: str | None = None
     ended: bool = False
+    joined: int | None = None  # late for its round, the island was taken into this one (max_staleness)
     grads: list[Tensor] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -126,8 +161,8 @@ def receive(island: Island, flight: InFlight | None, layout: CanonicalLayout, de
     box: dict[str, Any] = {}
     t0 = time.perf_counter()
     headers = island.agree(lambda: (box.update(flight.join()), box["headers"])[1])  # type: ignore[union-attr]
-    late, ended = island.agree(lambda: (box.get("late"), box.get("ended")))
-    landed = Landed(headers, time.perf_counter() - t0, late, bool(ended))
+    late, ended, joined = island.agree(lambda: (box.get("late"), box.get("ended"), box.get("joined")))
+    landed = Landed(headers, time.perf_counter() - t0, late, bool(ended), joined)
     if late or ended or not any(h.steps > 0 for h in headers):
         return landed
     landed.grads = layout.scatter_from_leader(box.get("merged"), device)

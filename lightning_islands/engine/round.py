@@ -315,6 +315,8 @@ class IslandEngine(IslandEngineBase):
         landed = (sliced_flight.receive(work, self.group, residual) if self.sliced else  # type: ignore[arg-type]
                   flight.receive(self.side, work, self.fragment_layouts[pending.fragment], self.device, residual))
         pending.headers = landed.headers
+        if landed.joined is not None:  # late for its round, caught up in the one under way (max_staleness)
+            self.schedule.round, self.joining = landed.joined, True
         if landed.late:
             self._left_behind(pending, landed.late, self.schedule.inner_steps - pending.inner_steps)
             return False

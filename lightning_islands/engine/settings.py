@@ -165,8 +165,9 @@ class IslandSettings:
                      "the islands hold one global state) or `butterfly` (stage k of a fragment's rounds pairs island i "
                      "with island i XOR 2^k; each island steps its own global model with its own outer momentum and "
                      "mixes the result with its partners', receiving one payload per round; docs/ARCHITECTURE.md, "
-                     "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to it; with "
-                     "`overlap_steps` the mix flies while the island trains, and a repair waits for its landing).")
+                     "butterfly; with `expert_weighting` each expert's rows mix by the tokens the group routed to "
+                     "it; with `overlap_steps` the mix flies while the island trains, and a repair waits for its "
+                     "landing).")
     exchange: str = setting(
         "leader", "Which ranks move a round's bytes between islands: `leader` (each island's rank 0 gathers the "
                   "fragment, encodes, exchanges and scatters it) or `sliced` (the fragment is cut into as many "
@@ -177,8 +178,8 @@ class IslandSettings:
         0, "S: an island alive but slow is not waited for past `staleness_wait_s` (null: `grace_s`) once a "
            "majority of the islands alive has arrived; the round goes on without it, and its pseudo-gradient is "
            "merged into a later round, at most S rounds old, its weight its tokens times `staleness_decay` per "
-           "round of age; it then adopts the newer global state. 0: every round waits for every island alive "
-           "(a barrier).")
+           "round of age; it then adopts the newer global state (an overlapped round is caught up in its "
+           "background thread while the island trains). 0: every round waits for every island alive (a barrier).")
     staleness_decay: float = setting(
         0.5, "With `max_staleness`: the factor a late pseudo-gradient's merge weight takes per round of age "
              "(1: tokens alone).")
@@ -338,9 +339,11 @@ class IslandSettings:
                                                       and math.isfinite(self.staleness_wait_s)):
             raise ValueError(f"staleness_wait_s must be a number >= 0 or null (islands.staleness_wait_s), got "
                              f"{self.staleness_wait_s!r}")
-        if self.max_staleness and self.overlap_steps:
-            raise ValueError(f"max_staleness={self.max_staleness} does not combine with overlap_steps="
-                             f"{self.overlap_steps} yet; set one of them to 0")
+        if self.max_staleness and self.overlap_steps and self.fragments > 1:
+            raise ValueError(f"max_staleness={self.max_staleness} with overlap_steps={self.overlap_steps} needs "
+                             f"fragments=1, got {self.fragments} (a round's thread catches a late island up in the "
+                             "next round, which is another fragment's); set islands.fragments=1, or one of "
+                             "max_staleness and overlap_steps to 0")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES} (islands.exchange), got {self.exchange!r}")
 

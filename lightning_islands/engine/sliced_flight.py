@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_islands.engine.attempts import run_attempts
-from lightning_islands.engine.flight import InFlight, Landed
+from lightning_islands.engine.flight import InFlight, Landed, catch_up
 from lightning_islands.engine.group import IslandGroup
 from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import RERAISED
@@ -51,8 +51,8 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
     anchors = [engine.state.anchors[i] for i in idx]  # the results' shapes (the anchors change only at landing)
     residual = None if engine.state.residual is None else [torch.empty_like(engine.state.residual[i]) for i in idx]
 
-    def attempt(k: int) -> dict[str, Any]:
-        this = replace(header, attempt=k)
+    def attempt(first: RoundHeader, k: int) -> dict[str, Any]:
+        this = replace(first, attempt=k)
         box: dict[str, Any] = {}
         headers = side.agree(lambda: box.setdefault("plan", meeting.meet(this)).headers)
         plan = box.get("plan") or meeting.plan(headers)
@@ -65,16 +65,26 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
         side.agree(lambda: meeting.settle(this.round, plan.stop))
         if side.is_leader:  # waiting in flight was not idle time (training went on), as the leader path says
             metrics |= plan.expert_gap_metrics()
+            if engine.settings.max_staleness:
+                metrics |= plan.staleness_metrics(engine.island)
             in_flight = metrics.get("islands/seconds_waiting", 0.0)
             meeting.totals["seconds_waiting"] -= in_flight
             metrics["islands/seconds_waiting_in_flight"] = metrics.pop("islands/seconds_waiting", in_flight)
         return {"headers": headers, "grads": grads, "residual": residual, "metrics": metrics}
 
-    round_ = header.round
-    return InFlight(lambda: run_attempts(
-        round_, attempt, lambda why: {"headers": [], "late": why},
-        lambda: {"headers": [RoundHeader.absent_from(round_, stop=True)], "ended": True}, side.is_leader),
-        name=f"island{engine.island}-rank{engine.group.rank}-round{round_}")
+    def attempts(first: RoundHeader) -> dict[str, Any]:
+        return run_attempts(
+            first.round, lambda k: attempt(first, k), lambda why: {"headers": [], "late": why},
+            lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, side.is_leader)
+
+    def rejoin() -> int:
+        return side.with_link(lambda link: link.rejoin(engine.settings.deadline_s))
+
+    # every rank's thread learns alike that the island was late (the leader's error, raised on every
+    # rank by the group), and rejoins with the others (the leader's answer, through the group)
+    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, engine.settings.max_staleness,
+                                     engine.island, side.is_leader),
+                    name=f"island{engine.island}-rank{engine.group.rank}-round{header.round}")
 
 
 def receive(work: InFlight, group: IslandGroup, residual: list[Tensor] | None) -> Landed:
@@ -95,7 +105,8 @@ def receive(work: InFlight, group: IslandGroup, residual: list[Tensor] | None) -
     if failed is not None:
         r, (kind, message) = failed
         raise _KINDS.get(kind, RuntimeError)(f"rank {r}'s overlapped round failed: {message}")
-    landed = Landed(got["headers"], time.perf_counter() - t0, got.get("late"), bool(got.get("ended")))
+    landed = Landed(got["headers"], time.perf_counter() - t0, got.get("late"), bool(got.get("ended")),
+                    got.get("joined"))
     if landed.late or landed.ended or "grads" not in got:
         return landed
     landed.grads = got["grads"]
