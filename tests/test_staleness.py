@@ -178,7 +178,9 @@ def test_a_contribution_older_than_max_staleness_is_dropped_and_its_island_adopt
                                          ({"staleness_decay": 0.0}, "staleness_decay"),
                                          ({"staleness_wait_s": -1.0}, "staleness_wait_s"),
                                          ({"max_staleness": 1, "overlap_steps": 1, "fragments": 2, "sync_every": 4},
-                                          "needs fragments=1")])
+                                          "needs fragments=1"),
+                                         ({"max_staleness": 1, "overlap_steps": 1, "topology": "butterfly"},
+                                          "topology=allreduce")])
 def test_bad_staleness_settings_are_refused_naming_them(bad, needle):
     with pytest.raises(ValueError, match=needle):
         IslandSettings(**bad)
