@@ -19,9 +19,7 @@ island trains more of them), with the learning-rate schedule of the synchronous 
 - ``butterfly``: ``topology=butterfly``: pairs mix, one payload per round, still a barrier;
 - ``async``: ``max_staleness=S``: a majority does not wait past ``staleness_wait_s`` (``--wait``)
   for a slow island, whose work lands up to S rounds late (weight decayed by age);
-- ``async+butterfly``: both;
-- ``async+overlap``: ``async`` with each round's exchange flying one inner step
-  (``overlap_steps=1``; a late island is caught up in the round's thread while it trains).
+- ``async+butterfly``: both.
 
 Per run (``DIR/asynchrony.json``, one row per configuration and seed): ``wall_s`` (the longest
 island's fit time), ``tokens`` (merged: the run stops after the round that reaches the budget, so
@@ -57,7 +55,6 @@ CONFIGS: dict[str, list[str]] = {
     "butterfly": ["islands.topology=butterfly"],
     "async": ["islands.max_staleness={S}", "islands.staleness_wait_s={W}"],
     "async+butterfly": ["islands.topology=butterfly", "islands.max_staleness={S}", "islands.staleness_wait_s={W}"],
-    "async+overlap": ["islands.max_staleness={S}", "islands.staleness_wait_s={W}", "islands.overlap_steps=1"],
 }
 SEQ_LEN, BATCH, ISLANDS = 128, 8, 4
 

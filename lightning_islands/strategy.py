@@ -353,7 +353,8 @@ class IslandStrategy(FSDP2Strategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         loss = trainer.callback_metrics.get("train/loss")
         eta = self.engine.schedule.seconds_to_round(time.perf_counter()) if self.engine else None
-        return {"step": trainer.global_step, "round": self.round, "loss": float(loss) if loss is not None else None,
+        heading = self.engine.heading_round if self.engine else 0
+        return {"step": trainer.global_step, "round": heading, "loss": float(loss) if loss is not None else None,
                 "bytes": self.totals.get("bytes_sent", 0.0) + self.totals.get("bytes_received", 0.0),
                 **({"eta_s": round(eta, 2)} if eta is not None else {})}
 

@@ -416,3 +416,45 @@ def test_an_overlapped_butterfly_repairs_a_damaged_base_when_the_round_lands(exc
         leader = run_streaming(sizes, {**kw, "exchange": "leader"}, steps, corrupt_base=(1, 1))
         for a, b in zip(leader, got):
             assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
+
+
+def test_a_repair_keeps_the_links_in_step_when_one_island_runs_the_round_synchronously():
+    """Island 1 runs its rounds in the foreground (as a rejoiner's or a last round runs) while its
+    partners fly theirs; its base of stage 0 is damaged after round 1, so round 3 repairs it: the
+    repair comes after the mix and its settling in both kinds of round, so the islands' calls on
+    the link meet, and the pair ends the round equal."""
+    from test_streaming import run as run_streaming
+
+    got = run_streaming([2, 1, 1, 2], OVERLAP, 16, corrupt_base=(1, 1), mode={1: "synchronous"})
+    assert [m["islands/islands_repaired"] for m in got[0]["metrics"]] == [0.0, 0.0, 1.0, 0.0]
+    assert "islands/seconds_waiting_in_flight" in got[0]["metrics"][0]
+    assert "islands/seconds_waiting_in_flight" not in got[1]["metrics"][0]
+    assert torch.equal(got[0]["globals"][2], got[1]["globals"][2])
+
+
+@pytest.mark.parametrize("exchange", ["leader", "sliced"])
+def test_a_lost_repair_leaves_the_island_out_of_its_round_and_the_next_stage_repairs_it(exchange, monkeypatch):
+    """The repair of island 1's damaged base is lost at round 3 (every island's transfer raises
+    RoundLost, as a dropped peer makes it): the others land their mixes, island 1 lands none (its base
+    is not its group's) and skips the round, and round 5, stage 0 again, repairs it."""
+    from test_streaming import run as run_streaming
+
+    from lightning_islands.engine import mixing
+    from lightning_islands.link.protocol import RoundLost
+
+    name = "_through_slices" if exchange == "sliced" else "_through_leader"
+    real, lost = getattr(mixing, name), set()
+
+    def losing(engine, mix, headers, repairs, *args):
+        if headers[0].round == 2:  # round 3: every island's transfer of the repair is lost
+            lost.add(engine.island)
+            raise RoundLost(f"island {engine.island} lost the repair (injected)")
+        return real(engine, mix, headers, repairs, *args)
+
+    monkeypatch.setattr(mixing, name, losing)
+    got = run_streaming([2, 1, 1, 2], {**OVERLAP, "exchange": exchange}, 24, corrupt_base=(1, 1))
+    assert lost == {0, 1, 2, 3}
+    rounds = [[int(m["islands/round"]) for m in island["metrics"]] for island in got]
+    assert rounds[0] == [1, 2, 3, 4, 5, 6] and rounds[1] == [1, 2, 4, 5, 6], rounds  # island 1 skipped round 3
+    assert [m["islands/islands_repaired"] for m in got[0]["metrics"]] == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert torch.equal(got[0]["globals"][4], got[1]["globals"][3])  # round 5: the pair equal again

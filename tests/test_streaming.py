@@ -59,14 +59,16 @@ class RecordingLink(MemoryLink):
 
 
 def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, group: ThreadGroup, hub: Hub,
-                 mode: str = "auto", gates: list[threading.Event] | None = None,
+                 mode: str | dict[int, str] = "auto", gates: list[threading.Event] | None = None,
                  experts: bool = False, poison: tuple[int, int, float] | None = None,
                  corrupt: tuple[int, int] | None = None, late: dict[int, int] | None = None,
                  corrupt_base: tuple[int, int] | None = None) -> dict[str, Any]:
     """Train ``steps`` inner steps and run the rounds the schedule asks for; a round due at the last
     step is synchronous and ends the run. ``mode``: ``auto`` (a :class:`RoundDriver`: the settings decide, overlap when
-    ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts).
+    ``overlap_steps`` > 0), ``land_at_once`` (the background path, landed right after it starts),
+    ``synchronous`` (every round in the foreground, whatever the settings); a dict: each island's.
     ``late``: island ``late[r]`` misses round ``r`` (test_staleness's LateLink)."""
+    mode = mode.get(island, "auto") if isinstance(mode, dict) else mode
     settings = IslandSettings(**{**BASE, **kw})
     layout = CanonicalLayout(SPECS, group)
     engine = IslandEngine(settings, layout, island, len(sizes), torch.device("cpu"), torch.device("cpu"))
@@ -116,6 +118,9 @@ def _island_main(sizes: list[int], kw: dict[str, Any], steps: int, island: int, 
             gate.set()  # an inner step has written the parameters since the round in flight started
         if mode == "auto":
             driver.step_closed()
+        elif mode == "synchronous":
+            if engine.schedule.close_step():
+                landed(*engine.run_round(locals_, counts(), stop=step == steps - 1))
         elif engine.schedule.close_step():  # land_at_once: no round overlaps, so none is in flight here
             if step == steps - 1:
                 landed(*engine.run_round(locals_, counts(), stop=True))
@@ -286,6 +291,22 @@ def test_the_background_exchange_reads_the_snapshot_not_parameters_being_trained
     for a, b in zip(free, held):
         assert all(torch.equal(x, y) for x, y in zip(a["globals"], b["globals"]))
     torch.testing.assert_close(free[0]["globals"][-1].double(), reference(sizes, kw, steps)[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_an_island_with_a_round_in_flight_heads_for_the_next_round():
+    """Its status names the round it trains towards (``heading_round``): the islands that wait for it
+    with ``max_staleness`` must not take it for a round behind while its round flies."""
+    settings = IslandSettings(**{**BASE, "overlap_steps": 1})
+    engine = IslandEngine(settings, CanonicalLayout(SPECS), 0, 1, torch.device("cpu"), torch.device("cpu"))
+    locals_ = [CanonicalLayout(SPECS).shard_of(initial_flat(0), i).clone() for i in range(len(SPECS))]
+    engine.adopt_initial_state(locals_, {})
+    assert engine.heading_round == engine.schedule.round == 0
+    engine.count_tokens(4)
+    engine.schedule.close_step()
+    engine.start(locals_, background=True)
+    assert engine.schedule.round == 0 and engine.heading_round == 1
+    engine.land(locals_)
+    assert engine.schedule.round == engine.heading_round == 1
 
 
 def test_one_round_in_flight_at_a_time():

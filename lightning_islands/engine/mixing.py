@@ -26,8 +26,8 @@ as DiLoCo does while each island receives one payload instead of ``N - 1``.
 **The state check** compares, within each group, the checksum of ``B_k`` (and the outer step
 counts): the group's majority of voting islands (a tie: the lowest; no voting island: the lowest
 present) is its source, and an island whose base differs (restarted from an older checkpoint, or
-late for an earlier stage) takes the source's anchors, base and momentum before the exchange and
-is left out of the mix, adopting the group's result. A group with one unit present (its partner
+late for an earlier stage) is left out of the mix and, once the round counted, takes the source's
+anchors, base and momentum before the mix lands, adopting the group's result. A group with one unit present (its partner
 lost) mixes that unit alone: an island by itself takes ``B_k + D(Q(...))``, its proposal up to what
 the codec held back (kept in its residual), and the base stays.
 """
@@ -259,14 +259,6 @@ class PendingMix:
         base = [state.bases[stage][i] for i in idx]
         return cls(butterfly, stage, fragment, stepped), [p.sub_(b.to(p.device)) for p, b in zip(params, base)]
 
-    def meet(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], plan: MergePlan,
-             locals_: Sequence[Tensor]) -> int:
-        """Every rank, once the headers are known: :meth:`arrange`, then the repairs (before the
-        exchange: a repaired island is left out of the mix and adopts it). Returns how many islands
-        were repaired."""
-        self.arrange(headers, plan, engine.island)
-        return self.repair(engine, headers, locals_)
-
     def arrange(self, headers: Sequence[RoundHeader], plan: MergePlan, island: int) -> None:
         """The group and its members, from the headers alone (no collective: an overlapped round's
         thread calls it): the islands whose base differs from their group's source are repaired,
@@ -278,8 +270,10 @@ class PendingMix:
         self.spread = spread(headers, self.anchor_sq)
 
     def repair(self, engine: IslandEngineBase, headers: Sequence[RoundHeader], locals_: Sequence[Tensor]) -> int:
-        """Every rank: the repairs :meth:`arrange` found (a collective of the island; an overlapped
-        round's land before its mix). Returns how many islands were repaired."""
+        """Every rank: the repairs :meth:`arrange` found (a collective of the island), once the round
+        counted and before its mix lands (a repaired island was left out of the mix and adopts it;
+        synchronous and overlapped rounds alike, so that their calls on the link stay in step).
+        Returns how many islands were repaired."""
         if self.repairs:  # every island swaps (most with nobody), so that the sequences of swaps stay aligned
             repair(engine, self, headers, self.repairs, locals_)
         return len(self.repairs)

@@ -196,8 +196,8 @@ class IslandEngine(IslandEngineBase):
         box: dict[str, MergePlan] = {}  # the leader's plan (every rank derives the same from the headers)
         pending.headers = self.side.agree(lambda: box.setdefault("plan", self.meeting.meet(header)).headers)
         plan = box.get("plan") or self.meeting.plan(pending.headers)
-        if pending.mix is not None:  # the butterfly: the group checks its base first, then mixes
-            pending.repaired = pending.mix.meet(self, pending.headers, plan, locals_)
+        if pending.mix is not None:  # the butterfly: the group, and whose base its source repairs after the mix
+            pending.mix.arrange(pending.headers, plan, self.island)
         if plan.stepped:
             pending.grads, pending.metrics = self._exchange(sent, delta_sq, plan, pending.fragment, pending.mix)
             pending.metrics.update(plan.expert_gap_metrics())
@@ -214,8 +214,9 @@ class IslandEngine(IslandEngineBase):
         if pending.stop:
             self.schedule.stopping = True
         self.joining = False
-        if pending.mix is None:  # after the exchange, as an overlapped round does (a joiner's round and the
-            pending.repaired = self._repair_counted(pending.headers, locals_)  # others' may differ in kind)
+        # after the exchange, as an overlapped round does (a joiner's round and the others' may differ in kind)
+        pending.repaired = self._repair_counted(pending.headers, locals_) if pending.mix is None else \
+            self._repair_mixed(pending, locals_, 0)
         return pending
 
     def _exchange(self, sent: Sequence[Tensor], delta_sq: float, plan: MergePlan, fragment: int,
@@ -291,6 +292,12 @@ class IslandEngine(IslandEngineBase):
         self.schedule.restart_clock()
         return pending
 
+    @property
+    def heading_round(self) -> int:
+        """The round this island trains towards (its status says it): the next one past a round in
+        flight, so that islands waiting for it (``max_staleness``) do not take it for a round behind."""
+        return self.schedule.round + (self.in_flight is not None)
+
     def landing_due(self) -> bool:
         """Whether the round in flight has flown its ``overlap_steps`` inner steps."""
         flying = self.in_flight
@@ -349,7 +356,7 @@ class IslandEngine(IslandEngineBase):
                 pending.repaired = self._repair_counted(pending.headers, locals_)
             elif counted:  # every rank learns the group from the headers; then the repairs, before the mix
                 pending.mix.arrange(pending.headers, self.meeting.plan(pending.headers), self.island)
-                pending.repaired = pending.mix.repair(self, pending.headers, locals_)
+                pending.repaired = self._repair_mixed(pending, locals_, self.schedule.inner_steps - pending.inner_steps)
         if pending.grads is None:
             return {}
         idx = self.state.indices(pending.fragment)
@@ -398,6 +405,23 @@ class IslandEngine(IslandEngineBase):
             if self.sliced:  # a rank lost its transfer: its lanes of this key are gone (see rank_lanes)
                 self._broken_lanes = self._lanes_key
             self.joining = self.joining or self.island not in health.majority(headers)
+            return 0
+
+    def _repair_mixed(self, pending: PendingRound, locals_: Sequence[Tensor], steps_since: int) -> int:
+        """The butterfly's repairs once the round counted (:meth:`mixing.PendingMix.repair`), before
+        its mix lands. A transfer lost meanwhile: a repaired island lands no mix on a base that is not
+        its group's (it skips the round; its next round of the stage repairs it), the others go on."""
+        assert pending.mix is not None
+        try:
+            return pending.mix.repair(self, pending.headers, locals_)
+        except RoundLost as err:
+            if self.is_leader:
+                log.warning("islands: %s", err)
+            if self.sliced:  # a rank lost its transfer: its lanes of this key are gone (see rank_lanes)
+                self._broken_lanes = self._lanes_key
+            if self.island in pending.mix.repairs:
+                self.joining, pending.grads = True, None
+                self.schedule.skip(steps_since)
             return 0
 
     def _left_behind(self, pending: PendingRound, why: str, steps_since: int) -> PendingRound:
