@@ -273,7 +273,7 @@ def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypat
     rank, slice by slice (no rank gathers them), and every island ends as the leader path leaves it."""
     import threading
 
-    from lightning_islands.engine import mixing
+    from lightning_islands.engine import mix_repair
 
     def repaired(exchange: str) -> dict:
         plan = Plan(sizes=[2, 3, 2, 2], tokens=[4, 4, 4, 4], rounds=2,
@@ -285,7 +285,7 @@ def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypat
         return run(plan, resume=saved)
 
     leader = repaired("leader")
-    inside, gather, repair = threading.local(), CanonicalLayout.gather_to_leader, mixing.repair
+    inside, gather, repair = threading.local(), CanonicalLayout.gather_to_leader, mix_repair.repair
     calls = []
 
     def spy_gather(self, *args, **kwargs):
@@ -301,7 +301,7 @@ def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypat
             inside.repair = False
 
     monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
-    monkeypatch.setattr(mixing, "repair", flagged)
+    monkeypatch.setattr(mix_repair, "repair", flagged)
     got = repaired("sliced")
     assert sorted(set(calls)) == [0, 1, 2, 3]  # every island takes part (most with nobody)
     assert leaders(got)[1]["metrics"][-1]["islands/islands_repaired"] == 1
@@ -439,11 +439,11 @@ def test_a_lost_repair_leaves_the_island_out_of_its_round_and_the_next_stage_rep
     is not its group's) and skips the round, and round 5, stage 0 again, repairs it."""
     from test_streaming import run as run_streaming
 
-    from lightning_islands.engine import mixing
+    from lightning_islands.engine import mix_repair
     from lightning_islands.link.protocol import RoundLost
 
     name = "_through_slices" if exchange == "sliced" else "_through_leader"
-    real, lost = getattr(mixing, name), set()
+    real, lost = getattr(mix_repair, name), set()
 
     def losing(engine, mix, headers, repairs, *args):
         if headers[0].round == 2:  # round 3: every island's transfer of the repair is lost
@@ -451,7 +451,7 @@ def test_a_lost_repair_leaves_the_island_out_of_its_round_and_the_next_stage_rep
             raise RoundLost(f"island {engine.island} lost the repair (injected)")
         return real(engine, mix, headers, repairs, *args)
 
-    monkeypatch.setattr(mixing, name, losing)
+    monkeypatch.setattr(mix_repair, name, losing)
     got = run_streaming([2, 1, 1, 2], {**OVERLAP, "exchange": exchange}, 24, corrupt_base=(1, 1))
     assert lost == {0, 1, 2, 3}
     rounds = [[int(m["islands/round"]) for m in island["metrics"]] for island in got]
