@@ -74,11 +74,15 @@ def test_a_lease_takes_only_its_own_keys_when_its_holder_stops_renewing_it(one_m
     ttl = [30.0]
     plain, beat = EtcdStore(one_member.address), EtcdStore(one_member.address, lease_ttl=lambda: ttl[0])
     beat.set("lease/alive/0", "0:0")
-    ttl[0] = 1.5  # grace_s changed: the next write takes a new lease of the new length (at least 2 s)
+    ttl[0] = 4.5  # grace_s changed: the next write takes a new lease of the new length (whole seconds: 5)
     plain.set("lease/decision", "kept")
     beat.set("lease/alive/0", "0:1")
-    for count in range(2, 8):  # renewed by each write (progress) for longer than its TTL: kept
-        time.sleep(0.5)
+    renewed, count = time.monotonic(), 1
+    # renewed by each write (progress) for longer than its TTL: kept. Writes a quarter second apart:
+    # only a machine stalled for the whole 5 s between two of them could let it lapse
+    while time.monotonic() - renewed < 6.0:
+        time.sleep(0.25)
+        count += 1
         beat.set("lease/alive/0", f"0:{count}")
         assert plain.check(["lease/alive/0"])
     deadline = time.monotonic() + 30
