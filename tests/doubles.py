@@ -77,7 +77,7 @@ class MemoryLink:
     def end_run(self, round_: int) -> None:
         pass
 
-    def rejoin(self, timeout_s: float) -> int:
+    def rejoin(self, timeout_s: float, from_round: int = 0, every: int = 1) -> int:
         raise NotImplementedError("islands in memory never restart")
 
     def retire_after(self, round_: int) -> None:

@@ -423,26 +423,31 @@ def test_four_butterfly_islands_keep_each_stage_identical_and_resume_exactly(sha
             assert rounds[i][r]["digest"] == again[i][r]["digest"]
 
 
-@pytest.mark.parametrize("overlap", [0, 1], ids=["synchronous", "overlapped"])
-def test_a_slow_island_with_max_staleness_is_not_waited_for_and_its_work_arrives_late(tmp_path, overlap):
+@pytest.mark.parametrize("overlap, fragments", [(0, 1), (1, 1), (1, 2)],
+                         ids=["synchronous", "overlapped", "overlapped-fragments"])
+def test_a_slow_island_with_max_staleness_is_not_waited_for_and_its_work_arrives_late(tmp_path, overlap, fragments):
     """Three islands, island 2 three times slower per step. With max_staleness=4 the others do not
     wait for it past staleness_wait_s (seen in the log; the grace window, for dead islands, is far
     longer): they finish all their rounds, island 2's work is merged late, never older than 4 rounds,
     and every island that took part in a round holds its state. Overlapped: each round flies an
-    inner step, and island 2's round thread catches it up while it trains."""
+    inner step, and island 2's round thread catches it up while it trains (with two fragments, in
+    its snapshot's fragment's next round)."""
     out = tmp_path / "async"
     _, text = launch([1, 1, 1], ["islands_regression.py", "--out", out, "--steps", 24, "--H", 4, "--batch-sizes",
                                  "4,8,6", "--delays", "0.15,0.15,0.45", "--grace-s", 60, "--staleness-wait-s", 0.3,
-                                 "--max-staleness", 4, "--overlap", overlap],
+                                 "--max-staleness", 4, "--overlap", overlap, "--fragments", fragments],
                      tmp_path / "logs")
     rounds = {i: load_rounds(out, i) for i in range(3)}
-    assert sorted(rounds[0]) == sorted(rounds[1]) == list(range(1, 7)), text[-3000:]
+    assert sorted(rounds[0]) == sorted(rounds[1]) == list(range(1, 6 * fragments + 1)), text[-3000:]
     # once it passed the wait for slow islands, or at once when its status said it would arrive later
     assert re.search(r"goes on without islands \[2\] \((alive but slower|they report arriving later) than the wait "
                      r"for slow islands, 0.3 s\)", text), text[-3000:]
     ages = [saved["metrics"]["islands/staleness"] for saved in rounds[2].values()]
     assert 1 <= max(ages) <= 4 and all(a <= 4 for a in ages), ages
-    assert re.search(r"island 2 was late for round \d+; it joins round \d+ with its work pending", text), text[-3000:]
+    caught = re.findall(r"island 2 was late for round (\d+); it joins round (\d+) with its work pending", text)
+    assert caught, text[-3000:]
+    if overlap:  # its thread's snapshot is of the late round's fragment: it joins that fragment's next round
+        assert all((int(b) - int(a)) % fragments == 0 and int(b) > int(a) for a, b in caught), caught
     flown = ["islands/seconds_waiting_in_flight" in saved["metrics"] for saved in rounds[2].values()]
     assert any(flown) == bool(overlap), flown
     assert sum(saved["metrics"]["islands/stale_merged"] for saved in rounds[0].values()) >= 1

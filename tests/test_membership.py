@@ -367,6 +367,16 @@ def test_an_island_left_behind_is_no_joiner_of_that_rounds_later_attempts():
     assert m0.joiners(3) == {} and m0.joiners(4) == {1: 0}
 
 
+def test_a_late_islands_snapshot_of_one_fragment_joins_only_that_fragments_rounds():
+    """With two fragments a late island's round thread asks for round 5 or every second round on:
+    the others take it into rounds 5, 7, ... only, never into another fragment's round."""
+    coordinator = Coordinator()
+    m1 = Membership(coordinator.store, "frag", 1, 2, 1, GRACE, None, lambda i: None)
+    m1.request_join(from_round=5, every=2)
+    m0 = Membership(coordinator.store, "frag", 0, 2, 1, GRACE, None, lambda i: None)
+    assert [r for r in range(3, 10) if m0.joiners(r)] == [5, 7, 9]
+
+
 def test_a_joiners_header_of_its_earlier_life_replayed_at_its_key_is_refused(caplog):
     """Island 1's second life (incarnation 1) asks to rejoin; once the round takes it in, its first
     life's header (incarnation 0; under a secret, a sealed value replayed at its very key) appears

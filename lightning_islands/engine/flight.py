@@ -25,6 +25,7 @@ from lightning_islands.engine.header import RoundHeader
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.meeting import RoundMeeting
+from lightning_islands.engine.settings import IslandSettings
 from lightning_islands.link.protocol import RunEnded
 
 if TYPE_CHECKING:
@@ -77,25 +78,29 @@ def fly(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: Canoni
             lambda why: {"headers": [], "late": why},
             lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, leader=True)
 
-    def rejoin() -> int:
-        return meeting.island.link.rejoin(meeting.settings.deadline_s)  # type: ignore[union-attr]
+    def rejoin(from_round: int, every: int) -> int:
+        return meeting.island.link.rejoin(meeting.settings.deadline_s, from_round, every)  # type: ignore[union-attr]
 
-    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, meeting.settings.max_staleness,
+    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, meeting.settings,
                                      meeting.island.index),
                     name=f"island{meeting.island.index}-round{round_}")
 
 
-def catch_up(done: dict[str, Any], header: RoundHeader, rejoin: Callable[[], int],
-             attempts: Callable[[RoundHeader], dict[str, Any]], max_staleness: int, island: int,
+def catch_up(done: dict[str, Any], header: RoundHeader, rejoin: Callable[[int, int], int],
+             attempts: Callable[[RoundHeader], dict[str, Any]], settings: IslandSettings, island: int,
              leader: bool = True) -> dict[str, Any]:
     """With ``max_staleness``, an overlapped round this island was late for (``done``) is caught up
     in the thread, as the synchronous round does it (``IslandEngine._catch_up``): the island asks
-    to be taken into the round under way (``rejoin``) and runs it with the same pseudo-gradient as a
-    joiner, its work merged there as a late one; the result names the round it ``joined``."""
-    if not done.get("late") or not max_staleness:
+    to be taken into a later round (``rejoin(from_round, every)``) and runs it with the same
+    pseudo-gradient as a joiner, its work merged there as a late one; the result names the round it
+    ``joined``. The snapshot is of one fragment, so with ``F`` fragments the island joins that
+    fragment's next round (``F`` rounds on, or a multiple; its landing waits for it), where the
+    synchronous path joins the next round with that round's fragment, taken from the parameters,
+    which the thread may not touch."""
+    if not done.get("late") or not settings.max_staleness:
         return done
     try:
-        joined = rejoin()
+        joined = rejoin(header.round + settings.fragments, settings.fragments)
     except RunEnded:
         return {"headers": [RoundHeader.absent_from(header.round, stop=True)], "ended": True}
     if leader:

@@ -339,12 +339,11 @@ class IslandSettings:
                                                       and math.isfinite(self.staleness_wait_s)):
             raise ValueError(f"staleness_wait_s must be a number >= 0 or null (islands.staleness_wait_s), got "
                              f"{self.staleness_wait_s!r}")
-        if self.max_staleness and self.overlap_steps and (self.fragments > 1 or self.topology == "butterfly"):
+        if self.max_staleness and self.overlap_steps and self.topology == "butterfly":
             raise ValueError(f"max_staleness={self.max_staleness} with overlap_steps={self.overlap_steps} needs "
-                             f"fragments=1 and topology=allreduce, got {self.fragments} and {self.topology} (a round's "
-                             "thread catches a late island up in the next round, which is another fragment's, or "
-                             "another butterfly stage's, than its snapshot); set islands.fragments=1 and "
-                             "islands.topology=allreduce, or one of max_staleness and overlap_steps to 0")
+                             "topology=allreduce (a round's thread catches a late island up in a later round, another "
+                             "butterfly stage's than its snapshot's); set islands.topology=allreduce, or one of "
+                             "max_staleness and overlap_steps to 0")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES} (islands.exchange), got {self.exchange!r}")
 

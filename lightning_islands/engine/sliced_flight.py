@@ -77,12 +77,12 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
             first.round, lambda k: attempt(first, k), lambda why: {"headers": [], "late": why},
             lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, side.is_leader)
 
-    def rejoin() -> int:
-        return side.with_link(lambda link: link.rejoin(engine.settings.deadline_s))
+    def rejoin(from_round: int, every: int) -> int:
+        return side.with_link(lambda link: link.rejoin(engine.settings.deadline_s, from_round, every))
 
     # every rank's thread learns alike that the island was late (the leader's error, raised on every
     # rank by the group), and rejoins with the others (the leader's answer, through the group)
-    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, engine.settings.max_staleness,
+    return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, engine.settings,
                                      engine.island, side.is_leader),
                     name=f"island{engine.island}-rank{engine.group.rank}-round{header.round}")
 

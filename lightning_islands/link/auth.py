@@ -436,9 +436,9 @@ class AuthenticatedLink:
         """Record the run's last round, on the wrapped link."""
         self.link.end_run(round_)
 
-    def rejoin(self, timeout_s: float) -> int:
+    def rejoin(self, timeout_s: float, from_round: int = 0, every: int = 1) -> int:
         """Ask to be taken back, on the wrapped link."""
-        return self.link.rejoin(timeout_s)
+        return self.link.rejoin(timeout_s, from_round, every)
 
     def retire_after(self, round_: int) -> None:
         """Leave the run for good after round ``round_``, on the wrapped link."""

@@ -287,13 +287,14 @@ class IslandLink:
         """This island leaves the run for good once round ``round_`` counts (its header says so)."""
         self.membership.retire_after(round_)
 
-    def rejoin(self, timeout_s: float) -> int:
-        """Ask the live islands to take this (restarted) island back; returns the round they take it
-        into (the caller then runs that round as a joiner)."""
+    def rejoin(self, timeout_s: float, from_round: int = 0, every: int = 1) -> int:
+        """Ask the live islands to take this (restarted, or late) island back, into one of rounds
+        ``from_round``, ``from_round + every``, ...; returns the round they take it into (the caller
+        then runs that round as a joiner)."""
         with suppress(Exception):
             self.store.delete_key(f"{self.run_id}/abort/{self.island}")  # a report of this island's earlier life
         try:
-            self.membership.request_join()
+            self.membership.request_join(from_round, every)
             return self.membership.await_inclusion(timeout_s).round
         except dist.DistNetworkError as err:
             raise self._coordinator_lost(err) from err

@@ -246,7 +246,8 @@ class Membership:
                           pause=self.pause)
 
     def joiners(self, round_: int) -> dict[int, int]:
-        """Islands asking to (re)join from round ``round_`` on, with their incarnations."""
+        """Islands asking to (re)join at round ``round_`` (from their request's round on, every its
+        ``every`` rounds), with their incarnations."""
         found = {}
         for i in sorted(self.roster - self.retired):
             raw = self._get(self._k(f"join/{i}")) if i != self.island else None
@@ -255,7 +256,7 @@ class Membership:
                 seen = self._beat_incarnation(i)
                 if seen is not None and int(request["inc"]) < seen:  # from an earlier life: replayed, or stale
                     self._stale(i, f"join request of its incarnation {request['inc']}", seen)
-                elif int(request["from"]) <= round_:
+                elif _asks_for(request, round_):
                     found[i] = int(request["inc"])
                     if self._requests.get(i) != raw:  # a new request is a sign of life: silence counts from now
                         self._requests[i] = raw
@@ -606,13 +607,15 @@ class Membership:
         self.leaving = round_
 
     # ------------------------------------------------------------------ rejoining
-    def request_join(self, from_round: int = 0) -> None:
+    def request_join(self, from_round: int = 0, every: int = 1) -> None:
         """Ask the live islands to take this one into a round, from round ``from_round`` on (an
-        island left behind in a round is not a joiner of that round's later attempts); it enrolls,
-        so that an island that never knew it (one that joined after it was lost) looks for it too."""
+        island left behind in a round is not a joiner of that round's later attempts), and only
+        every ``every`` rounds from it; it enrolls, so that an island that never knew it (one that
+        joined after it was lost) looks for it too."""
         self.previous = self.committed = None
         self.holds_start_lanes = False
-        self.store.set(self._k(f"join/{self.island}"), json.dumps({"from": from_round, "inc": self.incarnation}))
+        request = {"from": from_round, "inc": self.incarnation, **({"every": every} if every > 1 else {})}
+        self.store.set(self._k(f"join/{self.island}"), json.dumps(request))
         self.enroll()
 
     def await_inclusion(self, timeout_s: float) -> Decision:
@@ -640,3 +643,9 @@ class Membership:
 
         return wait_until(lambda: None, scan=scan, deadline=time.monotonic() + timeout_s, expired=expired,
                           progress=self.progress, scan_s=POLL_S * 5, pause=self.pause)
+
+
+def _asks_for(request: dict, round_: int) -> bool:
+    """Whether a join request takes round ``round_``: from its round on, every its ``every`` rounds."""
+    since = round_ - int(request["from"])
+    return since >= 0 and since % int(request.get("every", 1)) == 0

@@ -108,9 +108,10 @@ class Link(Protocol):
         """The object published under ``key``, once it is there (within ``timeout_s``)."""
         ...
 
-    def rejoin(self, timeout_s: float) -> int:
-        """A restarted island asks to be taken back; the round it is taken into (:class:`RunEnded`
-        when the run ended first)."""
+    def rejoin(self, timeout_s: float, from_round: int = 0, every: int = 1) -> int:
+        """A restarted (or late) island asks to be taken back; the round it is taken into
+        (:class:`RunEnded` when the run ended first): one of ``from_round``, ``from_round + every``,
+        ... (a late island's snapshot of one fragment joins that fragment's next round)."""
         ...
 
     def membership_changes(self) -> list[str]:
