@@ -226,7 +226,7 @@ class IslandStrategy(FSDP2Strategy):
         link = IslandLink(self.coordinator, self.island_index, self.num_islands, run_id=self.run_id, lanes=s.lanes,
                           deadline=timedelta(seconds=s.deadline_s), min_islands=s.min_islands,
                           grace_s=grace_s, secret=self._secret, join=self.join,
-                          slow_wait_s=slow_wait_s)
+                          slow_wait_s=slow_wait_s, rejoin_every=lambda: self.settings.rejoin_every)
         return AuthenticatedLink(link, self._secret, self.run_id) if self._secret else link
 
     def _open_rank_link(self) -> RankLanes | AuthenticatedRankLink:

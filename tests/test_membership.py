@@ -377,6 +377,23 @@ def test_a_late_islands_snapshot_of_one_fragment_joins_only_that_fragments_round
     assert [r for r in range(3, 10) if m0.joiners(r)] == [5, 7, 9]
 
 
+def test_a_joiner_takes_no_decision_of_a_round_its_request_does_not_ask_for():
+    """A decision left at the joiner's key from an earlier request (round 4: another fragment's) is
+    dropped, not taken; the decision of round 5 is."""
+    from lightning_islands.link.protocol import QuorumLost
+
+    coordinator = Coordinator()
+    m1 = Membership(coordinator.store, "stale", 1, 2, 1, GRACE, None, lambda i: None)
+    m1.request_join(from_round=5, every=2)
+    key = "stale/joined_at/1"
+    coordinator.store.set(key, Decision(4, 0, (0, 1), "round4/a0", (1,), (0,)).to_json())
+    with pytest.raises(QuorumLost):
+        m1.await_inclusion(0.5)
+    assert not coordinator.store.check([key]), "the stale decision is dropped"
+    coordinator.store.set(key, Decision(5, 0, (0, 1), "round5/a0", (1,), (0,)).to_json())
+    assert m1.await_inclusion(10.0).round == 5
+
+
 def test_a_joiners_header_of_its_earlier_life_replayed_at_its_key_is_refused(caplog):
     """Island 1's second life (incarnation 1) asks to rejoin; once the round takes it in, its first
     life's header (incarnation 0; under a secret, a sealed value replayed at its very key) appears

@@ -78,8 +78,9 @@ def fly(meeting: RoundMeeting, flat: Tensor, header: RoundHeader, layout: Canoni
             lambda why: {"headers": [], "late": why},
             lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, leader=True)
 
-    def rejoin(from_round: int, every: int) -> int:
-        return meeting.island.link.rejoin(meeting.settings.deadline_s, from_round, every)  # type: ignore[union-attr]
+    def rejoin(from_round: int, every: int) -> int:  # a round's deadline for each round it may have to wait
+        return meeting.island.link.rejoin(meeting.settings.deadline_s * (every + 1), from_round,  # type: ignore
+                                          every)
 
     return InFlight(lambda: catch_up(attempts(header), header, rejoin, attempts, meeting.settings,
                                      meeting.island.index),
@@ -99,13 +100,17 @@ def catch_up(done: dict[str, Any], header: RoundHeader, rejoin: Callable[[int, i
     which the thread may not touch."""
     if not done.get("late") or not settings.max_staleness:
         return done
+    every = settings.rejoin_every
     try:
-        joined = rejoin(header.round + settings.fragments, settings.fragments)
+        joined = rejoin(header.round + every, every)
     except RunEnded:
         return {"headers": [RoundHeader.absent_from(header.round, stop=True)], "ended": True}
     if leader:
         log.warning("islands: island %d was late for round %d; it joins round %d with its work pending", island,
                     header.round, joined)
+    if joined <= header.round or (joined - header.round) % every:
+        raise RuntimeError(f"island {island} was taken into round {joined}, which is not a round of its snapshot's "
+                           f"fragment (round {header.round} + a multiple of {every}); this is a bug: report it")
     return {**attempts(replace(header, round=joined, joining=True)), "joined": joined}
 
 

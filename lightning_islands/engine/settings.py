@@ -259,6 +259,13 @@ class IslandSettings:
         return default_error_feedback(self.codec) if self.error_feedback is None else bool(self.error_feedback)
 
     @property
+    def rejoin_every(self) -> int:
+        """The rounds a late island may be taken into: with ``max_staleness`` and ``overlap_steps``
+        its round thread holds a snapshot of one fragment, so only that fragment's rounds (every
+        ``fragments``); else any."""
+        return self.fragments if self.max_staleness and self.overlap_steps else 1
+
+    @property
     def exchange_chunk(self) -> int | None:
         """Values per exchange chunk: whole codec blocks and packing groups (``None``: one chunk)."""
         return outer.exchange_chunk_numel(self.exchange_chunk_mib, self.make_codec().alignment)

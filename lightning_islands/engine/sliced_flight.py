@@ -78,7 +78,7 @@ def fly(engine: IslandEngine, pending: PendingRound, sent: Sequence[Tensor], del
             lambda: {"headers": [RoundHeader.absent_from(first.round, stop=True)], "ended": True}, side.is_leader)
 
     def rejoin(from_round: int, every: int) -> int:
-        return side.with_link(lambda link: link.rejoin(engine.settings.deadline_s, from_round, every))
+        return side.with_link(lambda link: link.rejoin(engine.settings.deadline_s * (every + 1), from_round, every))
 
     # every rank's thread learns alike that the island was late (the leader's error, raised on every
     # rank by the group), and rejoins with the others (the leader's answer, through the group)

@@ -103,6 +103,9 @@ class IslandLink:
         slow_wait_s: with the engine's ``max_staleness``, how long a round waits for an island alive
             but slow once a majority of the islands alive has arrived (seconds, or a callable asked
             each time); ``None`` (or a callable answering it): as long as it is alive (a barrier).
+        rejoin_every: a round that went on without this island asks to take it back into one of
+            the next rounds every so many (a callable is asked each time): a late island's
+            overlapped round holds one fragment's snapshot (``IslandSettings.rejoin_every``).
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class IslandLink:
         secret: bytes | None = None,
         join: bool = False,
         slow_wait_s: float | Callable[[], float | None] | None = None,
+        rejoin_every: int | Callable[[], int] = 1,
     ) -> None:
         if not 0 <= island < num_islands and not (join and island >= 0):
             raise ValueError(f"island index {island} is outside [0, {num_islands}); check {ENV_ISLAND}")
@@ -131,6 +135,7 @@ class IslandLink:
         self.island = island
         self.run_id = run_id
         self.deadline = deadline
+        self.rejoin_every = rejoin_every
         try:
             if self._etcd:
                 self._plain = connector(address, store_timeout)()
@@ -253,7 +258,8 @@ class IslandLink:
         try:
             decision, headers = self.membership.decide(round_, header)
         except LateForRound:
-            self.membership.request_join(round_ + 1)
+            every = self.rejoin_every() if callable(self.rejoin_every) else self.rejoin_every
+            self.membership.request_join(round_ + every, every)  # its catch-up's cadence from the start
             raise
         except dist.DistNetworkError as err:
             raise self._coordinator_lost(err) from err

@@ -181,6 +181,7 @@ class Membership:
         self.leaving: int | None = None  # the round after which this island retires (None: it stays)
         self._leaving: dict[int, set[int]] = {}  # round -> the islands that retire after it (their headers say)
         self._requests: dict[int, bytes] = {}  # the last join request seen of each island
+        self._request: dict = {"from": 0}  # this island's own last join request
         # max_staleness: an island alive but slow is waited for at most this long (seconds, or a callable
         # asked each time) once a majority of the islands alive has arrived; None: as long as it is
         # alive, a barrier
@@ -615,6 +616,7 @@ class Membership:
         self.previous = self.committed = None
         self.holds_start_lanes = False
         request = {"from": from_round, "inc": self.incarnation, **({"every": every} if every > 1 else {})}
+        self._request = request
         self.store.set(self._k(f"join/{self.island}"), json.dumps(request))
         self.enroll()
 
@@ -632,6 +634,9 @@ class Membership:
             mine = dict(zip(decision.joining, decision.joining_incs)).get(self.island)
             if mine != self.incarnation or self._outcome(decision) is not None:
                 return None
+            if not _asks_for(self._request, decision.round):  # a decision of an earlier request, left or rewritten
+                self.store.delete_key(key)
+                return None
             self.store.delete_key(self._k(f"join/{self.island}"))
             self.store.delete_key(key)
             self._attempt[decision.round] = decision.attempt
@@ -648,4 +653,4 @@ class Membership:
 def _asks_for(request: dict, round_: int) -> bool:
     """Whether a join request takes round ``round_``: from its round on, every its ``every`` rounds."""
     since = round_ - int(request["from"])
-    return since >= 0 and since % int(request.get("every", 1)) == 0
+    return since >= 0 and since % max(1, int(request.get("every", 1))) == 0
