@@ -149,8 +149,10 @@ def test_processes_a_third_island_joins_with_the_runs_settings_and_another_retir
     out = tmp_path / "out"
     common = ["--out", str(out), "--H", "2", "--codec", "fp32", "--steps", "16,8,100", "--on-end", "stop,leave,stop",
               "--batch-sizes", "4,8,4", "--hold-for-rejoin", "6", "--rejoiner", "2", "--delays", "0.05"]
+    # one process an island: its own store on a port the kernel picks (a free port picked ahead could be
+    # taken by another test's process before the island binds it)
     env = {**os.environ, "LI_COORDINATOR": server.address, "LI_NUM_ISLANDS": "2", "LI_RUN_ID": "sites",
-           "LI_SECRET": "a-shared-secret-of-this-test"}
+           "LI_SECRET": "a-shared-secret-of-this-test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     env.pop("LI_JOIN", None)
     procs = []
     for i in range(3):

@@ -26,6 +26,7 @@ def test_a_failing_rank_stops_its_islands_other_ranks_and_the_other_islands(tmp_
     script = tmp_path / "failing_rank.py"
     script.write_text(FAILING_RANK)
     assert launch.island_command(2, ["python", str(script)], 1234)[0] == [sys.executable, str(script)]
+    assert launch.island_command(1, ["python", str(script)], 1234)[1][0]["MASTER_PORT"] == "0"  # no port to race for
     assert launch.island_command(2, ["python", str(script)], 1234, max_restarts=1)[0][1:3] == \
         ["-m", "torch.distributed.run"]
     results = launch.run_islands([2, 1], [sys.executable, str(script)], log_dir=tmp_path / "logs", live=False)

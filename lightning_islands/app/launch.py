@@ -180,7 +180,9 @@ def island_command(nproc: int, command: Sequence[str], master_port: int,
     return cmd, [{"RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
                   "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                   "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0",
+                  # one process: its store listens where the kernel says (port 0), so no port picked
+                  # ahead can be taken meanwhile by another process (EADDRINUSE)
+                  "MASTER_PORT": str(master_port if nproc > 1 else 0), "TORCHELASTIC_RESTART_COUNT": "0",
                   "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
                   "TORCHELASTIC_USE_AGENT_STORE": "False"}  # no agent: rank 0 serves the island's store
                  for r in range(nproc)]
