@@ -293,24 +293,14 @@ def test_traffic_inside_an_island_is_not_shaped():
     with netns.shaped_link(f"{rate}bit", 1) as link:
         (port,) = link.islands
         got: dict[str, float] = {}
-        before = netns.run_in_namespace(port.namespace, lambda: _link_bytes(port.interface))
+        before = netns.run_in_namespace(port.namespace, lambda: netns.interface_bytes(port.interface))
         # to the island's own veth address and over loopback: both delivered locally, over lo
         _stream(port.namespace, port.namespace, port.address, 5003, 0.5, got, "veth address")
         _stream(port.namespace, port.namespace, "127.0.0.1", 5004, 0.5, got, "loopback")
-        crossed = netns.run_in_namespace(port.namespace, lambda: _link_bytes(port.interface)) - before
+        crossed = netns.run_in_namespace(port.namespace, lambda: netns.interface_bytes(port.interface)) - before
     assert crossed < 100_000, f"{crossed} bytes crossed the shaped veth while the island talked to itself"
     for where, bps in got.items():  # more than the shaper lets through: these bytes never met it
         assert bps > 2 * rate, f"{where}: {bps / 1e6:.0f} Mbit/s inside an island looks shaped"
-
-
-def _link_bytes(interface: str) -> int:
-    """Bytes received plus sent by ``interface`` of the calling thread's namespace."""
-    for line in Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]:
-        name, _, counters = line.partition(":")
-        if name.strip() == interface:
-            fields = counters.split()
-            return int(fields[0]) + int(fields[8])
-    raise AssertionError(f"no {interface} in /proc/net/dev")
 
 
 def _connect_times(src_ns: str, dst_ns: str, dst: str, port: int, times: int = 5) -> list[float]:

@@ -77,6 +77,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from lightning_islands.app import rates
@@ -323,6 +324,17 @@ def entered(namespace: str) -> Iterator[None]:
             _setns(own)
     finally:
         os.close(own)
+
+
+def interface_bytes(interface: str) -> int:
+    """Bytes received plus sent so far by ``interface`` of the calling thread's network namespace
+    (``/proc/thread-self/net/dev``): whether traffic crossed a link, whatever the machine's speed."""
+    for line in Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            fields = counters.split()
+            return int(fields[0]) + int(fields[8])
+    raise LookupError(f"no interface {interface} in this namespace's /proc/net/dev")
 
 
 def run_in_namespace(namespace: str, fn: Callable[[], T]) -> T:

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_islands.engine import outer, saves
+from lightning_islands.engine import saves
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.schedule import Schedule
 from lightning_islands.engine.settings import compare_fingerprints
-from lightning_islands.engine.slice_moves import move_slices, slice_bounds
+from lightning_islands.engine.slice_moves import chunk_parts, move_slices, slice_bounds
 from lightning_islands.engine.state import OuterState
 from lightning_islands.link.protocol import Link, RoundLost
 
@@ -144,10 +144,7 @@ def _copies_agree(layout: CanonicalLayout, locals_: Sequence[Tensor], device: to
     at a time (a collective of the island, over its own fabric)."""
     idx = layout.copied()
     sub, held = layout.subset(idx), [locals_[i] for i in idx]
-    bounds = slice_bounds(sub.numel, layout.group.size, 1)
-    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
-    for k in range(max((len(p) for p in pieces), default=0)):
-        parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+    for parts in chunk_parts(slice_bounds(sub.numel, layout.group.size, 1), chunk):
         sub.from_owners(sub.to_owners(held, parts, device), parts, device, held)
 
 

@@ -47,6 +47,14 @@ def slice_count(headers: Sequence[RoundHeader]) -> int:
     return min(h.ranks for h in headers if not h.absent)
 
 
+def chunk_parts(bounds: Sequence[tuple[int, int]], chunk: int | None) -> list[list[tuple[int, int]]]:
+    """The slices ``bounds`` moved ``chunk`` values at a time (``None``: each at once), side by side:
+    for each step ``k`` every slice's chunk ``k`` (an empty range at its end once it has none left)."""
+    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
+    return [[(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+            for k in range(max((len(p) for p in pieces), default=0))]
+
+
 def move_slices(side: Island, layout: CanonicalLayout, fields: Sequence[Sequence[Tensor]] | None, count: int,
                 like: Sequence[Tensor], src: int, takers: Sequence[int], *, slices: int, link: Any,
                 chunk: int | None, device: torch.device, failed: tuple[str, str] | None = None,
@@ -67,11 +75,9 @@ def move_slices(side: Island, layout: CanonicalLayout, fields: Sequence[Sequence
     me, rank = side.index, layout.group.rank
     peers = list(takers) if me == src else [src] if me in takers else []
     bounds = slice_bounds(layout.numel, slices, 1)
-    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
     taken = [[torch.empty_like(t, dtype=torch.float32) for t in like] for _ in range(count)] if me in takers else None
-    for k in range(max((len(p) for p in pieces), default=0)):
-        parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+    for parts in chunk_parts(bounds, chunk):
         n = parts[rank][1] - parts[rank][0] if owns else 0
         mine = None
         if me == src:  # the chunk of every slice of every field, at its owner

@@ -42,13 +42,12 @@ import torch
 from torch import Tensor
 
 from lightning_islands.codecs import Codec
-from lightning_islands.engine import outer
 from lightning_islands.engine.exchange import LINK_TOTALS, ChunkExchange
 from lightning_islands.engine.island import Island
 from lightning_islands.engine.layout import CanonicalLayout
 from lightning_islands.engine.merging import MergePlan
 from lightning_islands.engine.mixing import MixExchange
-from lightning_islands.engine.slice_moves import slice_bounds
+from lightning_islands.engine.slice_moves import chunk_parts, slice_bounds
 from lightning_islands.link.protocol import (
     AuthenticationError,
     CoordinatorLost,
@@ -90,7 +89,7 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     the round ends in an error or runs again; what the codec dropped is written as zeros there)."""
     group, rank = layout.group, layout.group.rank
     bounds = slice_bounds(layout.numel, count, codec.alignment)
-    pieces = [outer.chunk_bounds(b - a, chunk) if b > a else [] for a, b in bounds]
+    steps = chunk_parts(bounds, chunk)
     owns = rank < len(bounds) and bounds[rank][1] > bounds[rank][0]
     others = sum(not h.absent for h in plan.headers) > 1
     if failed is None and owns and link is None and others:  # it would merge this slice with nobody's
@@ -103,8 +102,7 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     grads = [torch.zeros_like(a) for a in anchors]
     beat = side.link.beating({"sliced": "moving the island's slices"}) if side.is_leader and side.link else None
     with beat if beat is not None else nullcontext():
-        for k in range(max((len(p) for p in pieces), default=0)):
-            parts = [(a + p[k][0], a + p[k][1]) if k < len(p) else (b, b) for (a, b), p in zip(bounds, pieces)]
+        for parts in steps:
             part = layout.to_owners(sent, parts, device, exchange_device)
             merged, dropped = part, None
             if part is not None:  # this rank owns chunk k of its slice
@@ -127,7 +125,7 @@ def exchange_sliced(side: Island, layout: CanonicalLayout, codec: Codec, link: A
     problems = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if problems:
         side.agree(lambda: _raise(side, problems))
-    chunks = _sum_stats(group, exchange, len(pieces[rank]) if owns else 0)
+    chunks = _sum_stats(group, exchange, sum(p[rank][0] < p[rank][1] for p in steps) if owns else 0)
     return SliceResult(grads, exchange if side.is_leader else None, chunks)
 
 

@@ -20,6 +20,7 @@ with startup_imports(main=__name__ == "__main__"):
     import torch
     import torch.distributed as dist
 
+    from lightning_islands.app.netns import interface_bytes
     from lightning_islands.link.coordinator import island_identity
     from lightning_islands.link.island_link import IslandLink
 
@@ -27,13 +28,7 @@ with startup_imports(main=__name__ == "__main__"):
 
 def link_bytes() -> int:
     """Bytes received plus sent so far by this namespace's end of the shaped link."""
-    name = os.environ["LI_LINK_IFNAME"]
-    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
-        iface, _, counters = line.partition(":")
-        if iface.strip() == name:
-            fields = counters.split()
-            return int(fields[0]) + int(fields[8])
-    raise RuntimeError(f"no interface {name} in /proc/net/dev")
+    return interface_bytes(os.environ["LI_LINK_IFNAME"])
 
 
 out, intra_mb, lane_mb = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
