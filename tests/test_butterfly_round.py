@@ -271,7 +271,7 @@ def test_sliced_butterfly_rounds_equal_the_leaders_bit_for_bit(sizes, settings):
 def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypatch):
     """``exchange=sliced``: the repaired island takes its partner's anchors, base and momentum rank to
     rank, slice by slice (no rank gathers them), and every island ends as the leader path leaves it."""
-    import threading
+    from test_sliced import forbid_gather_inside
 
     from lightning_islands.engine import mix_repair
 
@@ -285,25 +285,9 @@ def test_a_sliced_butterfly_repairs_slice_by_slice_as_the_leader_would(monkeypat
         return run(plan, resume=saved)
 
     leader = repaired("leader")
-    inside, gather, repair = threading.local(), CanonicalLayout.gather_to_leader, mix_repair.repair
-    calls = []
-
-    def spy_gather(self, *args, **kwargs):
-        assert not getattr(inside, "repair", False), "the sliced butterfly repair gathered the state to one rank"
-        return gather(self, *args, **kwargs)
-
-    def flagged(engine, *args, **kwargs):
-        inside.repair = True
-        try:
-            calls.append(engine.island)
-            return repair(engine, *args, **kwargs)
-        finally:
-            inside.repair = False
-
-    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
-    monkeypatch.setattr(mix_repair, "repair", flagged)
+    _, calls = forbid_gather_inside(monkeypatch, mix_repair, "repair", "the sliced butterfly repair")
     got = repaired("sliced")
-    assert sorted(set(calls)) == [0, 1, 2, 3]  # every island takes part (most with nobody)
+    assert sorted({args[0].island for args, _ in calls}) == [0, 1, 2, 3]  # every island takes part (most with nobody)
     assert leaders(got)[1]["metrics"][-1]["islands/islands_repaired"] == 1
     for key, want in leader.items():
         if key[1] == 0:  # the global state after each round, on the leader

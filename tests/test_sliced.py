@@ -24,6 +24,31 @@ from lightning_islands.engine.sliced import exchange_sliced
 from lightning_islands.link.protocol import RoundLost
 
 
+def forbid_gather_inside(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, what: str
+                         ) -> tuple[threading.local, list[tuple[tuple, Any]]]:
+    """Patch ``owner.name`` so that ``CanonicalLayout.gather_to_leader`` fails inside it (``what``
+    names the path that must not gather); returns the flag (``inside.on`` while it runs, for other
+    spies) and its calls as ``(args, result)``."""
+    inside, calls = threading.local(), []
+    real, gather = getattr(owner, name), CanonicalLayout.gather_to_leader
+
+    def spy_gather(self, *args, **kwargs):
+        assert not getattr(inside, "on", False), f"{what} gathered to one rank"
+        return gather(self, *args, **kwargs)
+
+    def flagged(*args, **kwargs):
+        inside.on = True
+        try:
+            calls.append((args, real(*args, **kwargs)))
+            return calls[-1][1]
+        finally:
+            inside.on = False
+
+    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
+    monkeypatch.setattr(owner, name, flagged)
+    return inside, calls
+
+
 @pytest.mark.parametrize("numel, count, alignment", [(7440, 3, 128), (100, 4, 64), (10, 3, 1), (1 << 20, 7, 256),
                                                      (100, 2, 128), (5000, 3, 2048)])
 def test_slices_cover_the_vector_in_order_on_whole_blocks(numel, count, alignment):
@@ -83,29 +108,16 @@ def test_no_rank_holds_more_than_its_slice(monkeypatch):
     rank gathers more (a rank beyond the smaller island's count receives none)."""
     from lightning_islands.engine import sliced
 
-    sizes, owned, inside = [3, 2], [], threading.local()
-    to_owners, gather, exchange = CanonicalLayout.to_owners, CanonicalLayout.gather_to_leader, sliced.exchange_sliced
+    sizes, owned, to_owners = [3, 2], [], CanonicalLayout.to_owners
+    inside, _ = forbid_gather_inside(monkeypatch, sliced, "exchange_sliced", "the sliced round")
 
     def spy_owners(self, locals_, bounds, device, out_device=None):
         got = to_owners(self, locals_, bounds, device, out_device)
-        if getattr(inside, "round", False):  # the round's (the start moves copies of the bias too)
+        if getattr(inside, "on", False):  # the round's (the start moves copies of the bias too)
             owned.append((self.group.size, self.group.rank, None if got is None else got.numel()))
         return got
 
-    def spy_gather(self, *args, **kwargs):
-        assert not getattr(inside, "round", False), "the sliced round gathered to one rank"
-        return gather(self, *args, **kwargs)
-
-    def flagged(*args, **kwargs):
-        inside.round = True
-        try:
-            return exchange(*args, **kwargs)
-        finally:
-            inside.round = False
-
     monkeypatch.setattr(CanonicalLayout, "to_owners", spy_owners)
-    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
-    monkeypatch.setattr(sliced, "exchange_sliced", flagged)
     assert_identical(run(Plan(sizes=sizes, tokens=[4, 4], rounds=1, settings={"exchange": "sliced", "codec": "int4"})))
     alignment = make_codec("int4").alignment
     blocks = -(-NUMEL // alignment)
@@ -375,28 +387,12 @@ def test_a_drifted_island_is_repaired_slice_by_slice_as_the_leader_would(kw, mon
 
     from lightning_islands.engine import sliced_repair
 
-    sizes, inside = [3, 2, 3], threading.local()
-    gather, repair = CanonicalLayout.gather_to_leader, sliced_repair.repair_sliced
-    calls = []
-
-    def spy_gather(self, *args, **kwargs):
-        assert not getattr(inside, "repair", False), "the sliced repair gathered the state to one rank"
-        return gather(self, *args, **kwargs)
-
-    def flagged(*args, **kwargs):
-        inside.repair = True
-        try:
-            calls.append(repair(*args, **kwargs))
-            return calls[-1]
-        finally:
-            inside.repair = False
-
+    sizes = [3, 2, 3]
     leader = run_streaming(sizes, kw, 16, corrupt=(1, 1))
-    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
-    monkeypatch.setattr(sliced_repair, "repair_sliced", flagged)
+    _, calls = forbid_gather_inside(monkeypatch, sliced_repair, "repair_sliced", "the sliced repair")
     got = run_streaming(sizes, {**kw, "exchange": "sliced"}, 16, corrupt=(1, 1))
     repaired = [m["islands/islands_repaired"] for m in got[0]["metrics"]]
-    assert sum(repaired) == 1.0 and 1 in calls, repaired
+    assert sum(repaired) == 1.0 and 1 in [result for _, result in calls], repaired
     assert "taking island 0's, slice by slice" in caplog.text
     for a, b in zip(leader, got):
         assert len(a["globals"]) == len(b["globals"])
@@ -546,28 +542,14 @@ def test_islands_take_island_0s_state_slice_by_slice_at_the_start(seeds, monkeyp
     and every rank ends as the leader path leaves it, bit for bit. Built alike, nothing is sent."""
     from lightning_islands.engine import rendezvous
 
-    sizes, inside, moved = [3, 2, 4], threading.local(), []
-    gather, adopt = CanonicalLayout.gather_to_leader, rendezvous.adopt_initial_state_sliced
-    move = rendezvous.move_slices
-
-    def spy_gather(self, *args, **kwargs):
-        assert not getattr(inside, "start", False), "the sliced start gathered the model to one rank"
-        return gather(self, *args, **kwargs)
-
-    def flagged(*args, **kwargs):
-        inside.start = True
-        try:
-            return adopt(*args, **kwargs)
-        finally:
-            inside.start = False
+    sizes, moved, move = [3, 2, 4], [], rendezvous.move_slices
 
     def spy_move(*args, **kwargs):
         moved.append(kwargs["slices"])
         return move(*args, **kwargs)
 
     leader = _start(sizes, "leader", seeds, skew_copies=True)
-    monkeypatch.setattr(CanonicalLayout, "gather_to_leader", spy_gather)
-    monkeypatch.setattr(rendezvous, "adopt_initial_state_sliced", flagged)
+    forbid_gather_inside(monkeypatch, rendezvous, "adopt_initial_state_sliced", "the sliced start")
     monkeypatch.setattr(rendezvous, "move_slices", spy_move)
     got = _start(sizes, "sliced", seeds, skew_copies=True)
     different = seeds[0] != seeds[1]
